@@ -1,0 +1,100 @@
+"""Train an MLP on scikit-learn's bundled digits data set (no download) with Tidal.
+
+This is a plain PyTorch training script; the lines marked ``# tidal`` are the only ones that
+differ from an ordinary loop:
+
+- ``tidal.Trainer(...)`` takes the model, optimizer and dataset instead of a DataLoader;
+- ``trainer.run(max_steps)`` yields the steps, ``step.micro_batches()`` this worker's share
+  of the global batch, and ``step.backward(loss)`` replaces ``loss.backward()`` (the optimizer
+  step and zero_grad happen inside ``trainer.run``);
+- ``trainer.model`` is the module to call in the loop (the DDP wrapper under ``tidal run``);
+- ``tidal.log(...)`` reports metrics to the job's status.
+
+Run alone (``python examples/digits.py``) it trains on one process with the same mathematics;
+under ``tidal run`` workers may join, leave or fail while it trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.utils.data import TensorDataset
+
+import tidal
+
+torch.set_num_threads(1)  # several workers may share a few cores
+
+TEST_SIZE = 297
+
+
+def load_data() -> tuple[TensorDataset, torch.Tensor, torch.Tensor]:
+    """The train set, and a held-out test set fixed whatever ``--seed`` is."""
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
+    train, test = order[:-TEST_SIZE], order[-TEST_SIZE:]
+    return TensorDataset(x[train], y[train]), x[test], y[test]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Held-out (loss, accuracy)."""
+    logits = model(x)
+    return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--global-batch-size", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", metavar="PATH", help="write the final parameters here")
+    parser.add_argument("--log-every", type=int, default=25)
+    args = parser.parse_args()
+
+    train_set, x_test, y_test = load_data()
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    trainer = tidal.Trainer(  # tidal
+        model,
+        optimizer,
+        train_set,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seed=args.seed,
+    )
+    for step in trainer.run(max_steps=args.max_steps):  # tidal
+        for x, y in step.micro_batches():  # tidal
+            loss = F.cross_entropy(trainer.model(x), y)  # tidal: trainer.model
+            step.backward(loss)  # tidal
+        if step.index % args.log_every == 0:
+            _, acc = evaluate(model, x_test, y_test)
+            tidal.log(loss=loss.item(), accuracy=acc)  # tidal
+            if trainer.rank == 0:
+                print(f"step {step.index}: loss {loss.item():.4f}, accuracy {acc:.4f}", flush=True)
+
+    test_loss, acc = evaluate(model, x_test, y_test)
+    tidal.log(accuracy=acc, loss=test_loss)  # tidal
+    print(f"done after {trainer.step} steps: held-out accuracy {acc:.4f}, loss {test_loss:.4f}")
+    if args.save and trainer.completed and trainer.rank == 0:
+        state = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+        safetensors.torch.save_file(state, args.save)
+
+
+if __name__ == "__main__":
+    main()

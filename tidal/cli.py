@@ -1,0 +1,255 @@
+"""``tidal``: run, inspect, scale and stop elastic jobs. Talks to coordinators over HTTP only
+(``run`` hosts one in its own process); reads SQLite when no coordinator answers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tidal.config import JobSpec, parse_schedule
+from tidal.coordinator.client import CoordinatorClient, CoordinatorError
+from tidal.coordinator.home import db_path, job_dir, resolve_home
+from tidal.protocol import JobState, JobStatus
+
+
+class CliError(Exception):
+    """One line for stderr; the command exits 1."""
+
+
+# -- finding jobs ----------------------------------------------------------------------
+def _database(home: Path):
+    from tidal.coordinator.db import Database
+
+    if not db_path(home).exists():
+        raise CliError(f"no jobs in {home} (set --home or $TIDAL_HOME)")
+    return Database(db_path(home))
+
+
+def _client(home: Path, name: str) -> CoordinatorClient | None:
+    """A client of the job's coordinator if one answers, else None."""
+    info = job_dir(home, name).read_coordinator()
+    if not info:
+        return None
+    client = CoordinatorClient(info["url"], info["token"], timeout_s=5)
+    try:
+        client.status()
+    except Exception:  # noqa: BLE001 - not answering is the answer
+        client.close()
+        return None
+    return client
+
+
+def get_status(home: Path, name: str) -> JobStatus:
+    from tidal.coordinator.db import UnknownJob
+
+    client = _client(home, name)
+    if client is not None:
+        try:
+            return client.status()
+        finally:
+            client.close()
+    db = _database(home)
+    try:
+        status = db.load_status(name)
+    except UnknownJob:
+        raise CliError(f"unknown job {name!r} in {home} (`tidal jobs` lists them)") from None
+    finally:
+        db.close()
+    if status.state in (JobState.PENDING, JobState.RUNNING):
+        status.state = JobState.INTERRUPTED  # its coordinator died without finishing it
+        status.world_size = 0
+    return status
+
+
+def _newest_job(home: Path) -> str:
+    db = _database(home)
+    try:
+        names = db.job_names()
+    finally:
+        db.close()
+    if not names:
+        raise CliError(f"no jobs in {home}")
+    return names[-1]
+
+
+def _running_client(home: Path, name: str) -> CoordinatorClient:
+    client = _client(home, name)
+    if client is None:
+        state = get_status(home, name).state.value  # raises for an unknown job
+        raise CliError(f"job {name!r} is not running (state: {state})")
+    return client
+
+
+# -- commands -----------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    script = Path(args.script)
+    if not script.is_file():
+        raise CliError(f"script not found: {args.script}")
+    home = resolve_home(args.home)
+    name = args.name or f"{script.stem}-{secrets.token_hex(2)}"
+    schedule = parse_schedule(args.schedule) if args.schedule else ()
+    peak = max([args.workers, *(c for _, c in schedule)])
+    spec = JobSpec(
+        name=name, script=str(script.resolve()), script_args=list(args.script_args),
+        workers=args.workers, min_workers=args.min_workers,
+        max_workers=args.max_workers if args.max_workers is not None else peak,
+        backend=args.backend, policy=args.policy, schedule=schedule,
+        heartbeat_timeout_s=args.heartbeat_timeout, collective_timeout_s=args.collective_timeout,
+        max_restarts=args.max_restarts,
+    )
+    from tidal.backends import get_backend
+    from tidal.policy import get_policy
+
+    get_backend(spec.backend)
+    get_policy(spec.policy)
+    if args.detach:
+        return _detach(spec, home)
+    from tidal.coordinator.runner import run_job
+
+    return run_job(spec, home, quiet=args.quiet)
+
+
+def _detach(spec: JobSpec, home: Path) -> int:
+    jd = job_dir(home, spec.name)
+    jd.path.mkdir(parents=True, exist_ok=True)
+    with open(jd.path / "coordinator.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tidal.coordinator.runner", str(home), json.dumps(spec.to_dict())],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if jd.read_coordinator():
+            print(spec.name)
+            return 0
+        if proc.poll() is not None:
+            lines = (jd.path / "coordinator.log").read_text(errors="replace").strip().splitlines()
+            raise CliError(lines[-1] if lines else f"the coordinator exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise CliError(f"the coordinator of {spec.name} did not start within 60 s")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    home = resolve_home(args.home)
+    status = get_status(home, args.job or _newest_job(home))
+    if args.json:
+        print(status.model_dump_json(indent=2))
+    else:
+        from tidal.display import print_status
+
+        print_status(status)
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    home = resolve_home(args.home)
+    client = _running_client(home, args.job)
+    try:
+        status = client.scale(args.workers)
+    except CoordinatorError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        client.close()
+    print(f"{status.name}: target {status.target_workers} workers (now {status.world_size})")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    home = resolve_home(args.home)
+    client = _running_client(home, args.job)
+    try:
+        client.stop()
+    except CoordinatorError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        client.close()
+    print(f"{args.job}: stopping")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    home = resolve_home(args.home)
+    if not db_path(home).exists():
+        rows: list[JobStatus] = []
+    else:
+        db = _database(home)
+        try:
+            names = db.job_names()
+        finally:
+            db.close()
+        rows = [get_status(home, n) for n in names]
+    if args.json:
+        print(json.dumps([
+            {"name": s.name, "state": s.state.value, "step": s.step, "world_size": s.world_size,
+             "target_workers": s.target_workers, "created": s.created, "script": s.script}
+            for s in rows
+        ], indent=2))
+    else:
+        from tidal.display import print_jobs
+
+        print_jobs(rows)
+    return 0
+
+
+# -- the parser ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", help="state folder (default ./.tidal, or $TIDAL_HOME)")
+    parser = argparse.ArgumentParser(prog="tidal", description="Elastic training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", parents=[common], help="run a training script as an elastic job")
+    run.add_argument("--workers", type=int, default=1, help="initial worker count (default 1)")
+    run.add_argument("--min-workers", type=int, default=1)
+    run.add_argument("--max-workers", type=int, default=None, help="default: the largest count asked for")
+    run.add_argument("--backend", default="local")
+    run.add_argument("--policy", default="static")
+    run.add_argument("--name", help="job name (default SCRIPT-xxxx)")
+    run.add_argument("--schedule", help="scripted scaling, STEP:WORKERS pairs, e.g. 50:3,120:1")
+    run.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
+    run.add_argument("--collective-timeout", type=float, default=120.0, help="seconds (default 120)")
+    run.add_argument("--max-restarts", type=int, default=3, help="replacements after failures (default 3)")
+    run.add_argument("--detach", action="store_true", help="print the job name and return")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(fn=cmd_run)
+
+    status = sub.add_parser("status", parents=[common], help="a job's state (default: the newest)")
+    status.add_argument("job", nargs="?")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(fn=cmd_status)
+
+    scale = sub.add_parser("scale", parents=[common], help="set a running job's worker count")
+    scale.add_argument("job")
+    scale.add_argument("workers", type=int)
+    scale.set_defaults(fn=cmd_scale)
+
+    stop = sub.add_parser("stop", parents=[common], help="stop a running job")
+    stop.add_argument("job")
+    stop.set_defaults(fn=cmd_stop)
+
+    jobs = sub.add_parser("jobs", parents=[common], help="list the jobs under --home")
+    jobs.add_argument("--json", action="store_true")
+    jobs.set_defaults(fn=cmd_jobs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (CliError, ValueError) as exc:
+        print(f"tidal: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

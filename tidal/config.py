@@ -1,0 +1,86 @@
+"""Typed, validated job configuration: what ``tidal run`` was asked to do."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """``"50:3,120:1"`` -> ``((50, 3), (120, 1))``: at step 50 the target becomes 3, ..."""
+    entries = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        step, sep, count = part.partition(":")
+        if not sep or not step.strip().isdigit() or not count.strip().isdigit():
+            raise ValueError(
+                f"bad --schedule entry {part!r}: write STEP:WORKERS pairs, e.g. 50:3,120:1"
+            )
+        entries.append((int(step), int(count)))
+    steps = [s for s, _ in entries]
+    if steps != sorted(set(steps)):
+        raise ValueError(f"--schedule steps must be strictly increasing, got {steps}")
+    return tuple(entries)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """One job. Invariants: 1 <= min_workers <= workers <= max_workers, every scheduled
+    count within [min_workers, max_workers]."""
+
+    name: str
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    workers: int = 1
+    min_workers: int = 1
+    max_workers: int = 1
+    backend: str = "local"
+    policy: str = "static"
+    schedule: tuple[tuple[int, int], ...] = ()
+    heartbeat_interval_s: float = 0.05
+    heartbeat_timeout_s: float = 10.0
+    collective_timeout_s: float = 120.0
+    start_timeout_s: float = 120.0
+    max_restarts: int = 3
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.match(self.name):
+            raise ValueError(
+                f"bad job name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
+            )
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if self.min_workers < 1:
+            raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
+        if not self.min_workers <= self.workers <= self.max_workers:
+            raise ValueError(
+                f"need --min-workers <= --workers <= --max-workers, got "
+                f"{self.min_workers} <= {self.workers} <= {self.max_workers}"
+            )
+        for step, count in self.schedule:
+            if not self.min_workers <= count <= self.max_workers:
+                raise ValueError(
+                    f"--schedule asks for {count} workers at step {step}, outside "
+                    f"[{self.min_workers}, {self.max_workers}]: raise --max-workers"
+                )
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("--heartbeat-timeout must be longer than the heartbeat interval")
+        if self.collective_timeout_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                "--collective-timeout must be longer than --heartbeat-timeout: a hung peer is "
+                "found by its missed heartbeats before a collective gives up on it"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> JobSpec:
+        data = dict(data)
+        data["schedule"] = tuple(tuple(e) for e in data.get("schedule", ()))
+        return cls(**data)

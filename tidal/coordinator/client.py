@@ -1,0 +1,85 @@
+"""HTTP client of the coordinator's API, used by workers and by the CLI.
+
+It imports the wire messages only, never the server, so a worker process does not pull in
+FastAPI or uvicorn.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from tidal.protocol import (
+    API_PREFIX,
+    DoneReport,
+    FailureReport,
+    GenerationInfo,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JobStatus,
+    RegisterRequest,
+    RegisterResponse,
+    ScaleRequest,
+)
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator answered with an error; ``str()`` is its one-line message."""
+
+
+class CoordinatorClient:
+    """One keep-alive connection to a job's coordinator."""
+
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url + API_PREFIX, headers=headers, timeout=timeout_s, trust_env=False
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, body: object | None = None) -> dict:
+        payload = body.model_dump(mode="json") if body is not None else None
+        resp = self._http.request(method, path, json=payload)
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise CoordinatorError(str(detail))
+        return resp.json()
+
+    # -- worker calls ---------------------------------------------------------------
+    def register(self, worker_id: int, req: RegisterRequest) -> RegisterResponse:
+        return RegisterResponse.model_validate(
+            self._call("POST", f"/workers/{worker_id}/register", req)
+        )
+
+    def heartbeat(self, worker_id: int, req: HeartbeatRequest) -> HeartbeatResponse:
+        return HeartbeatResponse.model_validate(
+            self._call("POST", f"/workers/{worker_id}/heartbeat", req)
+        )
+
+    def generation(self, worker_id: int) -> HeartbeatResponse:
+        """The worker's role and the newest generation, without reporting anything."""
+        return HeartbeatResponse.model_validate(self._call("GET", f"/workers/{worker_id}/role"))
+
+    def report_failure(self, worker_id: int, req: FailureReport) -> None:
+        self._call("POST", f"/workers/{worker_id}/failure", req)
+
+    def report_done(self, worker_id: int, req: DoneReport) -> None:
+        self._call("POST", f"/workers/{worker_id}/done", req)
+
+    # -- CLI calls ------------------------------------------------------------------
+    def status(self) -> JobStatus:
+        return JobStatus.model_validate(self._call("GET", "/status"))
+
+    def scale(self, workers: int) -> JobStatus:
+        return JobStatus.model_validate(self._call("POST", "/scale", ScaleRequest(workers=workers)))
+
+    def stop(self) -> JobStatus:
+        return JobStatus.model_validate(self._call("POST", "/stop"))
+
+
+__all__ = ["CoordinatorClient", "CoordinatorError", "GenerationInfo"]

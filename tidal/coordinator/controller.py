@@ -1,0 +1,407 @@
+"""The coordinator: the source of truth for a job's membership, and its one control loop.
+
+Threads: the HTTP API (uvicorn's) calls the ``on_*`` methods; the controller thread calls
+``tick`` every few milliseconds. Both hold ``self.lock``, so each sees a consistent job.
+Decisions come from pure functions (``policy.reconcile``, ``policy.schedule``); ``tick``
+carries them out: open generations, start and retire processes, kill hung workers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tidal.backends import Exit, get_backend
+from tidal.config import JobSpec
+from tidal.coordinator.db import Database
+from tidal.coordinator.home import db_path, job_dir
+from tidal.coordinator.records import GenerationRecord, WorkerRecord
+from tidal.policy.reconcile import Pool, reconcile
+from tidal.policy.registry import Measurements, get_policy
+from tidal.policy.schedule import future_peak
+from tidal.protocol import (
+    DoneReport,
+    EventView,
+    FailureReport,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JobState,
+    JobStatus,
+    RegisterRequest,
+    RegisterResponse,
+    Role,
+    StepReport,
+    WorkerConfig,
+    WorkerState,
+)
+from tidal.worker.agent import WorkerEnv
+
+FLUSH_EVERY_S = 0.5
+REFORM_GRACE_S = 0.1  # let a dead peer's exit be seen before re-forming on a failure report
+STOP_GRACE_S = 30.0
+
+
+class RequestError(ValueError):
+    """A client asked for something the job cannot do; the message says why."""
+
+
+class Coordinator:
+    def __init__(self, spec: JobSpec, home: Path, *, host: str = "127.0.0.1") -> None:
+        get_policy(spec.policy)  # fail early on an unknown name
+        self.spec = spec
+        self.host = host
+        self.token = secrets.token_urlsafe(24)
+        self.jobdir = job_dir(home, spec.name)
+        self.jobdir.logs.mkdir(parents=True, exist_ok=True)
+        self.db = Database(db_path(home))
+        self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
+        self.backend = get_backend(spec.backend)(
+            command=[spec.python, spec.script, *spec.script_args], log_dir=self.jobdir.logs,
+            cwd=Path.cwd(),
+        )
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.lock = threading.RLock()
+        self.url = ""
+        self.state = JobState.PENDING
+        self.target = spec.workers
+        self.step = 0
+        self.metrics: dict[str, float] = {}
+        self.workers: dict[int, WorkerRecord] = {}
+        self.generations: list[GenerationRecord] = []
+        self.failures = 0
+        self.outcome: JobState | None = None  # decided; reached once every process is gone
+        self.stop_requested_at: float | None = None
+        self.reform_requested: tuple[float, str] | None = None
+        self.created = time.time()
+        self._schedule_done = 0
+        self._last_flush = 0.0
+        self._policy = get_policy(spec.policy)
+        self.event("job", f"job {spec.name} created: {spec.workers} workers, script {spec.script}")
+
+    # -- helpers -------------------------------------------------------------------------
+    def event(self, kind: str, message: str) -> None:
+        self.db.add_event(self.spec.name, EventView(time=time.time(), kind=kind, message=message))
+
+    @property
+    def latest(self) -> GenerationRecord | None:
+        return self.generations[-1] if self.generations else None
+
+    @property
+    def members(self) -> list[int]:
+        return list(self.latest.members) if self.latest else []
+
+    def world_size(self) -> int:
+        formed = [g for g in self.generations if g.formed]
+        return len(formed[-1].members) if formed and self.outcome is None else 0
+
+    def _worker(self, wid: int) -> WorkerRecord:
+        w = self.workers.get(wid)
+        if w is None:
+            raise RequestError(f"unknown worker {wid}")
+        return w
+
+    def _role(self, w: WorkerRecord) -> HeartbeatResponse:
+        stop = self.stop_requested_at is not None
+        latest = self.latest
+        if w.retired or self.outcome is not None:
+            return HeartbeatResponse(role=Role.EXIT, stop=stop)
+        if latest is not None and w.id in latest.members:
+            return HeartbeatResponse(role=Role.MEMBER, generation=latest.info(), stop=stop)
+        return HeartbeatResponse(role=Role.STANDBY, stop=stop)
+
+    # -- API: workers --------------------------------------------------------------------
+    def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
+        with self.lock:
+            w = self._worker(wid)
+            w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
+            if w.state == WorkerState.STARTING:
+                w.state = WorkerState.STANDBY
+            self.db.upsert_worker(self.spec.name, w.view())
+            self.event("worker", f"worker {wid} ready (pid {req.pid})")
+            return RegisterResponse(
+                job=self.spec.name,
+                config=WorkerConfig(
+                    heartbeat_interval_s=self.spec.heartbeat_interval_s,
+                    collective_timeout_s=self.spec.collective_timeout_s,
+                    store_host=self.host,
+                    store_port=self.store.port,
+                ),
+            )
+
+    def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
+        with self.lock:
+            w = self._worker(wid)
+            w.last_heartbeat = time.time()
+            w.step = req.step
+            self.step = max(self.step, req.step)
+            self.metrics.update(req.metrics)
+            for report in req.reports:
+                self._on_step_report(report)
+            return self._role(w)
+
+    def on_role(self, wid: int) -> HeartbeatResponse:
+        with self.lock:
+            return self._role(self._worker(wid))
+
+    def _on_step_report(self, r: StepReport) -> None:
+        if not 1 <= r.generation <= len(self.generations):
+            return
+        gen = self.generations[r.generation - 1]
+        if gen.start_step is None:
+            gen.start_step = r.start_step
+        prev_formed = [g.id for g in self.generations[: r.generation - 1] if g.formed]
+        if r.prev_last_step_time is not None and prev_formed and r.prev_generation == prev_formed[-1]:
+            pause = r.first_step_time - r.prev_last_step_time
+            gen.pause_s = max(gen.pause_s or 0.0, pause)
+        self.db.upsert_generation(self.spec.name, gen.view())
+        if self.state == JobState.PENDING:
+            self.state = JobState.RUNNING
+            self.db.update_job(self.spec.name, state=self.state.value)
+
+    def on_failure(self, wid: int, r: FailureReport) -> None:
+        with self.lock:
+            self._worker(wid)
+            latest = self.latest
+            if latest is None or r.generation != latest.id or self.outcome is not None:
+                return  # a newer generation already answers it
+            self.event("failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}")
+            if self.reform_requested is None:
+                self.reform_requested = (time.monotonic(), f"worker {wid} reported a failed collective")
+
+    def on_done(self, wid: int, r: DoneReport) -> None:
+        with self.lock:
+            w = self._worker(wid)
+            w.state, w.rank = WorkerState.STOPPING, None
+            self.step = max(self.step, r.step)
+            if r.completed and self.outcome is None:
+                self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
+            self.db.upsert_worker(self.spec.name, w.view())
+
+    # -- API: users ----------------------------------------------------------------------
+    def on_scale(self, n: int) -> None:
+        with self.lock:
+            if self.outcome is not None or self.stop_requested_at is not None:
+                raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
+            lo, hi = self.spec.min_workers, self.spec.max_workers
+            if not lo <= n <= hi:
+                raise RequestError(f"{n} workers is outside [{lo}, {hi}] (--min-workers, --max-workers)")
+            self._set_target(n, "tidal scale")
+
+    def on_stop(self) -> None:
+        with self.lock:
+            if self.stop_requested_at is None and self.outcome is None:
+                self.stop_requested_at = time.monotonic()
+                self.event("stop", "stop requested: members stop after the current step")
+
+    def status(self) -> JobStatus:
+        with self.lock:
+            self.flush()
+        return self.db.load_status(self.spec.name)
+
+    # -- the control loop ----------------------------------------------------------------
+    def _set_target(self, n: int, why: str) -> None:
+        if n != self.target:
+            self.event("scale", f"target {self.target} -> {n} ({why})")
+            self.target = n
+
+    def _decide(self, outcome: JobState, why: str) -> None:
+        self.outcome = outcome
+        self.event("job", f"job {outcome.value}: {why}")
+
+    def tick(self) -> bool:
+        """One pass of the loop; returns False once the job has ended."""
+        with self.lock:
+            now = time.monotonic()
+            for ex in self.backend.poll():
+                self._on_exit(ex)
+            self._check_heartbeats()
+            if self.outcome is None:
+                self._maybe_reform(now)
+                self._apply_schedule()
+                if self.stop_requested_at is not None:
+                    self.outcome = JobState.STOPPED if self.outcome is None else self.outcome
+                else:
+                    self._reconcile()
+                self._check_start_timeout()
+            if self.outcome is not None:
+                return self._wind_down(now)
+            if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+                self.flush()
+            return True
+
+    def _on_exit(self, ex: Exit) -> None:
+        w = self.workers.get(ex.worker_id)
+        if w is None:
+            return
+        w.exit_code = ex.returncode
+        was_member = w.id in self.members
+        if ex.returncode == 0 and (w.state == WorkerState.STOPPING or w.retired):
+            w.state = WorkerState.EXITED
+            self.event("worker", f"worker {w.id} exited")
+        else:
+            w.state = WorkerState.FAILED
+            why = w.kill_reason or ex.describe()
+            detail = self.backend.describe_exit(w.id) if ex.returncode > 0 else ""
+            self.event("failure", f"worker {w.id} failed ({why})" + (f": {detail}" if detail else ""))
+            if self.outcome is None:
+                if ex.returncode > 0 and w.kill_reason is None:
+                    # The script raised: a bug every worker shares, not a lost machine.
+                    self._decide(JobState.FAILED, f"worker {w.id} {why}" + (f": {detail}" if detail else ""))
+                else:
+                    self.failures += 1
+                    if was_member:
+                        self._open([m for m in self.members if m != w.id], f"worker {w.id} failed ({why})")
+                    if self.failures > self.spec.max_restarts:
+                        alive = [m for m in self.workers.values() if m.live and not m.retired]
+                        self._set_target(
+                            max(1, min(self.target, len(alive))),
+                            f"restart budget of {self.spec.max_restarts} spent",
+                        )
+        w.rank = None
+        self.db.upsert_worker(self.spec.name, w.view())
+
+    def _check_heartbeats(self) -> None:
+        now = time.time()
+        for w in self.workers.values():
+            if (
+                w.state in (WorkerState.STANDBY, WorkerState.RUNNING, WorkerState.STOPPING)
+                and w.kill_reason is None
+                and w.last_heartbeat is not None
+                and now - w.last_heartbeat > self.spec.heartbeat_timeout_s
+            ):
+                w.kill_reason = f"missed heartbeats for {now - w.last_heartbeat:.1f} s"
+                self.event("failure", f"worker {w.id} {w.kill_reason}; killing it")
+                self.backend.signal(w.id, signal.SIGKILL)
+
+    def _maybe_reform(self, now: float) -> None:
+        if self.reform_requested is None:
+            return
+        at, why = self.reform_requested
+        if now - at >= REFORM_GRACE_S:
+            self.reform_requested = None
+            self._open(self.members, why)
+
+    def _apply_schedule(self) -> None:
+        sched = self.spec.schedule
+        while self._schedule_done < len(sched) and self.step >= sched[self._schedule_done][0]:
+            at, count = sched[self._schedule_done]
+            self._schedule_done += 1
+            self._set_target(count, f"--schedule at step {at}")
+        decision = self._policy(
+            Measurements(
+                step=self.step, world_size=self.world_size(), target=self.target,
+                min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
+            )
+        )
+        self._set_target(decision.target, decision.reason)
+
+    def _reconcile(self) -> None:
+        members = [m for m in self.members if self.workers[m].live]
+        outside = [w for w in self.workers.values() if w.live and not w.retired and w.id not in members]
+        plan = reconcile(
+            Pool(
+                members=members,
+                standby=[w.id for w in outside if w.state == WorkerState.STANDBY],
+                starting=[w.id for w in outside if w.state == WorkerState.STARTING],
+                target=self.target,
+                spares=max(0, future_peak(self.spec.schedule, self.step) - self.target),
+                forming=not self.generations,
+            )
+        )
+        for wid in plan.retire:
+            self._retire(self.workers[wid])
+        if plan.members is not None:
+            self._open(plan.members, plan.reason, to_standby=plan.to_standby)
+        for _ in range(plan.start):
+            self._start_worker()
+
+    def _open(self, members: list[int], reason: str, *, to_standby: list[int] = ()) -> None:
+        prev = self.latest
+        gen = GenerationRecord(id=len(self.generations) + 1, members=members, reason=reason, opened_at=time.time())
+        self.store.set(f"{gen.store_prefix}/state", "open")
+        if prev is not None:
+            self.store.compare_set(f"{prev.store_prefix}/state", "open", "abandoned")
+        self.generations.append(gen)
+        for w in self.workers.values():
+            if w.id in members:
+                w.state, w.rank = WorkerState.RUNNING, members.index(w.id)
+            elif w.state == WorkerState.RUNNING:
+                w.rank = None
+                w.state = WorkerState.STANDBY if w.id in to_standby else WorkerState.STOPPING
+            self.db.upsert_worker(self.spec.name, w.view())
+        self.db.upsert_generation(self.spec.name, gen.view())
+        self.event("generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})")
+        if not members and self.outcome is None:
+            self._decide(JobState.FAILED, "every worker was lost; nothing holds the training state")
+
+    def _retire(self, w: WorkerRecord) -> None:
+        w.retired = True
+        if w.state == WorkerState.STARTING:
+            self.backend.signal(w.id, signal.SIGTERM)
+        w.state = WorkerState.STOPPING
+        self.db.upsert_worker(self.spec.name, w.view())
+
+    def _start_worker(self) -> None:
+        wid = len(self.workers)
+        w = WorkerRecord(id=wid)
+        self.workers[wid] = w
+        env = WorkerEnv(url=self.url, token=self.token, worker_id=wid).to_environ()
+        w.pid = self.backend.start(wid, env)
+        self.db.upsert_worker(self.spec.name, w.view())
+        self.event("worker", f"worker {wid} started (pid {w.pid})")
+
+    def _check_start_timeout(self) -> None:
+        if self.state == JobState.PENDING and time.time() - self.created > self.spec.start_timeout_s:
+            self._decide(JobState.FAILED, f"no generation formed within {self.spec.start_timeout_s:.0f} s; see the worker logs")
+
+    def _wind_down(self, now: float) -> bool:
+        """Once the outcome is decided: let members finish, tell the rest to exit, kill
+        what outlives the grace period, then record the end."""
+        if self._wind_down_since is None:
+            self._wind_down_since = now
+            if self.latest is not None:
+                self.store.compare_set(f"{self.latest.store_prefix}/state", "open", "abandoned")
+            for w in self.workers.values():
+                if w.live and w.id not in self.members:
+                    self._retire(w)
+            if self.outcome == JobState.FAILED:
+                for wid in self.backend.alive():
+                    self.backend.signal(wid, signal.SIGKILL)
+        if now - self._wind_down_since > STOP_GRACE_S:
+            for wid in self.backend.alive():
+                self.backend.signal(wid, signal.SIGKILL)
+        if self.backend.alive():
+            return True
+        for ex in self.backend.poll():
+            self._on_exit(ex)
+        self.state = self.outcome
+        self.flush()
+        self.event("job", f"job ended: {self.state.value} at step {self.step}")
+        return False
+
+    _wind_down_since: float | None = None
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        self.db.update_job(
+            self.spec.name, state=self.state.value, step=self.step, world_size=self.world_size(),
+            target_workers=self.target, metrics=self.metrics, url=self.url or None,
+        )
+        for w in self.workers.values():
+            self.db.upsert_worker(self.spec.name, w.view())
+
+    def close(self) -> None:
+        for wid in self.backend.alive():
+            self.backend.signal(wid, signal.SIGKILL)
+        self.backend.close()
+        self.db.close()
+        try:
+            os.remove(self.jobdir.coordinator_file)
+        except OSError:
+            pass

@@ -1,0 +1,166 @@
+"""SQLite records of every job under a home: the job, its workers, generations, events.
+
+The coordinator writes through on every membership change and flushes the fast-moving
+values (step, metrics, heartbeats) a few times a second; ``tidal status`` reads the same
+rows when no coordinator answers, so a dead coordinator's job stays inspectable.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from tidal.protocol import (
+    EventView,
+    GenerationView,
+    JobState,
+    JobStatus,
+    WorkerView,
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY, state TEXT NOT NULL, spec TEXT NOT NULL, created REAL NOT NULL,
+    step INTEGER NOT NULL DEFAULT 0, world_size INTEGER NOT NULL DEFAULT 0,
+    target_workers INTEGER NOT NULL, url TEXT, metrics TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS workers (
+    job TEXT NOT NULL, id INTEGER NOT NULL, pid INTEGER, host TEXT, state TEXT NOT NULL,
+    rank INTEGER, last_heartbeat REAL, exit_code INTEGER, PRIMARY KEY (job, id)
+);
+CREATE TABLE IF NOT EXISTS generations (
+    job TEXT NOT NULL, id INTEGER NOT NULL, members TEXT NOT NULL, reason TEXT NOT NULL,
+    opened_at REAL NOT NULL, start_step INTEGER, pause_s REAL, PRIMARY KEY (job, id)
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, time REAL NOT NULL,
+    kind TEXT NOT NULL, message TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, PRIMARY KEY (job, step)
+);
+"""
+
+
+class UnknownJob(LookupError):
+    pass
+
+
+class Database:
+    """One connection, serialised by a lock (the coordinator writes from two threads)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(SCHEMA)
+        self._conn.commit()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def _write(self, sql: str, args: tuple) -> None:
+        with self._lock:
+            self._conn.execute(sql, args)
+            self._conn.commit()
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    # -- writes ------------------------------------------------------------------------
+    def create_job(self, *, name: str, spec: dict, target: int) -> None:
+        if self._read("SELECT 1 FROM jobs WHERE name = ?", (name,)):
+            raise ValueError(f"a job named {name!r} already exists in this home: pick another --name")
+        self._write(
+            "INSERT INTO jobs (name, state, spec, created, target_workers) VALUES (?, ?, ?, ?, ?)",
+            (name, JobState.PENDING.value, json.dumps(spec), time.time(), target),
+        )
+
+    def update_job(self, name: str, **values: object) -> None:
+        if "metrics" in values:
+            values["metrics"] = json.dumps(values["metrics"])
+        cols = ", ".join(f"{k} = ?" for k in values)
+        self._write(f"UPDATE jobs SET {cols} WHERE name = ?", (*values.values(), name))
+
+    def upsert_worker(self, job: str, w: WorkerView) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (job, w.id, w.pid, w.host, w.state.value, w.rank, w.last_heartbeat, w.exit_code),
+        )
+
+    def upsert_generation(self, job: str, g: GenerationView) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO generations VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (job, g.id, json.dumps(g.members), g.reason, g.opened_at, g.start_step, g.pause_s),
+        )
+
+    def add_event(self, job: str, e: EventView) -> None:
+        self._write(
+            "INSERT INTO events (job, time, kind, message) VALUES (?, ?, ?, ?)",
+            (job, e.time, e.kind, e.message),
+        )
+
+    # -- reads -------------------------------------------------------------------------
+    def job_names(self) -> list[str]:
+        return [r[0] for r in self._read("SELECT name FROM jobs ORDER BY created")]
+
+    def job_spec(self, name: str) -> dict:
+        rows = self._read("SELECT spec FROM jobs WHERE name = ?", (name,))
+        if not rows:
+            raise UnknownJob(name)
+        return json.loads(rows[0][0])
+
+    def load_events(self, name: str, *, after: int = 0) -> list[EventView]:
+        """The job's events, skipping the first ``after``."""
+        return [
+            EventView(time=r[0], kind=r[1], message=r[2])
+            for r in self._read(
+                "SELECT time, kind, message FROM events WHERE job = ? ORDER BY seq LIMIT -1 OFFSET ?",
+                (name, after),
+            )
+        ]
+
+    def load_status(self, name: str) -> JobStatus:
+        rows = self._read(
+            "SELECT state, spec, created, step, world_size, target_workers, url, metrics "
+            "FROM jobs WHERE name = ?",
+            (name,),
+        )
+        if not rows:
+            raise UnknownJob(name)
+        state, spec, created, step, world, target, url, metrics = rows[0]
+        spec = json.loads(spec)
+        workers = [
+            WorkerView(id=r[0], pid=r[1], host=r[2], state=r[3], rank=r[4], last_heartbeat=r[5], exit_code=r[6])
+            for r in self._read(
+                "SELECT id, pid, host, state, rank, last_heartbeat, exit_code FROM workers "
+                "WHERE job = ? ORDER BY id",
+                (name,),
+            )
+        ]
+        generations = [
+            GenerationView(
+                id=r[0], members=json.loads(r[1]), world_size=len(json.loads(r[1])), reason=r[2],
+                opened_at=r[3], start_step=r[4], pause_s=r[5],
+            )
+            for r in self._read(
+                "SELECT id, members, reason, opened_at, start_step, pause_s FROM generations "
+                "WHERE job = ? ORDER BY id",
+                (name,),
+            )
+        ]
+        events = self.load_events(name)
+        return JobStatus(
+            name=name, state=state, step=step, world_size=world, target_workers=target,
+            min_workers=spec["min_workers"], max_workers=spec["max_workers"],
+            script=spec["script"], created=created, url=url, workers=workers,
+            generations=generations, events=events, metrics=json.loads(metrics),
+            checkpoints=[],
+        )

@@ -1,0 +1,63 @@
+"""The coordinator's in-memory records of workers and generations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.protocol import GenerationInfo, GenerationView, WorkerState, WorkerView
+
+
+@dataclass(kw_only=True)
+class WorkerRecord:
+    id: int
+    state: WorkerState = WorkerState.STARTING
+    pid: int | None = None
+    host: str | None = None
+    rank: int | None = None
+    last_heartbeat: float | None = None
+    step: int = 0
+    exit_code: int | None = None
+    retired: bool = False  # asked to exit (scale-down, job end)
+    kill_reason: str | None = None  # why the coordinator killed it, if it did
+
+    @property
+    def live(self) -> bool:
+        return self.state not in (WorkerState.EXITED, WorkerState.FAILED)
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            id=self.id, rank=self.rank, pid=self.pid, state=self.state, host=self.host,
+            last_heartbeat=self.last_heartbeat, exit_code=self.exit_code,
+        )
+
+
+@dataclass(kw_only=True)
+class GenerationRecord:
+    id: int
+    members: list[int]
+    reason: str
+    opened_at: float
+    start_step: int | None = None
+    pause_s: float | None = None
+    reported: set[int] = field(default_factory=set)
+
+    @property
+    def store_prefix(self) -> str:
+        return f"gen{self.id}"
+
+    @property
+    def formed(self) -> bool:
+        """True once a member completed a step in it."""
+        return self.start_step is not None
+
+    def info(self) -> GenerationInfo:
+        return GenerationInfo(
+            id=self.id, members=self.members, store_prefix=self.store_prefix, reason=self.reason
+        )
+
+    def view(self) -> GenerationView:
+        return GenerationView(
+            id=self.id, world_size=len(self.members), members=self.members,
+            start_step=self.start_step, reason=self.reason, pause_s=self.pause_s,
+            opened_at=self.opened_at,
+        )

@@ -1,0 +1,69 @@
+"""Hosting a job: the coordinator, its API server and the control loop in one process.
+
+``tidal run`` calls ``run_job`` in the foreground; ``tidal run --detach`` starts this module
+as a background process (``python -m tidal.coordinator.runner HOME SPEC_JSON``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tidal.config import JobSpec
+from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.server import ApiServer
+from tidal.protocol import JobState
+
+TICK_S = 0.005
+
+
+def run_job(spec: JobSpec, home: Path, *, quiet: bool = False) -> int:
+    """Run the job to its end; 0 if it succeeded. Must run on the main thread: workers are
+    tied to the thread that launched them (they die with it)."""
+    from tidal.display import Progress
+
+    coord = Coordinator(spec, home)
+    server = ApiServer(coord)
+    coord.url = server.url
+    server.start()
+    deadline = time.monotonic() + 30
+    while not server._server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    coord.jobdir.write_coordinator(url=server.url, token=coord.token, pid=os.getpid())
+
+    signals = {"count": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals["count"] += 1
+        if signals["count"] == 1:
+            coord.on_stop()
+        else:  # a second Ctrl-C: do not wait for the members
+            for wid in coord.backend.alive():
+                coord.backend.signal(wid, signal.SIGKILL)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = Progress(coord, enabled=not quiet)
+    try:
+        while coord.tick():
+            progress.update()
+            time.sleep(TICK_S)
+        progress.update(final=True)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        server.stop()
+        coord.close()
+    return 0 if coord.state == JobState.SUCCEEDED else 1
+
+
+def main() -> int:
+    home, spec_json = sys.argv[1], sys.argv[2]
+    return run_job(JobSpec.from_dict(json.loads(spec_json)), Path(home), quiet=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Terminal output: progress lines while a job runs, tables for status and jobs (rich)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.protocol import JobStatus
+
+if TYPE_CHECKING:
+    from tidal.coordinator.controller import Coordinator
+
+PROGRESS_EVERY_S = 2.0
+
+
+def _fmt_time(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%H:%M:%S")
+
+
+class Progress:
+    """Prints each new event as it happens and a progress line every few seconds."""
+
+    def __init__(self, coord: Coordinator, *, enabled: bool) -> None:
+        self.coord = coord
+        self.enabled = enabled
+        self.console = Console(highlight=False)
+        self._events_seen = 0
+        self._last = 0.0
+
+    def update(self, *, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not final and now - self._last < 0.25:
+            return
+        status = self.coord.db.load_status(self.coord.spec.name) if final else None
+        events = self._new_events()
+        for e in events:
+            self.console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {e.message}")
+        if final or now - self._last >= PROGRESS_EVERY_S:
+            self._last = now
+            c = self.coord
+            m = c.metrics
+            parts = [f"step {c.step}", f"world {c.world_size()}/{c.target}"]
+            if "samples_per_s" in m:
+                parts.append(f"{m['samples_per_s']:.0f} samples/s")
+            for key in ("loss", "accuracy"):
+                if key in m:
+                    parts.append(f"{key} {m[key]:.4g}")
+            if status is not None:
+                parts.append(status.state.value)
+            self.console.print(f"[bold]{c.spec.name}[/bold] " + " | ".join(parts))
+
+    def _new_events(self) -> list:
+        events = self.coord.db.load_events(self.coord.spec.name, after=self._events_seen)
+        self._events_seen += len(events)
+        return events
+
+
+def print_status(s: JobStatus) -> None:
+    console = Console(highlight=False)
+    summary = Table.grid(padding=(0, 2))
+    summary.add_row("job", f"[bold]{s.name}[/bold]", "state", s.state.value)
+    summary.add_row("step", str(s.step), "workers", f"{s.world_size} (target {s.target_workers}, "
+                    f"range {s.min_workers}-{s.max_workers})")
+    summary.add_row("script", s.script, "url", s.url or "-")
+    if s.metrics:
+        summary.add_row("metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", "")
+    console.print(summary)
+    workers = Table(title="workers")
+    for col in ("id", "rank", "pid", "state", "exit"):
+        workers.add_column(col)
+    for w in s.workers:
+        workers.add_row(str(w.id), "-" if w.rank is None else str(w.rank), str(w.pid or "-"),
+                        w.state.value, "-" if w.exit_code is None else str(w.exit_code))
+    console.print(workers)
+    gens = Table(title="generations")
+    for col in ("id", "size", "start step", "pause s", "reason"):
+        gens.add_column(col)
+    for g in s.generations[-10:]:
+        gens.add_row(str(g.id), str(g.world_size), "-" if g.start_step is None else str(g.start_step),
+                     "-" if g.pause_s is None else f"{g.pause_s:.3f}", g.reason)
+    console.print(gens)
+    for e in s.events[-8:]:
+        console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {e.message}")
+
+
+def print_jobs(rows: list[JobStatus]) -> None:
+    table = Table()
+    for col in ("name", "state", "step", "workers", "created"):
+        table.add_column(col)
+    for s in rows:
+        table.add_row(s.name, s.state.value, str(s.step), f"{s.world_size}/{s.target_workers}",
+                      _fmt_time(s.created))
+    Console(highlight=False).print(table)

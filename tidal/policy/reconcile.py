@@ -1,0 +1,85 @@
+"""Reconciling membership with the target: a pure function from the pool to a plan.
+
+The controller carries the plan out (open a generation, start processes, retire spares);
+tests call ``reconcile`` directly with any pool they like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pool:
+    """The workers as the coordinator sees them now.
+
+    ``members``: the current generation's members in rank order (alive ones only).
+    ``standby``: registered, warmed-up workers outside the group, oldest first.
+    ``starting``: launched processes that have not registered yet.
+    ``spares``: how many warm workers beyond the target a known future scale-up will need.
+    ``forming``: True before the job's first generation: then the first generation waits for
+    the whole initial target, as a rendezvous for a fixed-size job would.
+    """
+
+    members: list[int]
+    standby: list[int]
+    starting: list[int]
+    target: int
+    spares: int = 0
+    forming: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What to do. ``members`` is the next generation's member list in rank order, or None
+    when the membership stays; ``reason`` says why in words."""
+
+    members: list[int] | None = None
+    reason: str = ""
+    start: int = 0
+    retire: list[int] = field(default_factory=list)
+    to_standby: list[int] = field(default_factory=list)
+
+
+def reconcile(pool: Pool) -> Plan:
+    members, standby = list(pool.members), list(pool.standby)
+    need = pool.target - len(members)
+    new_members: list[int] | None = None
+    reason = ""
+    removed: list[int] = []
+    if need > 0 and standby:
+        if pool.forming and len(standby) < need:
+            admit: list[int] = []  # wait for the whole initial group
+        else:
+            admit = standby[:need]
+        if admit:
+            standby = standby[len(admit):]
+            new_members = members + admit
+            names = ", ".join(str(w) for w in admit)
+            reason = (
+                f"start with {len(new_members)} workers"
+                if pool.forming
+                else f"worker{'s' if len(admit) > 1 else ''} {names} joined (target {pool.target})"
+            )
+    elif need < 0:
+        removed = members[pool.target :]
+        new_members = members[: pool.target]
+        names = ", ".join(str(w) for w in removed)
+        reason = f"worker{'s' if len(removed) > 1 else ''} {names} left (target {pool.target})"
+    members_after = new_members if new_members is not None else members
+    short = max(0, pool.target - len(members_after))
+    # Warm workers we will want outside the group: the shortfall plus the spares.
+    want_outside = short + pool.spares
+    keep_removed = removed[: max(0, want_outside - len(standby) - len(pool.starting))]
+    retire_removed = [w for w in removed if w not in keep_removed]
+    outside = standby + keep_removed
+    surplus = len(outside) + len(pool.starting) - want_outside
+    retire_standby = standby[: max(0, min(surplus, len(standby)))]
+    start = max(0, want_outside - len(outside) - len(pool.starting))
+    return Plan(
+        members=new_members,
+        reason=reason,
+        start=start,
+        retire=retire_removed + retire_standby,
+        to_standby=keep_removed,
+    )

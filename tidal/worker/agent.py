@@ -1,0 +1,165 @@
+"""A worker's link to the coordinator: registration, heartbeats and an outbox.
+
+Nothing here blocks a training step: heartbeats, metrics and timing reports travel on a
+background thread, and the training loop reads the newest answer (role and generation)
+from memory at step boundaries. Only the rare membership calls (fetch the role after a
+switch, report a failure, report completion) are blocking round trips.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from tidal.coordinator.client import CoordinatorClient
+from tidal.protocol import (
+    DoneReport,
+    FailureReport,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    RegisterRequest,
+    RegisterResponse,
+    StepReport,
+)
+
+ENV_URL = "TIDAL_COORDINATOR_URL"
+ENV_TOKEN = "TIDAL_TOKEN"
+ENV_WORKER_ID = "TIDAL_WORKER_ID"
+
+# A worker whose coordinator stays unreachable this long exits: its job was interrupted and
+# nobody else will stop it.
+ORPHAN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What the backend puts in a worker's environment when it launches it."""
+
+    url: str
+    token: str
+    worker_id: int
+
+    @classmethod
+    def from_environ(cls) -> WorkerEnv | None:
+        """The launch environment, or None when the script runs outside ``tidal run``."""
+        if ENV_URL not in os.environ:
+            return None
+        return cls(
+            url=os.environ[ENV_URL],
+            token=os.environ.get(ENV_TOKEN, ""),
+            worker_id=int(os.environ[ENV_WORKER_ID]),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        return {ENV_URL: self.url, ENV_TOKEN: self.token, ENV_WORKER_ID: str(self.worker_id)}
+
+
+class Agent:
+    def __init__(self, env: WorkerEnv) -> None:
+        self.env = env
+        self.worker_id = env.worker_id
+        self._client = CoordinatorClient(env.url, env.token)
+        self._beat_client = CoordinatorClient(env.url, env.token)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        self._latest: HeartbeatResponse | None = None
+        self._metrics: dict[str, float] = {}
+        self._reports: list[StepReport] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.step = 0
+        self.generation = 0
+
+    def register(self) -> RegisterResponse:
+        resp = self._client.register(
+            self.worker_id, RegisterRequest(pid=os.getpid(), host=socket.gethostname())
+        )
+        self._interval = resp.config.heartbeat_interval_s
+        self._thread = threading.Thread(target=self._beat_loop, name="tidal-heartbeat", daemon=True)
+        self._thread.start()
+        return resp
+
+    # -- the background thread -------------------------------------------------------
+    def _beat_loop(self) -> None:
+        last_ok = time.monotonic()
+        while not self._closed:
+            with self._lock:
+                req = HeartbeatRequest(
+                    step=self.step,
+                    generation=self.generation,
+                    metrics=self._metrics,
+                    reports=self._reports,
+                )
+                self._metrics, self._reports = {}, []
+            try:
+                resp = self._beat_client.heartbeat(self.worker_id, req)
+                last_ok = time.monotonic()
+                self._set_latest(resp)
+            except Exception as exc:  # noqa: BLE001 - any failure to reach it counts the same
+                with self._lock:  # keep what was not delivered
+                    self._metrics = {**req.metrics, **self._metrics}
+                    self._reports = req.reports + self._reports
+                if time.monotonic() - last_ok > ORPHAN_TIMEOUT_S and not self._closed:
+                    print(
+                        f"tidal: coordinator unreachable for {ORPHAN_TIMEOUT_S:.0f}s ({exc}); exiting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(3)
+            self._wake.wait(self._interval)
+            self._wake.clear()
+
+    def _set_latest(self, resp: HeartbeatResponse) -> None:
+        with self._changed:
+            self._latest = resp
+            self._changed.notify_all()
+
+    # -- what the training loop uses ----------------------------------------------------
+    def latest(self) -> HeartbeatResponse | None:
+        return self._latest
+
+    def fetch(self) -> HeartbeatResponse:
+        """Ask the coordinator now (a blocking round trip: only between generations)."""
+        resp = self._client.generation(self.worker_id)
+        self._set_latest(resp)
+        return resp
+
+    def wait_change(self, timeout_s: float) -> None:
+        with self._changed:
+            self._changed.wait(timeout_s)
+
+    def post_metrics(self, metrics: dict[str, float]) -> None:
+        with self._lock:
+            self._metrics.update(metrics)
+
+    def post_report(self, report: StepReport) -> None:
+        with self._lock:
+            self._reports.append(report)
+        self._wake.set()
+
+    def report_failure(self, generation: int, step: int, error: str) -> None:
+        self._client.report_failure(
+            self.worker_id, FailureReport(generation=generation, step=step, error=error[:500])
+        )
+
+    def close(self, *, step: int, completed: bool) -> None:
+        """Flush the outbox, report the end of training, stop heartbeating."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            req = HeartbeatRequest(
+                step=self.step, generation=self.generation, metrics=self._metrics, reports=self._reports
+            )
+        try:
+            self._client.heartbeat(self.worker_id, req)
+            self._client.report_done(self.worker_id, DoneReport(step=step, completed=completed))
+        finally:
+            self._client.close()
+            self._beat_client.close()

@@ -1,0 +1,142 @@
+"""Forming the process group of one generation, and the control word that rides with it.
+
+Rendezvous contract (see ``GenerationInfo``): the coordinator writes
+``{prefix}/state = open`` before it announces a generation. Each member adds itself to
+``{prefix}/arrived`` once; the member whose arrival completes the count swaps ``open`` for
+``go``; the coordinator swaps ``open`` for ``abandoned`` when it supersedes the generation.
+Both swaps are compare-and-set on the store, so every member sees the same outcome: all
+form the group, or all move on to a newer generation. Nobody forms a group with a member
+that never arrived, so a dead member can only stall ``init_process_group`` if it dies in the
+few milliseconds between arriving and connecting (then the collective timeout ends it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tidal.protocol import GenerationInfo
+
+OPEN, GO, ABANDONED = b"open", b"go", b"abandoned"
+
+
+def rendezvous(
+    store: dist.Store, info: GenerationInfo, *, timeout_s: float, poll_s: float = 0.001
+) -> bool:
+    """Arrive at generation ``info``; True if it formed (``go``), False if it was abandoned."""
+    state_key = f"{info.store_prefix}/state"
+    if store.add(f"{info.store_prefix}/arrived", 1) == len(info.members):
+        store.compare_set(state_key, OPEN, GO)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = store.get(state_key)
+        if state == GO:
+            return True
+        if state == ABANDONED or time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+
+
+def form_group(
+    store: dist.Store, info: GenerationInfo, rank: int, *, timeout_s: float
+) -> None:
+    """Make the default process group this generation's (gloo; the old one must be gone)."""
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"{info.store_prefix}/pg", store),
+        rank=rank,
+        world_size=len(info.members),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def warm_up(module: torch.nn.Module) -> None:
+    """Pay the one-time costs of gloo and DDP (lazy imports) before joining anyone.
+
+    A 1-rank group on an in-memory store, a DDP wrapper around the real module (no initial
+    broadcast, no forward), then everything torn down again.
+    """
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _ddp(module)
+    finally:
+        dist.destroy_process_group()
+
+
+class ControlWord:
+    """Flags every member contributes to each step's gradient all-reduce.
+
+    Agreement on a membership switch rides on the collective a step already does: each
+    member adds ``switch=1`` when it knows of a newer generation and ``stop=1`` when the job
+    is being stopped, in the same all-reduce as the last gradient bucket. Every member reads
+    the same sums afterwards, so all switch (or stop) after the same step, at no extra
+    collective. ``before_allreduce`` runs just before this worker's part of the all-reduce
+    (fault injection uses it).
+    """
+
+    SWITCH, STOP = 0, 1
+
+    def __init__(self) -> None:
+        self.send = torch.zeros(2)
+        self.recv = torch.zeros(2)
+        self.before_allreduce: Callable[[], None] = lambda: None
+
+    def set(self, *, switch: bool, stop: bool) -> None:
+        self.send[self.SWITCH] = float(switch)
+        self.send[self.STOP] = float(stop)
+        self.recv.zero_()
+
+    @property
+    def switch(self) -> bool:
+        return bool(self.recv[self.SWITCH] > 0)
+
+    @property
+    def stop(self) -> bool:
+        return bool(self.recv[self.STOP] > 0)
+
+
+def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations: keep none
+    """All-reduce by SUM (the loss is already scaled by each sample's share of the global
+    batch, so the sum is the mean over the global batch), with the control word on the
+    last bucket."""
+    buf = bucket.buffer()
+    if not bucket.is_last():
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+    control.before_allreduce()
+    n = control.send.numel()
+    packed = torch.cat([buf, control.send.to(buf.dtype)])
+
+    def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = fut.value()[0]
+        control.recv.copy_(out[-n:])
+        buf.copy_(out[:-n])
+        return buf
+
+    return dist.all_reduce(packed, async_op=True).get_future().then(unpack)
+
+
+def _ddp(module: torch.nn.Module) -> DistributedDataParallel:
+    with warnings.catch_warnings():  # broadcast_buffers=False is the only way to skip the
+        warnings.simplefilter("ignore", FutureWarning)  # buffers' sync at construction
+        return DistributedDataParallel(module, init_sync=False, broadcast_buffers=False)
+
+
+def wrap(module: torch.nn.Module, control: ControlWord) -> DistributedDataParallel:
+    """DDP over the current default group, re-made each generation.
+
+    ``init_sync=False``: the heal has already made every member's parameters equal.
+    """
+    ddp = _ddp(module)
+    ddp.register_comm_hook(control, _sum_hook)
+    return ddp

@@ -1,0 +1,79 @@
+"""Healing: every member of a new generation adopts the state of the most advanced one.
+
+The members all-gather their committed step; the lowest rank among those with the highest
+step is the source and broadcasts model, optimizer, RNG and step to the others. Joiners
+(no state yet) and laggards (a peer died mid all-reduce, leaving one survivor past the step
+and another before it) take the same path, so a join and a failure share one code path.
+When every member already holds the same step, nothing is sent: a scale-down costs no
+transfer. The optimizer state travels as a ``torch.save`` blob loaded with
+``weights_only=True``: tensors and plain containers only, never arbitrary pickles.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+NO_STATE = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealResult:
+    source: int
+    step: int
+    sent: bool
+
+
+def _broadcast_blob(blob: bytes | None, src: int) -> bytes:
+    size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src)
+    if blob is not None:
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src)
+    return data.numpy().tobytes()
+
+
+def heal(
+    *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int | None
+) -> HealResult:
+    """Make this member's state equal to the most advanced member's. ``step`` is this
+    member's committed step, or None if it holds no trained state yet."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64)
+    steps = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(steps, mine)
+    values = [int(t.item()) for t in steps]
+    best = max(values)
+    source = values.index(best)
+    if best == NO_STATE:  # a fresh job: everybody adopts rank 0's initialisation
+        best, source = 0, 0
+    elif all(v == best for v in values):
+        return HealResult(source=source, step=best, sent=False)
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, source)
+    blob = None
+    if rank == source:
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            },
+            buf,
+        )
+        blob = buf.getvalue()
+    data = _broadcast_blob(blob, source)
+    if rank != source:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+    return HealResult(source=source, step=best, sent=True)

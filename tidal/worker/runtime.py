@@ -1,0 +1,331 @@
+"""The training-script side of Tidal: ``Trainer`` and the ``Step`` it yields.
+
+A plain PyTorch loop changes by a few lines::
+
+    trainer = tidal.Trainer(model, optimizer, dataset, global_batch_size=64, seed=0)
+    for step in trainer.run(max_steps=300):
+        for x, y in step.micro_batches():
+            step.backward(loss_fn(trainer.model(x), y))
+
+Contracts:
+
+- Step ``s`` consumes the samples ``ElasticSampler`` assigns it, whatever the world size; each
+  micro-batch's mean loss is scaled by its share of the global batch and gradients are
+  summed across members, so the update is the mean gradient over exactly those samples.
+- The optimizer steps only if this member's gradient all-reduce completed; a step whose
+  collective failed is not applied here and is redone in the next generation (after healing
+  from the most advanced member, so it is never applied twice).
+- A membership change takes effect after a step that every member completed: the members
+  agree through the control word carried by that step's all-reduce.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, default_collate
+
+from tidal.protocol import GenerationInfo, Role, StepReport
+from tidal.worker import group as grp
+from tidal.worker.agent import Agent, WorkerEnv
+from tidal.worker.data import ElasticSampler
+from tidal.worker.faults import FaultInjector
+from tidal.worker.heal import heal
+
+_current: Trainer | None = None
+
+
+def log(**metrics: float) -> None:
+    """Report metrics (e.g. ``loss``, ``accuracy``) to the job's status; rank 0's are kept."""
+    values = {k: float(v) for k, v in metrics.items()}
+    if _current is not None:
+        _current._log(values)
+
+
+class Step:
+    """This worker's share of one global step."""
+
+    def __init__(self, trainer: Trainer, index: int, indices: torch.Tensor) -> None:
+        self.trainer = trainer
+        self.index = index
+        self.indices = indices
+        self._failed: Exception | None = None
+        self._n_micro = 0
+
+    @property
+    def samples(self) -> int:
+        return len(self.indices)
+
+    def micro_batches(self) -> Iterator[Any]:
+        """Collated micro-batches of this worker's share. Run forward and ``backward`` of
+        each inside the loop: all but the last accumulate without communication."""
+        tr = self.trainer
+        pieces = tr.sampler.micro_batches(self.indices)
+        for i, piece in enumerate(pieces):
+            if self._failed is not None:
+                return
+            self._n_micro = len(piece)
+            batch = tr._collate(piece)
+            if i < len(pieces) - 1 and tr._ddp is not None:
+                with tr._ddp.no_sync():
+                    yield batch
+            else:
+                self._last = True
+                tr._before_sync(self)
+                yield batch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a micro-batch's mean loss, weighted by its share of the global batch."""
+        if self._failed is not None:
+            return
+        scaled = loss * (self._n_micro / self.trainer.sampler.global_batch_size)
+        try:
+            scaled.backward()
+        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
+            if self.trainer._ddp is None or not getattr(self, "_last", False):
+                raise
+            self._failed = exc
+
+
+class Trainer:
+    """Elastic data-parallel training of ``model`` with ``optimizer`` over ``dataset``.
+
+    Under ``tidal run`` it joins the job's coordinator; run as a plain script it trains
+    alone with the same mathematics, which makes the script easy to debug.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Dataset,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.module = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.sampler = ElasticSampler(
+            dataset_size=len(dataset),  # type: ignore[arg-type]
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+        )
+        self.step = 0  # committed steps
+        self.rank = 0
+        self.world_size = 1
+        self.generation = 0
+        self.completed = False
+        self._has_state = False
+        self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._control = grp.ControlWord()
+        self._env = WorkerEnv.from_environ()
+        self._agent: Agent | None = None
+        self._store: dist.TCPStore | None = None
+        self._stopping = False
+        self._last_step_time: float | None = None
+        self._last_step_gen: int | None = None
+        self._gen_prev_gen: int | None = None
+        self._gen_prev_time: float | None = None
+        self._gen_first_pending = False
+        self._rate_mark = (time.monotonic(), 0)
+        tensors = getattr(dataset, "tensors", None)
+        self._tensors: tuple[torch.Tensor, ...] | None = tensors
+
+    # -- user surface ----------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module to call in the loop: the DDP wrapper of the current generation."""
+        return self._ddp if self._ddp is not None else self.module
+
+    @property
+    def worker_id(self) -> int | None:
+        return self._env.worker_id if self._env else None
+
+    def run(self, max_steps: int) -> Iterator[Step]:
+        """Yield a ``Step`` for each global step this worker takes part in, until the job
+        has done ``max_steps`` steps (``completed`` is then True), the job is stopped, or
+        the coordinator asks this worker to leave."""
+        global _current
+        if max_steps < 0:
+            raise ValueError(f"max_steps must be at least 0, got {max_steps}")
+        _current = self
+        try:
+            if self._env is None:
+                yield from self._run_alone(max_steps)
+            else:
+                yield from self._run_elastic(max_steps)
+        finally:
+            _current = None
+
+    # -- standalone ------------------------------------------------------------------
+    def _run_alone(self, max_steps: int) -> Iterator[Step]:
+        while self.step < max_steps:
+            step = Step(self, self.step, self.sampler.shard(self.step, 0, 1))
+            yield step
+            self._commit()
+        self.completed = True
+
+    # -- elastic ---------------------------------------------------------------------
+    def _run_elastic(self, max_steps: int) -> Iterator[Step]:
+        assert self._env is not None
+        self._faults = FaultInjector.from_environ(self._env.worker_id)
+        grp.warm_up(self.module)
+        self._agent = Agent(self._env)
+        cfg = self._agent.register().config
+        self._cfg = cfg
+        self._store = dist.TCPStore(
+            cfg.store_host,
+            cfg.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+        )
+        try:
+            member = self._join()
+            while member and self.step < max_steps and not self._stopping:
+                index = self.step
+                self._faults.maybe_fire(index, "step")
+                step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
+                yield step
+                if step._failed is not None:
+                    self._leave_group()
+                    self._report_failure(step._failed)
+                    member = self._join()
+                    continue
+                self._commit()
+                if self._control.stop:
+                    self._stopping = True
+                elif self._control.switch and self.step < max_steps:
+                    self._leave_group()
+                    member = self._join()
+            self.completed = self.step >= max_steps
+        finally:
+            self._leave_group()
+            self._agent.close(step=self.step, completed=self.completed)
+
+    def _before_sync(self, step: Step) -> None:
+        """Set the control word for this step's all-reduce from the newest heartbeat."""
+        if self._ddp is None:
+            return
+        latest = self._agent.latest() if self._agent else None
+        newer = latest is not None and (
+            latest.role != Role.MEMBER
+            or (latest.generation is not None and latest.generation.id > self.generation)
+        )
+        stop = latest is not None and latest.stop
+        self._control.set(switch=newer, stop=stop)
+        index = step.index
+        self._control.before_allreduce = lambda: self._faults.maybe_fire(index, "allreduce")
+
+    def _commit(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self._has_state = True
+        now = time.time()
+        if self._gen_first_pending and self._agent is not None:
+            self._gen_first_pending = False
+            self._agent.post_report(
+                StepReport(
+                    generation=self.generation,
+                    start_step=self.step - 1,
+                    prev_generation=self._gen_prev_gen,
+                    prev_last_step_time=self._gen_prev_time,
+                    first_step_time=now,
+                )
+            )
+        self._last_step_time = now
+        self._last_step_gen = self.generation
+        if self._agent is not None:
+            self._agent.step = self.step
+            self._maybe_report_rate()
+
+    def _maybe_report_rate(self) -> None:
+        t0, s0 = self._rate_mark
+        now = time.monotonic()
+        if now - t0 >= 0.5 and self.rank == 0:
+            rate = (self.step - s0) * self.sampler.global_batch_size / (now - t0)
+            self._agent.post_metrics({"samples_per_s": rate, "world_size": self.world_size})
+            self._rate_mark = (now, self.step)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self._agent is not None and self.rank == 0:
+            self._agent.post_metrics(metrics)
+
+    def _collate(self, piece: torch.Tensor) -> Any:
+        if self._tensors is not None:
+            return tuple(t[piece] for t in self._tensors)
+        return default_collate([self.dataset[int(i)] for i in piece])
+
+    def _report_failure(self, exc: Exception) -> None:
+        print(f"tidal: worker {self.worker_id}: collective failed in generation "
+              f"{self.generation} at step {self.step}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self._agent.report_failure(self.generation, self.step, f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - the coordinator also sees the failure itself
+            pass
+
+    def _leave_group(self) -> None:
+        self._ddp = None
+        grp.destroy_group()
+
+    def _join(self) -> bool:
+        """Wait for, and form, the newest generation that has this worker as a member.
+
+        Returns False when the coordinator wants this worker to exit or the job to stop.
+        """
+        assert self._agent is not None and self._store is not None
+        tried = self.generation
+        while True:
+            resp = self._agent.fetch()
+            if resp.stop or resp.role == Role.EXIT:
+                self._stopping = self._stopping or resp.stop
+                return False
+            info = resp.generation
+            if resp.role != Role.MEMBER or info is None or info.id <= tried:
+                self._agent.wait_change(0.05 if resp.role == Role.STANDBY else 0.005)
+                continue
+            tried = info.id
+            # Fatal, not a failure to heal from: every member would refuse the same way.
+            self.sampler.check_world_size(len(info.members))
+            if not grp.rendezvous(self._store, info, timeout_s=self._cfg.collective_timeout_s):
+                continue
+            try:
+                self._form(info)
+                return True
+            except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
+                self._leave_group()
+                self._report_failure(exc)
+
+    def _form(self, info: GenerationInfo) -> None:
+        rank = info.members.index(self._env.worker_id)
+        grp.form_group(self._store, info, rank, timeout_s=self._cfg.collective_timeout_s)
+        result = heal(
+            module=self.module,
+            optimizer=self.optimizer,
+            step=self.step if self._has_state else None,
+        )
+        self.step = result.step
+        self._has_state = True
+        self._ddp = grp.wrap(self.module, self._control)
+        self.rank, self.world_size, self.generation = rank, len(info.members), info.id
+        self._agent.generation = info.id
+        self._agent.step = self.step
+        self._gen_prev_time = self._last_step_time
+        self._gen_prev_gen = self._last_step_gen
+        self._gen_first_pending = True
+        self._rate_mark = (time.monotonic(), self.step)
+        if os.environ.get("TIDAL_DEBUG"):
+            print(f"tidal: gen {info.id} rank {rank}/{self.world_size} step {self.step} "
+                  f"heal src={result.source} sent={result.sent}", flush=True)
