@@ -81,12 +81,18 @@ class GenerationInfo(BaseModel):
 
 
 class WorkerConfig(BaseModel):
-    """Runtime settings the coordinator hands a worker at registration."""
+    """Runtime settings the coordinator hands a worker at registration.
+
+    ``hold_steps`` are the steps of ``--schedule``: a member that has committed one of them
+    waits there until the coordinator has settled the membership the schedule asks for
+    (``HeartbeatResponse.settled_step``), so scripted changes happen at exactly those steps.
+    """
 
     heartbeat_interval_s: float
     collective_timeout_s: float
     store_host: str
     store_port: int
+    hold_steps: list[int] = Field(default_factory=list)
 
 
 class RegisterRequest(BaseModel):
@@ -120,6 +126,7 @@ class HeartbeatResponse(BaseModel):
     role: Role
     generation: GenerationInfo | None = None
     stop: bool = False
+    settled_step: int = -1
 
 
 class FailureReport(BaseModel):

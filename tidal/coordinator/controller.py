@@ -80,6 +80,8 @@ class Coordinator:
         self.reform_requested: tuple[float, str] | None = None
         self.created = time.time()
         self._schedule_done = 0
+        self._schedule_applied_at = 0.0
+        self.settled_step = -1  # the last --schedule step whose membership is in place
         self._last_flush = 0.0
         self._policy = get_policy(spec.policy)
         self.event("job", f"job {spec.name} created: {spec.workers} workers, script {spec.script}")
@@ -111,9 +113,12 @@ class Coordinator:
         latest = self.latest
         if w.retired or self.outcome is not None:
             return HeartbeatResponse(role=Role.EXIT, stop=stop)
+        settled = self.settled_step
         if latest is not None and w.id in latest.members:
-            return HeartbeatResponse(role=Role.MEMBER, generation=latest.info(), stop=stop)
-        return HeartbeatResponse(role=Role.STANDBY, stop=stop)
+            return HeartbeatResponse(
+                role=Role.MEMBER, generation=latest.info(), stop=stop, settled_step=settled
+            )
+        return HeartbeatResponse(role=Role.STANDBY, stop=stop, settled_step=settled)
 
     # -- API: workers --------------------------------------------------------------------
     def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
@@ -131,6 +136,7 @@ class Coordinator:
                     collective_timeout_s=self.spec.collective_timeout_s,
                     store_host=self.host,
                     store_port=self.store.port,
+                    hold_steps=[at for at, _ in self.spec.schedule],
                 ),
             )
 
@@ -292,6 +298,7 @@ class Coordinator:
         while self._schedule_done < len(sched) and self.step >= sched[self._schedule_done][0]:
             at, count = sched[self._schedule_done]
             self._schedule_done += 1
+            self._schedule_applied_at = time.monotonic()
             self._set_target(count, f"--schedule at step {at}")
         decision = self._policy(
             Measurements(
@@ -320,6 +327,19 @@ class Coordinator:
             self._open(plan.members, plan.reason, to_standby=plan.to_standby)
         for _ in range(plan.start):
             self._start_worker()
+        self._settle_schedule()
+
+    def _settle_schedule(self) -> None:
+        """Release members held at the last applied --schedule step once the generation has
+        the target count (or it cannot get there within the start timeout)."""
+        if self._schedule_done == 0:
+            return
+        at = self.spec.schedule[self._schedule_done - 1][0]
+        if at > self.settled_step and (
+            len(self.members) == self.target
+            or time.monotonic() - self._schedule_applied_at > self.spec.start_timeout_s
+        ):
+            self.settled_step = at
 
     def _open(self, members: list[int], reason: str, *, to_standby: list[int] = ()) -> None:
         prev = self.latest

@@ -129,6 +129,14 @@ class Agent:
         self._set_latest(resp)
         return resp
 
+    def beat_now(self) -> HeartbeatResponse:
+        """A heartbeat from the calling thread, so the coordinator learns the step now."""
+        resp = self._client.heartbeat(
+            self.worker_id, HeartbeatRequest(step=self.step, generation=self.generation)
+        )
+        self._set_latest(resp)
+        return resp
+
     def wait_change(self, timeout_s: float) -> None:
         with self._changed:
             self._changed.wait(timeout_s)

@@ -204,7 +204,11 @@ class Trainer:
                 self._commit()
                 if self._control.stop:
                     self._stopping = True
-                elif self._control.switch and self.step < max_steps:
+                elif self.step >= max_steps:
+                    break
+                elif self._control.switch or (
+                    self.step in self._cfg.hold_steps and self._hold(self.step)
+                ):
                     self._leave_group()
                     member = self._join()
             self.completed = self.step >= max_steps
@@ -279,6 +283,19 @@ class Trainer:
     def _leave_group(self) -> None:
         self._ddp = None
         grp.destroy_group()
+
+    def _hold(self, step: int) -> bool:
+        """Wait at a scheduled step until the coordinator has settled its membership;
+        True if this member must switch generation (every member holds at the same step,
+        so all see the same answer without a control word)."""
+        assert self._agent is not None
+        while True:
+            resp = self._agent.beat_now()
+            if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
+                break
+            self._agent.wait_change(0.005)
+        newer = resp.generation is not None and resp.generation.id > self.generation
+        return resp.stop or resp.role != Role.MEMBER or newer
 
     def _join(self) -> bool:
         """Wait for, and form, the newest generation that has this worker as a member.
