@@ -155,8 +155,15 @@ class Agent:
             self.worker_id, FailureReport(generation=generation, step=step, error=error[:500])
         )
 
-    def close(self, *, step: int, completed: bool) -> None:
-        """Flush the outbox, report the end of training, stop heartbeating."""
+    def report_done(self, *, step: int, completed: bool) -> None:
+        """Tell the coordinator this worker's training loop has ended."""
+        self._client.report_done(self.worker_id, DoneReport(step=step, completed=completed))
+
+    def close(self) -> None:
+        """Deliver what is still in the outbox and stop heartbeating (at process exit, so
+        that metrics the script logs after its loop still reach the job's status)."""
+        if self._closed:
+            return
         self._closed = True
         self._wake.set()
         if self._thread is not None:
@@ -167,7 +174,8 @@ class Agent:
             )
         try:
             self._client.heartbeat(self.worker_id, req)
-            self._client.report_done(self.worker_id, DoneReport(step=step, completed=completed))
+        except Exception:  # noqa: BLE001 - the job may be gone already; nothing to save
+            pass
         finally:
             self._client.close()
             self._beat_client.close()

@@ -21,6 +21,7 @@ Contracts:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -158,14 +159,11 @@ class Trainer:
         global _current
         if max_steps < 0:
             raise ValueError(f"max_steps must be at least 0, got {max_steps}")
-        _current = self
-        try:
-            if self._env is None:
-                yield from self._run_alone(max_steps)
-            else:
-                yield from self._run_elastic(max_steps)
-        finally:
-            _current = None
+        _current = self  # stays set after the loop: ``log`` after it still reports
+        if self._env is None:
+            yield from self._run_alone(max_steps)
+        else:
+            yield from self._run_elastic(max_steps)
 
     # -- standalone ------------------------------------------------------------------
     def _run_alone(self, max_steps: int) -> Iterator[Step]:
@@ -214,7 +212,10 @@ class Trainer:
             self.completed = self.step >= max_steps
         finally:
             self._leave_group()
-            self._agent.close(step=self.step, completed=self.completed)
+            try:
+                self._agent.report_done(step=self.step, completed=self.completed)
+            finally:
+                atexit.register(self._agent.close)
 
     def _before_sync(self, step: Step) -> None:
         """Set the control word for this step's all-reduce from the newest heartbeat."""

@@ -1,0 +1,66 @@
+"""The membership plan is a pure function: queue pools, check the decisions."""
+
+from tidal.policy.reconcile import Pool, reconcile
+from tidal.policy.schedule import future_peak
+
+
+def test_first_generation_waits_for_the_whole_initial_group():
+    plan = reconcile(Pool(members=[], standby=[0], starting=[1], target=2, forming=True))
+    assert plan.members is None and plan.start == 0
+    plan = reconcile(Pool(members=[], standby=[0, 1], starting=[], target=2, forming=True))
+    assert plan.members == [0, 1]
+    assert "start" in plan.reason
+
+
+def test_cold_start_launches_target_plus_spares():
+    plan = reconcile(Pool(members=[], standby=[], starting=[], target=2, spares=1, forming=True))
+    assert plan.start == 3
+
+
+def test_scale_up_admits_ready_standbys_in_order_and_starts_the_rest():
+    plan = reconcile(Pool(members=[0, 1], standby=[5], starting=[], target=4))
+    assert plan.members == [0, 1, 5]
+    assert plan.start == 1
+    assert "5 joined" in plan.reason
+
+
+def test_scale_up_while_processes_start_does_not_start_more():
+    plan = reconcile(Pool(members=[0, 1], standby=[], starting=[2], target=3))
+    assert plan.members is None and plan.start == 0
+
+
+def test_scale_down_removes_highest_ranks_and_keeps_spares_warm():
+    plan = reconcile(Pool(members=[0, 1, 2], standby=[], starting=[], target=1, spares=1))
+    assert plan.members == [0]
+    assert plan.to_standby == [1]
+    assert plan.retire == [2]
+    assert "left" in plan.reason
+
+
+def test_scale_down_without_future_need_retires_everyone_removed():
+    plan = reconcile(Pool(members=[0, 1, 2], standby=[], starting=[], target=1))
+    assert plan.members == [0] and plan.retire == [1, 2] and plan.to_standby == []
+
+
+def test_surplus_standbys_are_retired():
+    plan = reconcile(Pool(members=[0], standby=[3, 4], starting=[], target=1, spares=1))
+    assert plan.members is None
+    assert plan.retire == [3]
+
+
+def test_steady_state_is_a_no_op():
+    plan = reconcile(Pool(members=[0, 1], standby=[], starting=[], target=2))
+    assert plan.members is None and plan.start == 0 and plan.retire == []
+
+
+def test_replacement_after_failure_is_started():
+    plan = reconcile(Pool(members=[0], standby=[], starting=[], target=2))
+    assert plan.members is None and plan.start == 1
+
+
+def test_future_peak_looks_only_ahead():
+    sched = ((40, 3), (100, 1), (160, 2))
+    assert future_peak(sched, 0) == 3
+    assert future_peak(sched, 40) == 2
+    assert future_peak(sched, 100) == 2
+    assert future_peak(sched, 160) == 0
