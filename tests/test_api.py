@@ -52,8 +52,18 @@ def test_scale_with_token_validates_the_range(served):
 def test_status_is_readable_without_token_and_has_the_contract_fields(served):
     _, base = served
     data = httpx.get(base + "/status").json()
-    for key in ("name", "state", "step", "world_size", "target_workers", "workers",
-                "generations", "events", "metrics", "checkpoints"):
+    for key in (
+        "name",
+        "state",
+        "step",
+        "world_size",
+        "target_workers",
+        "workers",
+        "generations",
+        "events",
+        "metrics",
+        "checkpoints",
+    ):
         assert key in data
     assert data["state"] == "pending" and data["name"] == "api-test"
 

@@ -95,11 +95,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     schedule = parse_schedule(args.schedule) if args.schedule else ()
     peak = max([args.workers, *(c for _, c in schedule)])
     spec = JobSpec(
-        name=name, script=str(script.resolve()), script_args=list(args.script_args),
-        workers=args.workers, min_workers=args.min_workers,
+        name=name,
+        script=str(script.resolve()),
+        script_args=list(args.script_args),
+        workers=args.workers,
+        min_workers=args.min_workers,
         max_workers=args.max_workers if args.max_workers is not None else peak,
-        backend=args.backend, policy=args.policy, schedule=schedule,
-        heartbeat_timeout_s=args.heartbeat_timeout, collective_timeout_s=args.collective_timeout,
+        backend=args.backend,
+        policy=args.policy,
+        schedule=schedule,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        collective_timeout_s=args.collective_timeout,
         max_restarts=args.max_restarts,
     )
     from tidal.backends import get_backend
@@ -119,8 +125,17 @@ def _detach(spec: JobSpec, home: Path) -> int:
     jd.path.mkdir(parents=True, exist_ok=True)
     with open(jd.path / "coordinator.log", "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tidal.coordinator.runner", str(home), json.dumps(spec.to_dict())],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "tidal.coordinator.runner",
+                str(home),
+                json.dumps(spec.to_dict()),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -184,11 +199,23 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             db.close()
         rows = [get_status(home, n) for n in names]
     if args.json:
-        print(json.dumps([
-            {"name": s.name, "state": s.state.value, "step": s.step, "world_size": s.world_size,
-             "target_workers": s.target_workers, "created": s.created, "script": s.script}
-            for s in rows
-        ], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": s.name,
+                        "state": s.state.value,
+                        "step": s.step,
+                        "world_size": s.world_size,
+                        "target_workers": s.target_workers,
+                        "created": s.created,
+                        "script": s.script,
+                    }
+                    for s in rows
+                ],
+                indent=2,
+            )
+        )
     else:
         from tidal.display import print_jobs
 
@@ -206,14 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[common], help="run a training script as an elastic job")
     run.add_argument("--workers", type=int, default=1, help="initial worker count (default 1)")
     run.add_argument("--min-workers", type=int, default=1)
-    run.add_argument("--max-workers", type=int, default=None, help="default: the largest count asked for")
+    run.add_argument(
+        "--max-workers", type=int, default=None, help="default: the largest count asked for"
+    )
     run.add_argument("--backend", default="local")
     run.add_argument("--policy", default="static")
     run.add_argument("--name", help="job name (default SCRIPT-xxxx)")
     run.add_argument("--schedule", help="scripted scaling, STEP:WORKERS pairs, e.g. 50:3,120:1")
     run.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
-    run.add_argument("--collective-timeout", type=float, default=120.0, help="seconds (default 120)")
-    run.add_argument("--max-restarts", type=int, default=3, help="replacements after failures (default 3)")
+    run.add_argument(
+        "--collective-timeout", type=float, default=120.0, help="seconds (default 120)"
+    )
+    run.add_argument(
+        "--max-restarts", type=int, default=3, help="replacements after failures (default 3)"
+    )
     run.add_argument("--detach", action="store_true", help="print the job name and return")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("script")

@@ -65,25 +65,41 @@ def print_status(s: JobStatus) -> None:
     console = Console(highlight=False)
     summary = Table.grid(padding=(0, 2))
     summary.add_row("job", f"[bold]{s.name}[/bold]", "state", s.state.value)
-    summary.add_row("step", str(s.step), "workers", f"{s.world_size} (target {s.target_workers}, "
-                    f"range {s.min_workers}-{s.max_workers})")
+    summary.add_row(
+        "step",
+        str(s.step),
+        "workers",
+        f"{s.world_size} (target {s.target_workers}, range {s.min_workers}-{s.max_workers})",
+    )
     summary.add_row("script", s.script, "url", s.url or "-")
     if s.metrics:
-        summary.add_row("metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", "")
+        summary.add_row(
+            "metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", ""
+        )
     console.print(summary)
     workers = Table(title="workers")
     for col in ("id", "rank", "pid", "state", "exit"):
         workers.add_column(col)
     for w in s.workers:
-        workers.add_row(str(w.id), "-" if w.rank is None else str(w.rank), str(w.pid or "-"),
-                        w.state.value, "-" if w.exit_code is None else str(w.exit_code))
+        workers.add_row(
+            str(w.id),
+            "-" if w.rank is None else str(w.rank),
+            str(w.pid or "-"),
+            w.state.value,
+            "-" if w.exit_code is None else str(w.exit_code),
+        )
     console.print(workers)
     gens = Table(title="generations")
     for col in ("id", "size", "start step", "pause s", "reason"):
         gens.add_column(col)
     for g in s.generations[-10:]:
-        gens.add_row(str(g.id), str(g.world_size), "-" if g.start_step is None else str(g.start_step),
-                     "-" if g.pause_s is None else f"{g.pause_s:.3f}", g.reason)
+        gens.add_row(
+            str(g.id),
+            str(g.world_size),
+            "-" if g.start_step is None else str(g.start_step),
+            "-" if g.pause_s is None else f"{g.pause_s:.3f}",
+            g.reason,
+        )
     console.print(gens)
     for e in s.events[-8:]:
         console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {e.message}")
@@ -94,6 +110,11 @@ def print_jobs(rows: list[JobStatus]) -> None:
     for col in ("name", "state", "step", "workers", "created"):
         table.add_column(col)
     for s in rows:
-        table.add_row(s.name, s.state.value, str(s.step), f"{s.world_size}/{s.target_workers}",
-                      _fmt_time(s.created))
+        table.add_row(
+            s.name,
+            s.state.value,
+            str(s.step),
+            f"{s.world_size}/{s.target_workers}",
+            _fmt_time(s.created),
+        )
     Console(highlight=False).print(table)

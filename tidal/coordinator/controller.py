@@ -62,7 +62,8 @@ class Coordinator:
         self.db = Database(db_path(home))
         self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
         self.backend = get_backend(spec.backend)(
-            command=[spec.python, spec.script, *spec.script_args], log_dir=self.jobdir.logs,
+            command=[spec.python, spec.script, *spec.script_args],
+            log_dir=self.jobdir.logs,
             cwd=Path.cwd(),
         )
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -162,7 +163,11 @@ class Coordinator:
         if gen.start_step is None:
             gen.start_step = r.start_step
         prev_formed = [g.id for g in self.generations[: r.generation - 1] if g.formed]
-        if r.prev_last_step_time is not None and prev_formed and r.prev_generation == prev_formed[-1]:
+        if (
+            r.prev_last_step_time is not None
+            and prev_formed
+            and r.prev_generation == prev_formed[-1]
+        ):
             pause = r.first_step_time - r.prev_last_step_time
             gen.pause_s = max(gen.pause_s or 0.0, pause)
         self.db.upsert_generation(self.spec.name, gen.view())
@@ -176,9 +181,14 @@ class Coordinator:
             latest = self.latest
             if latest is None or r.generation != latest.id or self.outcome is not None:
                 return  # a newer generation already answers it
-            self.event("failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}")
+            self.event(
+                "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
+            )
             if self.reform_requested is None:
-                self.reform_requested = (time.monotonic(), f"worker {wid} reported a failed collective")
+                self.reform_requested = (
+                    time.monotonic(),
+                    f"worker {wid} reported a failed collective",
+                )
 
     def on_done(self, wid: int, r: DoneReport) -> None:
         with self.lock:
@@ -196,7 +206,9 @@ class Coordinator:
                 raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
             lo, hi = self.spec.min_workers, self.spec.max_workers
             if not lo <= n <= hi:
-                raise RequestError(f"{n} workers is outside [{lo}, {hi}] (--min-workers, --max-workers)")
+                raise RequestError(
+                    f"{n} workers is outside [{lo}, {hi}] (--min-workers, --max-workers)"
+                )
             self._set_target(n, "tidal scale")
 
     def on_stop(self) -> None:
@@ -254,15 +266,21 @@ class Coordinator:
             w.state = WorkerState.FAILED
             why = w.kill_reason or ex.describe()
             detail = self.backend.describe_exit(w.id) if ex.returncode > 0 else ""
-            self.event("failure", f"worker {w.id} failed ({why})" + (f": {detail}" if detail else ""))
+            self.event(
+                "failure", f"worker {w.id} failed ({why})" + (f": {detail}" if detail else "")
+            )
             if self.outcome is None:
                 if ex.returncode > 0 and w.kill_reason is None:
                     # The script raised: a bug every worker shares, not a lost machine.
-                    self._decide(JobState.FAILED, f"worker {w.id} {why}" + (f": {detail}" if detail else ""))
+                    self._decide(
+                        JobState.FAILED, f"worker {w.id} {why}" + (f": {detail}" if detail else "")
+                    )
                 else:
                     self.failures += 1
                     if was_member:
-                        self._open([m for m in self.members if m != w.id], f"worker {w.id} failed ({why})")
+                        self._open(
+                            [m for m in self.members if m != w.id], f"worker {w.id} failed ({why})"
+                        )
                     if self.failures > self.spec.max_restarts:
                         alive = [m for m in self.workers.values() if m.live and not m.retired]
                         self._set_target(
@@ -302,15 +320,20 @@ class Coordinator:
             self._set_target(count, f"--schedule at step {at}")
         decision = self._policy(
             Measurements(
-                step=self.step, world_size=self.world_size(), target=self.target,
-                min_workers=self.spec.min_workers, max_workers=self.spec.max_workers,
+                step=self.step,
+                world_size=self.world_size(),
+                target=self.target,
+                min_workers=self.spec.min_workers,
+                max_workers=self.spec.max_workers,
             )
         )
         self._set_target(decision.target, decision.reason)
 
     def _reconcile(self) -> None:
         members = [m for m in self.members if self.workers[m].live]
-        outside = [w for w in self.workers.values() if w.live and not w.retired and w.id not in members]
+        outside = [
+            w for w in self.workers.values() if w.live and not w.retired and w.id not in members
+        ]
         plan = reconcile(
             Pool(
                 members=members,
@@ -343,7 +366,9 @@ class Coordinator:
 
     def _open(self, members: list[int], reason: str, *, to_standby: list[int] = ()) -> None:
         prev = self.latest
-        gen = GenerationRecord(id=len(self.generations) + 1, members=members, reason=reason, opened_at=time.time())
+        gen = GenerationRecord(
+            id=len(self.generations) + 1, members=members, reason=reason, opened_at=time.time()
+        )
         self.store.set(f"{gen.store_prefix}/state", "open")
         if prev is not None:
             self.store.compare_set(f"{prev.store_prefix}/state", "open", "abandoned")
@@ -356,7 +381,9 @@ class Coordinator:
                 w.state = WorkerState.STANDBY if w.id in to_standby else WorkerState.STOPPING
             self.db.upsert_worker(self.spec.name, w.view())
         self.db.upsert_generation(self.spec.name, gen.view())
-        self.event("generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})")
+        self.event(
+            "generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})"
+        )
         if not members and self.outcome is None:
             self._decide(JobState.FAILED, "every worker was lost; nothing holds the training state")
 
@@ -377,8 +404,14 @@ class Coordinator:
         self.event("worker", f"worker {wid} started (pid {w.pid})")
 
     def _check_start_timeout(self) -> None:
-        if self.state == JobState.PENDING and time.time() - self.created > self.spec.start_timeout_s:
-            self._decide(JobState.FAILED, f"no generation formed within {self.spec.start_timeout_s:.0f} s; see the worker logs")
+        if (
+            self.state == JobState.PENDING
+            and time.time() - self.created > self.spec.start_timeout_s
+        ):
+            self._decide(
+                JobState.FAILED,
+                f"no generation formed within {self.spec.start_timeout_s:.0f} s; see the worker logs",
+            )
 
     def _wind_down(self, now: float) -> bool:
         """Once the outcome is decided: let members finish, tell the rest to exit, kill
@@ -410,8 +443,13 @@ class Coordinator:
     def flush(self) -> None:
         self._last_flush = time.monotonic()
         self.db.update_job(
-            self.spec.name, state=self.state.value, step=self.step, world_size=self.world_size(),
-            target_workers=self.target, metrics=self.metrics, url=self.url or None,
+            self.spec.name,
+            state=self.state.value,
+            step=self.step,
+            world_size=self.world_size(),
+            target_workers=self.target,
+            metrics=self.metrics,
+            url=self.url or None,
         )
         for w in self.workers.values():
             self.db.upsert_worker(self.spec.name, w.view())

@@ -77,7 +77,9 @@ class Database:
     # -- writes ------------------------------------------------------------------------
     def create_job(self, *, name: str, spec: dict, target: int) -> None:
         if self._read("SELECT 1 FROM jobs WHERE name = ?", (name,)):
-            raise ValueError(f"a job named {name!r} already exists in this home: pick another --name")
+            raise ValueError(
+                f"a job named {name!r} already exists in this home: pick another --name"
+            )
         self._write(
             "INSERT INTO jobs (name, state, spec, created, target_workers) VALUES (?, ?, ?, ?, ?)",
             (name, JobState.PENDING.value, json.dumps(spec), time.time(), target),
@@ -138,7 +140,15 @@ class Database:
         state, spec, created, step, world, target, url, metrics = rows[0]
         spec = json.loads(spec)
         workers = [
-            WorkerView(id=r[0], pid=r[1], host=r[2], state=r[3], rank=r[4], last_heartbeat=r[5], exit_code=r[6])
+            WorkerView(
+                id=r[0],
+                pid=r[1],
+                host=r[2],
+                state=r[3],
+                rank=r[4],
+                last_heartbeat=r[5],
+                exit_code=r[6],
+            )
             for r in self._read(
                 "SELECT id, pid, host, state, rank, last_heartbeat, exit_code FROM workers "
                 "WHERE job = ? ORDER BY id",
@@ -147,8 +157,13 @@ class Database:
         ]
         generations = [
             GenerationView(
-                id=r[0], members=json.loads(r[1]), world_size=len(json.loads(r[1])), reason=r[2],
-                opened_at=r[3], start_step=r[4], pause_s=r[5],
+                id=r[0],
+                members=json.loads(r[1]),
+                world_size=len(json.loads(r[1])),
+                reason=r[2],
+                opened_at=r[3],
+                start_step=r[4],
+                pause_s=r[5],
             )
             for r in self._read(
                 "SELECT id, members, reason, opened_at, start_step, pause_s FROM generations "
@@ -158,9 +173,19 @@ class Database:
         ]
         events = self.load_events(name)
         return JobStatus(
-            name=name, state=state, step=step, world_size=world, target_workers=target,
-            min_workers=spec["min_workers"], max_workers=spec["max_workers"],
-            script=spec["script"], created=created, url=url, workers=workers,
-            generations=generations, events=events, metrics=json.loads(metrics),
+            name=name,
+            state=state,
+            step=step,
+            world_size=world,
+            target_workers=target,
+            min_workers=spec["min_workers"],
+            max_workers=spec["max_workers"],
+            script=spec["script"],
+            created=created,
+            url=url,
+            workers=workers,
+            generations=generations,
+            events=events,
+            metrics=json.loads(metrics),
             checkpoints=[],
         )

@@ -26,8 +26,13 @@ class WorkerRecord:
 
     def view(self) -> WorkerView:
         return WorkerView(
-            id=self.id, rank=self.rank, pid=self.pid, state=self.state, host=self.host,
-            last_heartbeat=self.last_heartbeat, exit_code=self.exit_code,
+            id=self.id,
+            rank=self.rank,
+            pid=self.pid,
+            state=self.state,
+            host=self.host,
+            last_heartbeat=self.last_heartbeat,
+            exit_code=self.exit_code,
         )
 
 
@@ -57,7 +62,11 @@ class GenerationRecord:
 
     def view(self) -> GenerationView:
         return GenerationView(
-            id=self.id, world_size=len(self.members), members=self.members,
-            start_step=self.start_step, reason=self.reason, pause_s=self.pause_s,
+            id=self.id,
+            world_size=len(self.members),
+            members=self.members,
+            start_step=self.start_step,
+            reason=self.reason,
+            pause_s=self.pause_s,
             opened_at=self.opened_at,
         )

@@ -57,15 +57,21 @@ def make_app(coord: Coordinator) -> FastAPI:
         coord.on_stop()
         return coord.status()
 
-    @app.post(API_PREFIX + "/workers/{wid}/register", response_model=RegisterResponse, dependencies=auth)
+    @app.post(
+        API_PREFIX + "/workers/{wid}/register", response_model=RegisterResponse, dependencies=auth
+    )
     def register(wid: int, req: RegisterRequest) -> RegisterResponse:
         return call(coord.on_register, wid, req)
 
-    @app.post(API_PREFIX + "/workers/{wid}/heartbeat", response_model=HeartbeatResponse, dependencies=auth)
+    @app.post(
+        API_PREFIX + "/workers/{wid}/heartbeat", response_model=HeartbeatResponse, dependencies=auth
+    )
     def heartbeat(wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
         return call(coord.on_heartbeat, wid, req)
 
-    @app.get(API_PREFIX + "/workers/{wid}/role", response_model=HeartbeatResponse, dependencies=auth)
+    @app.get(
+        API_PREFIX + "/workers/{wid}/role", response_model=HeartbeatResponse, dependencies=auth
+    )
     def role(wid: int) -> HeartbeatResponse:
         return call(coord.on_role, wid)
 

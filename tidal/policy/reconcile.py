@@ -53,7 +53,7 @@ def reconcile(pool: Pool) -> Plan:
         else:
             admit = standby[:need]
         if admit:
-            standby = standby[len(admit):]
+            standby = standby[len(admit) :]
             new_members = members + admit
             names = ", ".join(str(w) for w in admit)
             reason = (

@@ -170,7 +170,10 @@ class Agent:
             self._thread.join(timeout=5)
         with self._lock:
             req = HeartbeatRequest(
-                step=self.step, generation=self.generation, metrics=self._metrics, reports=self._reports
+                step=self.step,
+                generation=self.generation,
+                metrics=self._metrics,
+                reports=self._reports,
             )
         try:
             self._client.heartbeat(self.worker_id, req)

@@ -36,7 +36,9 @@ def parse_faults(spec: str) -> list[Fault]:
         phase = fields.get("phase", "step")
         if phase not in PHASES:
             raise ValueError(f"unknown fault phase {phase!r} in TIDAL_FAULTS; known: {PHASES}")
-        faults.append(Fault(kind=kind, worker=int(fields["worker"]), step=int(fields["step"]), phase=phase))
+        faults.append(
+            Fault(kind=kind, worker=int(fields["worker"]), step=int(fields["step"]), phase=phase)
+        )
     return faults
 
 

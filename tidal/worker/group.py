@@ -43,9 +43,7 @@ def rendezvous(
         time.sleep(poll_s)
 
 
-def form_group(
-    store: dist.Store, info: GenerationInfo, rank: int, *, timeout_s: float
-) -> None:
+def form_group(store: dist.Store, info: GenerationInfo, rank: int, *, timeout_s: float) -> None:
     """Make the default process group this generation's (gloo; the old one must be gone)."""
     dist.init_process_group(
         "gloo",

@@ -272,9 +272,12 @@ class Trainer:
         return default_collate([self.dataset[int(i)] for i in piece])
 
     def _report_failure(self, exc: Exception) -> None:
-        print(f"tidal: worker {self.worker_id}: collective failed in generation "
-              f"{self.generation} at step {self.step}: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"tidal: worker {self.worker_id}: collective failed in generation "
+            f"{self.generation} at step {self.step}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.optimizer.zero_grad(set_to_none=True)
         try:
             self._agent.report_failure(self.generation, self.step, f"{type(exc).__name__}: {exc}")
@@ -345,5 +348,8 @@ class Trainer:
         self._gen_first_pending = True
         self._rate_mark = (time.monotonic(), self.step)
         if os.environ.get("TIDAL_DEBUG"):
-            print(f"tidal: gen {info.id} rank {rank}/{self.world_size} step {self.step} "
-                  f"heal src={result.source} sent={result.sent}", flush=True)
+            print(
+                f"tidal: gen {info.id} rank {rank}/{self.world_size} step {self.step} "
+                f"heal src={result.source} sent={result.sent}",
+                flush=True,
+            )
