@@ -119,7 +119,12 @@ class Coordinator:
             return HeartbeatResponse(
                 role=Role.MEMBER, generation=latest.info(), stop=stop, settled_step=settled
             )
-        return HeartbeatResponse(role=Role.STANDBY, stop=stop, settled_step=settled)
+        return HeartbeatResponse(
+            role=Role.STANDBY,
+            generation=latest.info() if latest else None,
+            stop=stop,
+            settled_step=settled,
+        )
 
     # -- API: workers --------------------------------------------------------------------
     def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
@@ -193,7 +198,7 @@ class Coordinator:
     def on_done(self, wid: int, r: DoneReport) -> None:
         with self.lock:
             w = self._worker(wid)
-            w.state, w.rank = WorkerState.STOPPING, None
+            self._stopping(w)
             self.step = max(self.step, r.step)
             if r.completed and self.outcome is None:
                 self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
@@ -262,6 +267,9 @@ class Coordinator:
         if ex.returncode == 0 and (w.state == WorkerState.STOPPING or w.retired):
             w.state = WorkerState.EXITED
             self.event("worker", f"worker {w.id} exited")
+        elif w.retired or (w.state == WorkerState.STOPPING and not was_member):
+            w.state = WorkerState.FAILED  # it was leaving anyway: no failure to recover from
+            self.event("worker", f"worker {w.id} {w.kill_reason or ex.describe()} while leaving")
         else:
             w.state = WorkerState.FAILED
             why = w.kill_reason or ex.describe()
@@ -291,8 +299,19 @@ class Coordinator:
         self.db.upsert_worker(self.spec.name, w.view())
 
     def _check_heartbeats(self) -> None:
+        """Kill hung workers (no heartbeat) and workers that do not leave when asked."""
         now = time.time()
         for w in self.workers.values():
+            if (
+                w.state == WorkerState.STOPPING
+                and w.kill_reason is None
+                and w.stopping_since is not None
+                and time.monotonic() - w.stopping_since > STOP_GRACE_S
+            ):
+                w.kill_reason = f"did not exit within {STOP_GRACE_S:.0f} s of being asked"
+                self.event("worker", f"worker {w.id} {w.kill_reason}; killing it")
+                self.backend.signal(w.id, signal.SIGKILL)
+                continue
             if (
                 w.state in (WorkerState.STANDBY, WorkerState.RUNNING, WorkerState.STOPPING)
                 and w.kill_reason is None
@@ -378,7 +397,10 @@ class Coordinator:
                 w.state, w.rank = WorkerState.RUNNING, members.index(w.id)
             elif w.state == WorkerState.RUNNING:
                 w.rank = None
-                w.state = WorkerState.STANDBY if w.id in to_standby else WorkerState.STOPPING
+                if w.id in to_standby:
+                    w.state = WorkerState.STANDBY
+                else:
+                    self._stopping(w)
             self.db.upsert_worker(self.spec.name, w.view())
         self.db.upsert_generation(self.spec.name, gen.view())
         self.event(
@@ -387,11 +409,16 @@ class Coordinator:
         if not members and self.outcome is None:
             self._decide(JobState.FAILED, "every worker was lost; nothing holds the training state")
 
+    def _stopping(self, w: WorkerRecord) -> None:
+        w.state, w.rank = WorkerState.STOPPING, None
+        if w.stopping_since is None:
+            w.stopping_since = time.monotonic()
+
     def _retire(self, w: WorkerRecord) -> None:
         w.retired = True
         if w.state == WorkerState.STARTING:
             self.backend.signal(w.id, signal.SIGTERM)
-        w.state = WorkerState.STOPPING
+        self._stopping(w)
         self.db.upsert_worker(self.spec.name, w.view())
 
     def _start_worker(self) -> None:

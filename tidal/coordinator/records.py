@@ -19,6 +19,7 @@ class WorkerRecord:
     exit_code: int | None = None
     retired: bool = False  # asked to exit (scale-down, job end)
     kill_reason: str | None = None  # why the coordinator killed it, if it did
+    stopping_since: float | None = None  # monotonic time it was asked to exit
 
     @property
     def live(self) -> bool:

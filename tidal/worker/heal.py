@@ -39,6 +39,21 @@ def _broadcast_blob(blob: bytes | None, src: int) -> bytes:
     return data.numpy().tobytes()
 
 
+@torch.no_grad()
+def _broadcast_tensors(tensors: list[torch.Tensor], src: int) -> None:
+    """One broadcast per dtype: parameters travel flattened, not a collective each."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, src)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def heal(
     *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int | None
 ) -> HealResult:
@@ -55,9 +70,7 @@ def heal(
         best, source = 0, 0
     elif all(v == best for v in values):
         return HealResult(source=source, step=best, sent=False)
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, source)
+    _broadcast_tensors(list(module.parameters()) + list(module.buffers()), source)
     blob = None
     if rank == source:
         buf = io.BytesIO()

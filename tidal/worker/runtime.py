@@ -130,6 +130,7 @@ class Trainer:
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._control = grp.ControlWord()
         self._env = WorkerEnv.from_environ()
+        self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
         self._stopping = False
@@ -238,6 +239,7 @@ class Trainer:
         self._has_state = True
         now = time.time()
         if self._gen_first_pending and self._agent is not None:
+            self._debug(f"first step {self.step} in gen {self.generation}")
             self._gen_first_pending = False
             self._agent.post_report(
                 StepReport(
@@ -293,12 +295,14 @@ class Trainer:
         True if this member must switch generation (every member holds at the same step,
         so all see the same answer without a control word)."""
         assert self._agent is not None
+        self._debug(f"hold at {step}")
         while True:
             resp = self._agent.beat_now()
             if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
                 break
             self._agent.wait_change(0.005)
         newer = resp.generation is not None and resp.generation.id > self.generation
+        self._debug(f"hold released (newer={newer})")
         return resp.stop or resp.role != Role.MEMBER or newer
 
     def _join(self) -> bool:
@@ -315,13 +319,16 @@ class Trainer:
                 return False
             info = resp.generation
             if resp.role != Role.MEMBER or info is None or info.id <= tried:
-                self._agent.wait_change(0.05 if resp.role == Role.STANDBY else 0.005)
+                newest = max(tried, info.id if info else 0)
+                grp.wait_for_generation(self._store, newest + 1, timeout_s=0.05)
                 continue
             tried = info.id
+            self._debug(f"join gen {info.id}")
             # Fatal, not a failure to heal from: every member would refuse the same way.
             self.sampler.check_world_size(len(info.members))
             if not grp.rendezvous(self._store, info, timeout_s=self._cfg.collective_timeout_s):
                 continue
+            self._debug(f"rendezvous gen {info.id} done")
             try:
                 self._form(info)
                 return True
@@ -332,6 +339,7 @@ class Trainer:
     def _form(self, info: GenerationInfo) -> None:
         rank = info.members.index(self._env.worker_id)
         grp.form_group(self._store, info, rank, timeout_s=self._cfg.collective_timeout_s)
+        self._debug("group formed")
         result = heal(
             module=self.module,
             optimizer=self.optimizer,
@@ -347,9 +355,11 @@ class Trainer:
         self._gen_prev_gen = self._last_step_gen
         self._gen_first_pending = True
         self._rate_mark = (time.monotonic(), self.step)
-        if os.environ.get("TIDAL_DEBUG"):
-            print(
-                f"tidal: gen {info.id} rank {rank}/{self.world_size} step {self.step} "
-                f"heal src={result.source} sent={result.sent}",
-                flush=True,
-            )
+        self._debug(
+            f"formed gen {info.id} rank {rank}/{self.world_size} step {self.step} "
+            f"heal src={result.source} sent={result.sent}"
+        )
+
+    def _debug(self, msg: str) -> None:
+        if self._debug_on:
+            print(f"tidal-debug {time.time():.4f} w{self.worker_id}: {msg}", flush=True)
