@@ -1,0 +1,153 @@
+"""What the coordinator answers: the API calls of workers and users.
+
+A mixin of ``Coordinator`` (which holds the state and the control loop); every handler takes
+``self.lock``, so it sees and leaves a consistent job. Handlers only record facts and
+requests; the control loop (``Coordinator.tick``) decides and acts on them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from tidal.protocol import (
+    DoneReport,
+    FailureReport,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JobState,
+    JobStatus,
+    RegisterRequest,
+    RegisterResponse,
+    Role,
+    StepReport,
+    WorkerConfig,
+    WorkerState,
+)
+
+if TYPE_CHECKING:
+    from tidal.coordinator.records import WorkerRecord
+
+
+class RequestError(ValueError):
+    """A client asked for something the job cannot do; the message says why."""
+
+
+class Handlers:
+    def _role(self, w: WorkerRecord) -> HeartbeatResponse:
+        stop = self.stop_requested_at is not None
+        latest = self.latest
+        if w.retired or self.outcome is not None:
+            return HeartbeatResponse(role=Role.EXIT, stop=stop)
+        settled = self.settled_step
+        if latest is not None and w.id in latest.members:
+            return HeartbeatResponse(
+                role=Role.MEMBER, generation=latest.info(), stop=stop, settled_step=settled
+            )
+        return HeartbeatResponse(
+            role=Role.STANDBY,
+            generation=latest.info() if latest else None,
+            stop=stop,
+            settled_step=settled,
+        )
+
+    # -- API: workers --------------------------------------------------------------------
+    def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
+        with self.lock:
+            w = self._worker(wid)
+            w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
+            if w.state == WorkerState.STARTING:
+                w.state = WorkerState.STANDBY
+            self.db.upsert_worker(self.spec.name, w.view())
+            self.event("worker", f"worker {wid} ready (pid {req.pid})")
+            return RegisterResponse(
+                job=self.spec.name,
+                config=WorkerConfig(
+                    heartbeat_interval_s=self.spec.heartbeat_interval_s,
+                    collective_timeout_s=self.spec.collective_timeout_s,
+                    store_host=self.host,
+                    store_port=self.store.port,
+                    hold_steps=[at for at, _ in self.spec.schedule],
+                ),
+            )
+
+    def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
+        with self.lock:
+            w = self._worker(wid)
+            w.last_heartbeat = time.time()
+            w.step = req.step
+            self.step = max(self.step, req.step)
+            self.metrics.update(req.metrics)
+            for report in req.reports:
+                self._on_step_report(report)
+            return self._role(w)
+
+    def on_role(self, wid: int) -> HeartbeatResponse:
+        with self.lock:
+            return self._role(self._worker(wid))
+
+    def _on_step_report(self, r: StepReport) -> None:
+        if not 1 <= r.generation <= len(self.generations):
+            return
+        gen = self.generations[r.generation - 1]
+        if gen.start_step is None:
+            gen.start_step = r.start_step
+        prev_formed = [g.id for g in self.generations[: r.generation - 1] if g.formed]
+        if (
+            r.prev_last_step_time is not None
+            and prev_formed
+            and r.prev_generation == prev_formed[-1]
+        ):
+            pause = r.first_step_time - r.prev_last_step_time
+            gen.pause_s = max(gen.pause_s or 0.0, pause)
+        self.db.upsert_generation(self.spec.name, gen.view())
+        if self.state == JobState.PENDING:
+            self.state = JobState.RUNNING
+            self.db.update_job(self.spec.name, state=self.state.value)
+
+    def on_failure(self, wid: int, r: FailureReport) -> None:
+        with self.lock:
+            self._worker(wid)
+            latest = self.latest
+            if latest is None or r.generation != latest.id or self.outcome is not None:
+                return  # a newer generation already answers it
+            self.event(
+                "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
+            )
+            if self.reform_requested is None:
+                self.reform_requested = (
+                    time.monotonic(),
+                    f"worker {wid} reported a failed collective",
+                )
+
+    def on_done(self, wid: int, r: DoneReport) -> None:
+        with self.lock:
+            w = self._worker(wid)
+            self._stopping(w)
+            self.step = max(self.step, r.step)
+            if r.completed and self.outcome is None:
+                self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
+            self.db.upsert_worker(self.spec.name, w.view())
+
+    # -- API: users ----------------------------------------------------------------------
+    def on_scale(self, n: int) -> None:
+        with self.lock:
+            if self.outcome is not None or self.stop_requested_at is not None:
+                raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
+            lo, hi = self.spec.min_workers, self.spec.max_workers
+            if not lo <= n <= hi:
+                raise RequestError(
+                    f"{n} workers is outside [{lo}, {hi}] (--min-workers, --max-workers)"
+                )
+            self._set_target(n, "tidal scale")
+
+    def on_stop(self) -> None:
+        with self.lock:
+            if self.stop_requested_at is None and self.outcome is None:
+                self.stop_requested_at = time.monotonic()
+                self.event("stop", "stop requested: members stop after the current step")
+
+    def status(self) -> JobStatus:
+        with self.lock:
+            self.flush()
+        return self.db.load_status(self.spec.name)
