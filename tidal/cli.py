@@ -9,6 +9,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tidal.config import JobSpec, parse_schedule
@@ -161,28 +162,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_scale(args: argparse.Namespace) -> int:
-    home = resolve_home(args.home)
-    client = _running_client(home, args.job)
+def _mutate(args: argparse.Namespace, call: Callable[[CoordinatorClient], JobStatus]) -> JobStatus:
+    """Run a mutating call on the job's running coordinator; its refusal is one CLI line."""
+    client = _running_client(resolve_home(args.home), args.job)
     try:
-        status = client.scale(args.workers)
+        return call(client)
     except CoordinatorError as exc:
         raise CliError(str(exc)) from None
     finally:
         client.close()
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    status = _mutate(args, lambda c: c.scale(args.workers))
     print(f"{status.name}: target {status.target_workers} workers (now {status.world_size})")
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    home = resolve_home(args.home)
-    client = _running_client(home, args.job)
-    try:
-        client.stop()
-    except CoordinatorError as exc:
-        raise CliError(str(exc)) from None
-    finally:
-        client.close()
+    _mutate(args, lambda c: c.stop())
     print(f"{args.job}: stopping")
     return 0
 

@@ -85,17 +85,22 @@ class Agent:
         return resp
 
     # -- the background thread -------------------------------------------------------
+    def _drain(self) -> HeartbeatRequest:
+        """The next heartbeat, carrying (and taking out of the outbox) what waits there."""
+        with self._lock:
+            req = HeartbeatRequest(
+                step=self.step,
+                generation=self.generation,
+                metrics=self._metrics,
+                reports=self._reports,
+            )
+            self._metrics, self._reports = {}, []
+        return req
+
     def _beat_loop(self) -> None:
         last_ok = time.monotonic()
         while not self._closed:
-            with self._lock:
-                req = HeartbeatRequest(
-                    step=self.step,
-                    generation=self.generation,
-                    metrics=self._metrics,
-                    reports=self._reports,
-                )
-                self._metrics, self._reports = {}, []
+            req = self._drain()
             try:
                 resp = self._beat_client.heartbeat(self.worker_id, req)
                 last_ok = time.monotonic()
@@ -168,15 +173,8 @@ class Agent:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        with self._lock:
-            req = HeartbeatRequest(
-                step=self.step,
-                generation=self.generation,
-                metrics=self._metrics,
-                reports=self._reports,
-            )
         try:
-            self._client.heartbeat(self.worker_id, req)
+            self._client.heartbeat(self.worker_id, self._drain())
         except Exception:  # noqa: BLE001 - the job may be gone already; nothing to save
             pass
         finally:
