@@ -65,7 +65,8 @@ class Coordinator(Handlers):
         self.failures = 0
         self.outcome: JobState | None = None  # decided; reached once every process is gone
         self.stop_requested_at: float | None = None
-        self.reform_requested: tuple[float, str] | None = None
+        # (when, generation, why): a member's collective failed in that generation
+        self.reform_requested: tuple[float, int, str] | None = None
         self.created = time.time()
         self._schedule_done = 0
         self._schedule_applied_at = 0.0
@@ -194,10 +195,11 @@ class Coordinator(Handlers):
     def _maybe_reform(self, now: float) -> None:
         if self.reform_requested is None:
             return
-        at, why = self.reform_requested
+        at, gen_id, why = self.reform_requested
         if now - at >= REFORM_GRACE_S:
             self.reform_requested = None
-            self._open(self.members, why)
+            if self.latest is not None and self.latest.id == gen_id:  # else already superseded
+                self._open(self.members, why)
 
     def _apply_schedule(self) -> None:
         sched = self.spec.schedule

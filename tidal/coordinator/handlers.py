@@ -115,10 +115,8 @@ class Handlers:
                 "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
             )
             if self.reform_requested is None:
-                self.reform_requested = (
-                    time.monotonic(),
-                    f"worker {wid} reported a failed collective",
-                )
+                why = f"worker {wid} reported a failed collective"
+                self.reform_requested = (time.monotonic(), latest.id, why)
 
     def on_done(self, wid: int, r: DoneReport) -> None:
         with self.lock:

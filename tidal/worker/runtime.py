@@ -50,6 +50,11 @@ def log(**metrics: float) -> None:
         _current._log(values)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
 class Step:
     """This worker's share of one global step."""
 
@@ -282,7 +287,7 @@ class Trainer:
         )
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            self._agent.report_failure(self.generation, self.step, f"{type(exc).__name__}: {exc}")
+            self._agent.report_failure(self.generation, self.step, _one_line(exc))
         except Exception:  # noqa: BLE001 - the coordinator also sees the failure itself
             pass
 
