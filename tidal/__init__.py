@@ -5,7 +5,21 @@ and dataset to Tidal), the ``Step`` it yields, and ``log`` (report metrics to th
 Everything else is importable but internal.
 """
 
-from tidal.worker.runtime import Step, Trainer, log
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.worker.runtime import Step, Trainer, log
 
 __all__ = ["Step", "Trainer", "log"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: the CLI imports tidal.* modules that must not pull in torch (1.6 s a call).
+    if name in __all__:
+        from tidal.worker import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'tidal' has no attribute {name!r}")

@@ -71,7 +71,9 @@ def destroy_group() -> None:
     if dist.is_initialized():
         box = [dist.group.WORLD]
         dist.destroy_process_group()
-        threading.Thread(target=box.clear, name="tidal-free-group", daemon=True).start()
+        # Not a daemon: the interpreter joins it before exiting; a process that exits while
+        # a gloo destructor runs aborts ("terminate called without an active exception").
+        threading.Thread(target=box.clear, name="tidal-free-group").start()
 
 
 def warm_up(module: torch.nn.Module) -> None:
