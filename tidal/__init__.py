@@ -11,13 +11,19 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tidal.worker.runtime import Step, Trainer, log
+    from tidal.worker.sources import IndexDataset, sample_seed, sample_seeds
 
-__all__ = ["Step", "Trainer", "log"]
+__all__ = ["Step", "Trainer", "log", "IndexDataset", "sample_seed", "sample_seeds"]
+_SOURCES = {"IndexDataset", "sample_seed", "sample_seeds"}
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
     # Lazy: the CLI imports tidal.* modules that must not pull in torch (1.6 s a call).
+    if name in _SOURCES:
+        from tidal.worker import sources
+
+        return getattr(sources, name)
     if name in __all__:
         from tidal.worker import runtime
 

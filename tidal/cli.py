@@ -15,6 +15,7 @@ from pathlib import Path
 from tidal.config import JobSpec, parse_schedule
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.coordinator.home import db_path, job_dir, resolve_home
+from tidal.coordinator.records import Resume
 from tidal.protocol import JobState, JobStatus
 
 
@@ -108,20 +109,62 @@ def cmd_run(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         collective_timeout_s=args.collective_timeout,
         max_restarts=args.max_restarts,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_interval_s=args.checkpoint_interval,
+        keep_checkpoints=args.keep_checkpoints,
     )
     from tidal.backends import get_backend
     from tidal.policy import get_policy
 
     get_backend(spec.backend)
     get_policy(spec.policy)
+    return _launch(spec, home, args, resume=None)
+
+
+def _launch(spec: JobSpec, home: Path, args: argparse.Namespace, resume: Resume | None) -> int:
     if args.detach:
-        return _detach(spec, home)
+        return _detach(spec, home, resume)
     from tidal.coordinator.runner import run_job
 
-    return run_job(spec, home, quiet=args.quiet)
+    return run_job(spec, home, quiet=args.quiet, resume=resume)
 
 
-def _detach(spec: JobSpec, home: Path) -> int:
+def cmd_resume(args: argparse.Namespace) -> int:
+    from tidal.checkpoint.store import newest_good
+
+    home = resolve_home(args.home)
+    status = get_status(home, args.job)  # one line for an unknown job
+    if status.state in (JobState.PENDING, JobState.RUNNING):
+        raise CliError(f"job {args.job!r} is running; `tidal stop` it before resuming")
+    if status.state == JobState.SUCCEEDED:
+        raise CliError(f"job {args.job!r} already succeeded; nothing to resume")
+    db = _database(home)
+    try:
+        spec_dict = db.job_spec(args.job)
+    finally:
+        db.close()
+    path, warnings = newest_good(job_dir(home, args.job).path / "checkpoints")
+    for line in warnings:
+        print(f"tidal: warning: {line}", file=sys.stderr)
+    if path is None:
+        raise CliError(f"job {args.job!r} has no good checkpoint to resume from")
+    workers = args.workers if args.workers is not None else spec_dict["workers"]
+    spec_dict.update(
+        workers=workers,
+        max_workers=max(workers, args.max_workers or spec_dict["max_workers"]),
+        min_workers=min(spec_dict["min_workers"], workers),
+    )
+    spec = JobSpec.from_dict(spec_dict)
+    step = int(json.loads((path / "meta.json").read_text())["step"])
+    resume = Resume(path=str(path), step=step, warnings=warnings)
+    print(
+        f"{spec.name}: resuming from {path.name} (step {step}) with {workers} workers",
+        file=sys.stderr,
+    )
+    return _launch(spec, home, args, resume)
+
+
+def _detach(spec: JobSpec, home: Path, resume: Resume | None) -> int:
     jd = job_dir(home, spec.name)
     jd.path.mkdir(parents=True, exist_ok=True)
     with open(jd.path / "coordinator.log", "ab") as log:
@@ -132,6 +175,7 @@ def _detach(spec: JobSpec, home: Path) -> int:
                 "tidal.coordinator.runner",
                 str(home),
                 json.dumps(spec.to_dict()),
+                *([json.dumps(vars(resume))] if resume else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -245,11 +289,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-restarts", type=int, default=3, help="replacements after failures (default 3)"
     )
+    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps")
+    run.add_argument("--checkpoint-interval", type=float, help="checkpoint every S seconds")
+    run.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K (default 3)")
     run.add_argument("--detach", action="store_true", help="print the job name and return")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(fn=cmd_run)
+
+    resume = sub.add_parser(
+        "resume", parents=[common], help="continue a stopped or interrupted job from its checkpoint"
+    )
+    resume.add_argument("job")
+    resume.add_argument("--workers", type=int, help="default: the job's recorded --workers")
+    resume.add_argument("--max-workers", type=int)
+    resume.add_argument("--detach", action="store_true")
+    resume.add_argument("--quiet", action="store_true")
+    resume.set_defaults(fn=cmd_resume)
 
     status = sub.add_parser("status", parents=[common], help="a job's state (default: the newest)")
     status.add_argument("job", nargs="?")
@@ -268,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = sub.add_parser("jobs", parents=[common], help="list the jobs under --home")
     jobs.add_argument("--json", action="store_true")
     jobs.set_defaults(fn=cmd_jobs)
+
+    from tidal.sim_cli import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

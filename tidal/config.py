@@ -44,6 +44,9 @@ class JobSpec:
     collective_timeout_s: float = 120.0
     start_timeout_s: float = 120.0
     max_restarts: int = 3
+    checkpoint_every: int | None = None
+    checkpoint_interval_s: float | None = None
+    keep_checkpoints: int = 3
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -73,8 +76,22 @@ class JobSpec:
                 "--collective-timeout must be longer than --heartbeat-timeout: a hung peer is "
                 "found by its missed heartbeats before a collective gives up on it"
             )
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(
+                f"--checkpoint-every must be at least 1 step, got {self.checkpoint_every}"
+            )
+        if self.checkpoint_interval_s is not None and self.checkpoint_interval_s <= 0:
+            raise ValueError(
+                f"--checkpoint-interval must be positive seconds, got {self.checkpoint_interval_s}"
+            )
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
+
+    @property
+    def checkpoints(self) -> bool:
+        return self.checkpoint_every is not None or self.checkpoint_interval_s is not None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -93,6 +93,11 @@ class WorkerConfig(BaseModel):
     store_host: str
     store_port: int
     hold_steps: list[int] = Field(default_factory=list)
+    checkpoint_dir: str | None = None  # None: no durable checkpoints
+    checkpoint_every: int | None = None
+    checkpoint_interval_s: float | None = None
+    keep_checkpoints: int = 3
+    resume_from: str | None = None  # a verified checkpoint every worker loads at start
 
 
 class RegisterRequest(BaseModel):
@@ -115,11 +120,23 @@ class StepReport(BaseModel):
     first_step_time: float
 
 
+class CheckpointView(BaseModel):
+    step: int
+    path: str
+    bytes: int | None = None
+    seconds_to_write: float | None = None
+
+
 class HeartbeatRequest(BaseModel):
+    """``leaving``: the worker got a preemption notice (SIGTERM) and asks to leave at the
+    next step boundary, a planned leave rather than a failure."""
+
     step: int = 0
     generation: int = 0
+    leaving: bool = False
     metrics: dict[str, float] = Field(default_factory=dict)
     reports: list[StepReport] = Field(default_factory=list)
+    checkpoints: list[CheckpointView] = Field(default_factory=list)
 
 
 class HeartbeatResponse(BaseModel):
@@ -168,11 +185,6 @@ class EventView(BaseModel):
     time: float
     kind: str
     message: str
-
-
-class CheckpointView(BaseModel):
-    step: int
-    path: str
 
 
 class JobStatus(BaseModel):

@@ -22,7 +22,7 @@ from tidal.config import JobSpec
 from tidal.coordinator.db import Database
 from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
-from tidal.coordinator.records import GenerationRecord, WorkerRecord
+from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.registry import Measurements, get_policy
 from tidal.policy.schedule import future_peak
@@ -39,15 +39,29 @@ STOP_GRACE_S = 30.0
 
 
 class Coordinator(Handlers):
-    def __init__(self, spec: JobSpec, home: Path, *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        home: Path,
+        *,
+        host: str = "127.0.0.1",
+        resume: Resume | None = None,
+    ) -> None:
         get_policy(spec.policy)  # fail early on an unknown name
         self.spec = spec
         self.host = host
+        self.resume = resume
         self.token = secrets.token_urlsafe(24)
         self.jobdir = job_dir(home, spec.name)
         self.jobdir.logs.mkdir(parents=True, exist_ok=True)
         self.db = Database(db_path(home))
-        self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
+        if resume is None:
+            self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
+            self._gen_base, self._worker_base = 0, 0
+        else:
+            self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
+            gen, wid = self.db.max_ids(spec.name)
+            self._gen_base, self._worker_base = gen, wid + 1
         self.backend = get_backend(spec.backend)(
             command=[spec.python, spec.script, *spec.script_args],
             log_dir=self.jobdir.logs,
@@ -58,8 +72,9 @@ class Coordinator(Handlers):
         self.url = ""
         self.state = JobState.PENDING
         self.target = spec.workers
-        self.step = 0
+        self.step = resume.step if resume else 0
         self.metrics: dict[str, float] = {}
+        self.leaving: list[int] = []  # workers that got a preemption notice
         self.workers: dict[int, WorkerRecord] = {}
         self.generations: list[GenerationRecord] = []
         self.failures = 0
@@ -68,12 +83,29 @@ class Coordinator(Handlers):
         # (when, generation, why): a member's collective failed in that generation
         self.reform_requested: tuple[float, int, str] | None = None
         self.created = time.time()
-        self._schedule_done = 0
+        # A resumed job has passed the schedule's earlier steps already.
+        passed = [at for at, _ in spec.schedule if at <= self.step]
+        self._schedule_done = len(passed)
         self._schedule_applied_at = 0.0
-        self.settled_step = -1  # the last --schedule step whose membership is in place
+        self.settled_step = passed[-1] if passed else -1  # last step whose membership is in place
         self._last_flush = 0.0
         self._policy = get_policy(spec.policy)
-        self.event("job", f"job {spec.name} created: {spec.workers} workers, script {spec.script}")
+        if resume is None:
+            self.event(
+                "job", f"job {spec.name} created: {spec.workers} workers, script {spec.script}"
+            )
+        else:
+            for line in resume.warnings:
+                self.event("checkpoint", line)
+            self.event(
+                "job",
+                f"job {spec.name} resumed from {resume.path} (step {resume.step}) "
+                f"with {spec.workers} workers",
+            )
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.jobdir.path / "checkpoints" if self.spec.checkpoints else None
 
     # -- helpers -------------------------------------------------------------------------
     def event(self, kind: str, message: str) -> None:
@@ -115,6 +147,7 @@ class Coordinator(Handlers):
                 self._on_exit(ex)
             self._check_heartbeats()
             if self.outcome is None:
+                self._release_leavers()
                 self._maybe_reform(now)
                 self._apply_schedule()
                 if self.stop_requested_at is not None:
@@ -192,6 +225,24 @@ class Coordinator(Handlers):
                 self.event("failure", f"worker {w.id} {w.kill_reason}; killing it")
                 self.backend.signal(w.id, signal.SIGKILL)
 
+    def _release_leavers(self) -> None:
+        """Preemption notices: each leaver leaves at the next step boundary (a planned
+        change, nothing redone) and the target shrinks with the capacity that went away."""
+        while self.leaving:
+            w = self.workers[self.leaving.pop(0)]
+            if not w.live or w.retired:
+                continue
+            self._set_target(
+                max(self.spec.min_workers, self.target - 1), f"worker {w.id} preempted"
+            )
+            was_member = w.id in self.members
+            self._retire(w)
+            if was_member:
+                self._open(
+                    [m for m in self.members if m != w.id],
+                    f"worker {w.id} left: preemption notice (SIGTERM)",
+                )
+
     def _maybe_reform(self, now: float) -> None:
         if self.reform_requested is None:
             return
@@ -257,7 +308,10 @@ class Coordinator(Handlers):
     def _open(self, members: list[int], reason: str, *, to_standby: list[int] = ()) -> None:
         prev = self.latest
         gen = GenerationRecord(
-            id=len(self.generations) + 1, members=members, reason=reason, opened_at=time.time()
+            id=self._gen_base + len(self.generations) + 1,
+            members=members,
+            reason=reason,
+            opened_at=time.time(),
         )
         self.store.set(f"{gen.store_prefix}/state", "open")
         if prev is not None:
@@ -293,7 +347,7 @@ class Coordinator(Handlers):
         self.db.upsert_worker(self.spec.name, w.view())
 
     def _start_worker(self) -> None:
-        wid = len(self.workers)
+        wid = self._worker_base + len(self.workers)
         w = WorkerRecord(id=wid)
         self.workers[wid] = w
         env = WorkerEnv(url=self.url, token=self.token, worker_id=wid).to_environ()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tidal.protocol import (
+    CheckpointView,
     EventView,
     GenerationView,
     JobState,
@@ -40,7 +41,8 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL, message TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
-    job TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, PRIMARY KEY (job, step)
+    job TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, bytes INTEGER,
+    seconds_to_write REAL, PRIMARY KEY (job, step)
 );
 """
 
@@ -109,9 +111,44 @@ class Database:
             (job, e.time, e.kind, e.message),
         )
 
+    def reopen_job(self, *, name: str, spec: dict, target: int) -> None:
+        """A resumed job: the same records, a new run."""
+        self.update_job(
+            name,
+            state=JobState.PENDING.value,
+            spec=json.dumps(spec),
+            target_workers=target,
+            world_size=0,
+        )
+
+    def add_checkpoint(self, job: str, c: CheckpointView) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+            (job, c.step, c.path, c.bytes, c.seconds_to_write),
+        )
+
+    def drop_checkpoint(self, job: str, step: int) -> None:
+        self._write("DELETE FROM checkpoints WHERE job = ? AND step = ?", (job, step))
+
     # -- reads -------------------------------------------------------------------------
     def job_names(self) -> list[str]:
         return [r[0] for r in self._read("SELECT name FROM jobs ORDER BY created")]
+
+    def max_ids(self, name: str) -> tuple[int, int]:
+        """The largest generation id and worker id recorded for ``name`` (0 and -1 if none)."""
+        gen = self._read("SELECT MAX(id) FROM generations WHERE job = ?", (name,))[0][0]
+        wid = self._read("SELECT MAX(id) FROM workers WHERE job = ?", (name,))[0][0]
+        return (gen or 0, -1 if wid is None else wid)
+
+    def checkpoints(self, name: str) -> list[CheckpointView]:
+        return [
+            CheckpointView(step=r[0], path=r[1], bytes=r[2], seconds_to_write=r[3])
+            for r in self._read(
+                "SELECT step, path, bytes, seconds_to_write FROM checkpoints WHERE job = ? "
+                "ORDER BY step",
+                (name,),
+            )
+        ]
 
     def job_spec(self, name: str) -> dict:
         rows = self._read("SELECT spec FROM jobs WHERE name = ?", (name,))
@@ -187,5 +224,5 @@ class Database:
             generations=generations,
             events=events,
             metrics=json.loads(metrics),
-            checkpoints=[],
+            checkpoints=self.checkpoints(name),
         )

@@ -8,9 +8,11 @@ requests; the control loop (``Coordinator.tick``) decides and acts on them.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.protocol import (
+    CheckpointView,
     DoneReport,
     FailureReport,
     HeartbeatRequest,
@@ -68,6 +70,11 @@ class Handlers:
                     store_host=self.host,
                     store_port=self.store.port,
                     hold_steps=[at for at, _ in self.spec.schedule],
+                    checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
+                    checkpoint_every=self.spec.checkpoint_every,
+                    checkpoint_interval_s=self.spec.checkpoint_interval_s,
+                    keep_checkpoints=self.spec.keep_checkpoints,
+                    resume_from=self.resume.path if self.resume else None,
                 ),
             )
 
@@ -78,21 +85,37 @@ class Handlers:
             w.step = req.step
             self.step = max(self.step, req.step)
             self.metrics.update(req.metrics)
+            for c in req.checkpoints:
+                self._on_checkpoint(c)
+            if req.leaving and wid not in self.leaving and not w.retired:
+                self.leaving.append(wid)
             for report in req.reports:
                 self._on_step_report(report)
             return self._role(w)
+
+    def _on_checkpoint(self, c: CheckpointView) -> None:
+        self.db.add_checkpoint(self.spec.name, c)
+        for old in self.db.checkpoints(self.spec.name):  # pruned by the writer
+            if not Path(old.path).exists():
+                self.db.drop_checkpoint(self.spec.name, old.step)
+        self.event(
+            "checkpoint",
+            f"checkpoint of step {c.step}: {c.path} ({c.bytes} bytes, "
+            f"{c.seconds_to_write:.2f} s to write)",
+        )
 
     def on_role(self, wid: int) -> HeartbeatResponse:
         with self.lock:
             return self._role(self._worker(wid))
 
     def _on_step_report(self, r: StepReport) -> None:
-        if not 1 <= r.generation <= len(self.generations):
+        index = next((i for i, g in enumerate(self.generations) if g.id == r.generation), None)
+        if index is None:
             return
-        gen = self.generations[r.generation - 1]
+        gen = self.generations[index]
         if gen.start_step is None:
             gen.start_step = r.start_step
-        prev_formed = [g.id for g in self.generations[: r.generation - 1] if g.formed]
+        prev_formed = [g.id for g in self.generations[:index] if g.formed]
         if (
             r.prev_last_step_time is not None
             and prev_formed

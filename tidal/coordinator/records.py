@@ -71,3 +71,12 @@ class GenerationRecord:
             pause_s=self.pause_s,
             opened_at=self.opened_at,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """Where a resumed job starts: a verified checkpoint, and why newer ones were refused."""
+
+    path: str
+    step: int
+    warnings: list[str] = field(default_factory=list)

@@ -15,18 +15,19 @@ from pathlib import Path
 
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.records import Resume
 from tidal.coordinator.server import ApiServer
 from tidal.protocol import JobState
 
 TICK_S = 0.005
 
 
-def run_job(spec: JobSpec, home: Path, *, quiet: bool = False) -> int:
+def run_job(spec: JobSpec, home: Path, *, quiet: bool = False, resume: Resume | None = None) -> int:
     """Run the job to its end; 0 if it succeeded. Must run on the main thread: workers are
     tied to the thread that launched them (they die with it)."""
     from tidal.display import Progress
 
-    coord = Coordinator(spec, home)
+    coord = Coordinator(spec, home, resume=resume)
     server = ApiServer(coord)
     coord.url = server.url
     server.start()
@@ -62,7 +63,8 @@ def run_job(spec: JobSpec, home: Path, *, quiet: bool = False) -> int:
 
 def main() -> int:
     home, spec_json = sys.argv[1], sys.argv[2]
-    return run_job(JobSpec.from_dict(json.loads(spec_json)), Path(home), quiet=True)
+    resume = Resume(**json.loads(sys.argv[3])) if len(sys.argv) > 3 else None
+    return run_job(JobSpec.from_dict(json.loads(spec_json)), Path(home), quiet=True, resume=resume)
 
 
 if __name__ == "__main__":

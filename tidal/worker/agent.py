@@ -9,6 +9,7 @@ switch, report a failure, report completion) are blocking round trips.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from tidal.coordinator.client import CoordinatorClient
 from tidal.protocol import (
+    CheckpointView,
     DoneReport,
     FailureReport,
     HeartbeatRequest,
@@ -70,6 +72,8 @@ class Agent:
         self._latest: HeartbeatResponse | None = None
         self._metrics: dict[str, float] = {}
         self._reports: list[StepReport] = []
+        self._checkpoints: list[CheckpointView] = []
+        self.leaving = False  # a preemption notice arrived: leave at the next step boundary
         self._closed = False
         self._thread: threading.Thread | None = None
         self.step = 0
@@ -91,10 +95,12 @@ class Agent:
             req = HeartbeatRequest(
                 step=self.step,
                 generation=self.generation,
+                leaving=self.leaving,
                 metrics=self._metrics,
                 reports=self._reports,
+                checkpoints=self._checkpoints,
             )
-            self._metrics, self._reports = {}, []
+            self._metrics, self._reports, self._checkpoints = {}, [], []
         return req
 
     def _beat_loop(self) -> None:
@@ -109,6 +115,7 @@ class Agent:
                 with self._lock:  # keep what was not delivered
                     self._metrics = {**req.metrics, **self._metrics}
                     self._reports = req.reports + self._reports
+                    self._checkpoints = req.checkpoints + self._checkpoints
                 if time.monotonic() - last_ok > ORPHAN_TIMEOUT_S and not self._closed:
                     print(
                         f"tidal: coordinator unreachable for {ORPHAN_TIMEOUT_S:.0f}s ({exc}); exiting",
@@ -154,6 +161,21 @@ class Agent:
         with self._lock:
             self._reports.append(report)
         self._wake.set()
+
+    def post_checkpoint(self, checkpoint: CheckpointView) -> None:
+        with self._lock:
+            self._checkpoints.append(checkpoint)
+        self._wake.set()
+
+    def install_preemption_handler(self) -> None:
+        """SIGTERM becomes a notice: ask the coordinator to let this worker leave (a planned
+        leave at the next step boundary: its peers already hold the state)."""
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            self.leaving = True
+            self._wake.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def report_failure(self, generation: int, step: int, error: str) -> None:
         self._client.report_failure(

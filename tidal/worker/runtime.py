@@ -37,6 +37,7 @@ from tidal.protocol import GenerationInfo, Role, StepReport
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
+from tidal.worker.durable import Durable
 from tidal.worker.faults import FaultInjector
 from tidal.worker.heal import heal
 
@@ -139,6 +140,7 @@ class Trainer:
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
         self._stopping = False
+        self._last_rank: int | None = None  # rank in the last generation this worker formed
         self._last_step_time: float | None = None
         self._last_step_gen: int | None = None
         self._gen_prev_gen: int | None = None
@@ -185,14 +187,21 @@ class Trainer:
         self._faults = FaultInjector.from_environ(self._env.worker_id)
         grp.warm_up(self.module)
         self._agent = Agent(self._env)
+        self._agent.install_preemption_handler()
         cfg = self._agent.register().config
         self._cfg = cfg
+        self._durable = Durable(cfg, self._agent)
+        resumed = self._durable.resume(self.module, self.optimizer)
+        if resumed is not None:
+            self.step, self._has_state = resumed, True
+            self._agent.step = resumed
         self._store = dist.TCPStore(
             cfg.store_host,
             cfg.store_port,
             is_master=False,
             timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
         )
+        finished = False
         try:
             member = self._join()
             while member and self.step < max_steps and not self._stopping:
@@ -206,6 +215,8 @@ class Trainer:
                     member = self._join()
                     continue
                 self._commit()
+                if self._durable.due(self.step) and self.rank == 0:
+                    self._checkpoint()
                 if self._control.stop:
                     self._stopping = True
                 elif self.step >= max_steps:
@@ -216,12 +227,26 @@ class Trainer:
                     self._leave_group()
                     member = self._join()
             self.completed = self.step >= max_steps
+            finished = member or self._stopping
         finally:
             self._leave_group()
+            if finished and self._last_rank == 0:  # the job's last step: completion or stop
+                self._checkpoint()
+            self._durable.wait()
             try:
                 self._agent.report_done(step=self.step, completed=self.completed)
             finally:
                 atexit.register(self._agent.close)
+
+    def _checkpoint(self) -> None:
+        stall = self._durable.save(
+            step=self.step,
+            module=self.module,
+            optimizer=self.optimizer,
+            meta={"world_size": self.world_size, **vars(self.sampler.position(self.step))},
+        )
+        if stall and self._agent is not None:
+            self._agent.post_metrics({"checkpoint_stall_s": stall})
 
     def _before_sync(self, step: Step) -> None:
         """Set the control word for this step's all-reduce from the newest heartbeat."""
@@ -319,8 +344,12 @@ class Trainer:
         tried = self.generation
         while True:
             resp = self._agent.fetch()
-            if resp.stop or resp.role == Role.EXIT:
-                self._stopping = self._stopping or resp.stop
+            if resp.stop:
+                self._stopping = True
+                return False
+            if resp.role != Role.MEMBER:
+                self._last_rank = None  # removed: no longer speaks for the job's state
+            if resp.role == Role.EXIT:
                 return False
             info = resp.generation
             if resp.role != Role.MEMBER or info is None or info.id <= tried:
@@ -354,6 +383,7 @@ class Trainer:
         self._has_state = True
         self._ddp = grp.wrap(self.module, self._control)
         self.rank, self.world_size, self.generation = rank, len(info.members), info.id
+        self._last_rank = rank
         self._agent.generation = info.id
         self._agent.step = self.step
         self._gen_prev_time = self._last_step_time

@@ -1,0 +1,1 @@
+"""Durable checkpoints: for losing the whole job, and for resuming at another world size."""

@@ -1,0 +1,132 @@
+"""The simulator's model of a data-parallel job, and named presets.
+
+A step of ``global_batch`` samples over ``n`` workers takes
+
+    compute(n) = global_batch / n * compute_s_per_sample
+    comm(n)    = 2(n-1)/n * grad_bytes / bandwidth_bytes_s + latency_s     (0 when n = 1)
+    step(n)    = compute(n) + comm(n)
+
+(no overlap of communication with the backward pass: the conservative reading, see
+``docs/policies.md``). A membership change stalls training for ``rescale_pause_s``. The
+figures of each preset and their public sources are listed in ``docs/policies.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC-2012 training set
+RESNET50_PARAMS = 25_557_032  # torchvision resnet50
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobModel:
+    """A job for the simulator. Invariants: every figure positive (latency, pause >= 0)."""
+
+    name: str
+    compute_s_per_sample: float
+    grad_bytes: float
+    bandwidth_bytes_s: float
+    latency_s: float
+    rescale_pause_s: float
+    global_batch: int
+    total_steps: int
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"job {self.name!r}: {msg}")
+
+        need(
+            math.isfinite(self.compute_s_per_sample) and self.compute_s_per_sample > 0,
+            f"compute per sample must be > 0 s, got {self.compute_s_per_sample} "
+            "(e.g. --sample-time 0.00083 for 1,200 samples/s)",
+        )
+        need(
+            math.isfinite(self.grad_bytes) and self.grad_bytes >= 0,
+            f"gradient bytes must be >= 0, got {self.grad_bytes}",
+        )
+        need(
+            math.isfinite(self.bandwidth_bytes_s) and self.bandwidth_bytes_s > 0,
+            f"bandwidth must be > 0, got {self.bandwidth_bytes_s} B/s (e.g. --bandwidth-gbit 25)",
+        )
+        need(
+            math.isfinite(self.latency_s) and self.latency_s >= 0,
+            f"latency must be >= 0 s, got {self.latency_s}",
+        )
+        need(
+            math.isfinite(self.rescale_pause_s) and self.rescale_pause_s >= 0,
+            f"rescale pause must be >= 0 s, got {self.rescale_pause_s}",
+        )
+        need(self.global_batch >= 1, f"global batch must be >= 1, got {self.global_batch}")
+        need(self.total_steps >= 1, f"total steps must be >= 1, got {self.total_steps}")
+
+    def compute_s(self, n: int) -> float:
+        return self.global_batch / n * self.compute_s_per_sample
+
+    def comm_s(self, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        return 2.0 * (n - 1) / n * self.grad_bytes / self.bandwidth_bytes_s + self.latency_s
+
+    def step_s(self, n: int) -> float:
+        return self.compute_s(n) + self.comm_s(n)
+
+    def samples_per_s(self, n: int) -> float:
+        return self.global_batch / self.step_s(n)
+
+    @property
+    def total_samples(self) -> int:
+        return self.total_steps * self.global_batch
+
+    def with_overrides(self, **changes: float | int | None) -> JobModel:
+        """A copy with the given fields replaced (``None`` values are ignored)."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        if not given:
+            return self
+        return replace(self, name=f"{self.name} (modified)", **given)
+
+
+_RESNET50_V100 = JobModel(
+    name="resnet50-v100",
+    compute_s_per_sample=1 / 1200,  # NVIDIA DLE: 1,200 img/s, 1 V100 16GB, mixed precision
+    grad_bytes=RESNET50_PARAMS * 4,  # fp32 gradients (AMP keeps fp32 parameters)
+    bandwidth_bytes_s=25e9 / 8,  # 25 Gbit/s Ethernet (AWS p3.16xlarge)
+    latency_s=1e-3,
+    rescale_pause_s=10.0,
+    global_batch=1024,
+    total_steps=90 * IMAGENET_TRAIN_IMAGES // 1024,  # 90 epochs of ImageNet
+    description="ResNet-50 v1.5, ImageNet 90 epochs, V100 mixed precision, 25 Gbit/s Ethernet",
+)
+
+PRESETS: dict[str, JobModel] = {
+    j.name: j
+    for j in (
+        _RESNET50_V100,
+        replace(
+            _RESNET50_V100,
+            name="resnet50-v100-fp32",
+            compute_s_per_sample=1 / 367,  # NVIDIA DLE: 367 img/s, 1 V100 16GB, FP32
+            description="as resnet50-v100 in FP32 (no tensor cores)",
+        ),
+        replace(
+            _RESNET50_V100,
+            name="resnet50-v100-100gbe",
+            bandwidth_bytes_s=100e9 / 8,  # AWS p3dn.24xlarge: 100 Gbit/s
+            description="as resnet50-v100 over 100 Gbit/s Ethernet",
+        ),
+    )
+}
+DEFAULT_JOB = _RESNET50_V100.name
+
+
+def get_job(name: str) -> JobModel:
+    """The preset called ``name``; a ValueError naming the known ones if there is none."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown job {name!r}; known jobs: {', '.join(sorted(PRESETS))}"
+        ) from None

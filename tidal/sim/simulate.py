@@ -1,0 +1,229 @@
+"""Replay a capacity trace through a scaling policy against a job model: pure Python.
+
+Event-driven: between two events the world size, the price and hence the progress rate and
+the spend rate are constant, so each interval is one multiplication, whatever the worker
+count. Events are trace rows, the end of a rescale pause, the job's completion and policy
+checks. A policy is asked every ``check_every_s`` at first; each answer that changes
+nothing doubles the wait up to ``max_check_every_s``; a trace row or a change resets it.
+
+The world size is ``min(target, capacity)``. Every change of the world size (the policy's,
+or a capacity drop or return) stalls training for the job's rescale pause; workers are paid
+for from the moment they are in the world, pauses included. The policy sees exactly what
+the coordinator would measure (``Measurements``): samples/s and the compute/communication
+split per size trained at, the measured pause once one happened, price, capacity, spend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from tidal.policy.inputs import Measurements, PolicyParams, SizeStats
+from tidal.policy.registry import get_policy, static
+from tidal.sim.job import JobModel
+from tidal.sim.trace import Trace
+
+STATIC_ALIASES = ("static-min", "static-max")
+COMPARE_POLICIES = ("static-min", "static-max", "throughput", "cost")
+DEADLINE_FACTOR = 1.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Bounds and knobs of one run. ``workers``: the initial target (default
+    ``workers_min``). ``start_s``: when in the trace the job starts. ``max_sim_s``: give up
+    (``completed`` False) after this much simulated time (default the trace's length
+    plus a year)."""
+
+    workers_min: int = 1
+    workers_max: int
+    workers: int | None = None
+    params: PolicyParams = field(default_factory=PolicyParams)
+    check_every_s: float = 30.0
+    max_check_every_s: float = 900.0
+    max_sim_s: float | None = None
+    start_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.start_s) and self.start_s >= 0):
+            raise ValueError(f"--start must be a duration >= 0, got {self.start_s} s")
+        if not 1 <= self.workers_min <= self.workers_max:
+            raise ValueError(
+                f"need 1 <= --workers-min <= --workers-max, got {self.workers_min} and "
+                f"{self.workers_max}"
+            )
+        if self.workers is not None and not self.workers_min <= self.workers <= self.workers_max:
+            raise ValueError(
+                f"--workers {self.workers} is outside [{self.workers_min}, {self.workers_max}]"
+            )
+        if not 0 < self.check_every_s <= self.max_check_every_s:
+            raise ValueError("need 0 < check_every_s <= max_check_every_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """One run's outcome. ``completion_s`` is None when the job did not finish."""
+
+    policy: str
+    completed: bool
+    completion_s: float | None
+    cost: float
+    cost_per_sample: float | None
+    worker_hours: float
+    samples: float
+    mean_workers: float
+    peak_workers: int
+    rescales: int
+    decisions: int
+    deadline_s: float | None = None
+    budget: float | None = None
+    log: tuple[tuple[float, int, str], ...] = ()
+
+    def to_dict(self, with_log: bool = False) -> dict:
+        out = asdict(self)
+        if not with_log:
+            out.pop("log")
+        else:
+            out["log"] = [{"time_s": t, "target": n, "reason": r} for t, n, r in self.log]
+        return out
+
+
+def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> SimResult:
+    """Run ``job`` under ``policy`` (a registered name, or ``static-min``/``static-max``:
+    the static policy at ``workers_min``/``workers_max``) over ``trace``."""
+    if policy == "static-min":
+        decide, target = static, config.workers_min
+    elif policy == "static-max":
+        decide, target = static, config.workers_max
+    else:
+        decide = get_policy(policy)
+        target = config.workers if config.workers is not None else config.workers_min
+    params = config.params
+    start = config.start_s
+    if config.max_sim_s is not None:
+        horizon = start + config.max_sim_s
+    else:
+        horizon = max(start, trace.duration_s) + 365 * 86400
+    total = float(job.total_steps)
+    steps_done, t, cost, worker_s = 0.0, start, 0.0, 0.0
+    world, peak, rescales = 0, 0, 0
+    pause_until, last_change = start, None
+    next_check, interval = start, config.check_every_s
+    trained: dict[int, list[float]] = {}  # size -> [steps, seconds]
+    cache: dict[int, SizeStats] = {}  # size -> its last SizeStats
+    log: list[tuple[float, int, str]] = []
+    idx = trace.index_at(start)
+    points = trace.points
+    while steps_done < total:
+        row = points[idx]
+        if t >= next_check:
+            decision = decide(
+                Measurements(
+                    step=int(steps_done),
+                    world_size=world,
+                    target=target,
+                    min_workers=config.workers_min,
+                    max_workers=config.workers_max,
+                    stats=_stats(job, trained, cache),
+                    rescale_pause_s=job.rescale_pause_s if rescales else None,
+                    price_per_worker_hour=row.price_per_worker_hour,
+                    capacity=row.capacity,
+                    max_steps=job.total_steps,
+                    elapsed_s=t - start,
+                    spent=cost,
+                    since_change_s=None if last_change is None else t - last_change,
+                    params=params,
+                )
+            )
+            if decision.target != target:
+                target, last_change = decision.target, t
+                log.append((t, target, decision.reason))
+                interval = config.check_every_s
+            else:
+                interval = min(2 * interval, config.max_check_every_s)
+            next_check = t + interval
+        want = min(target, row.capacity)
+        if want != world:
+            if want > 0 and (world > 0 or t > start):
+                pause_until = t + job.rescale_pause_s
+                rescales += 1
+            world = want
+            peak = max(peak, world)
+            interval = config.check_every_s
+            next_check = min(next_check, t + interval)
+        t_row = points[idx + 1].time_s if idx + 1 < len(points) else math.inf
+        if world == 0 and t_row == math.inf:
+            break  # no capacity for ever: the job cannot finish
+        t_next = min(t_row, next_check)
+        paused = pause_until > t
+        if paused:
+            t_next = min(t_next, pause_until)
+        elif world > 0:
+            t_next = min(t_next, t + (total - steps_done) * job.step_s(world))
+        if t_next > horizon:
+            break
+        dt = t_next - t
+        cost += world * row.price_per_worker_hour * dt / 3600.0
+        worker_s += world * dt
+        if world > 0 and not paused:
+            done = min(total - steps_done, dt / job.step_s(world))
+            steps_done = total if total - steps_done - done < 1e-9 else steps_done + done
+            acc = trained.setdefault(world, [0.0, 0.0])
+            acc[0] += done
+            acc[1] += dt
+        t = t_next
+        while idx + 1 < len(points) and points[idx + 1].time_s <= t:
+            idx += 1
+            interval = config.check_every_s
+            next_check = t
+    completed = steps_done >= total
+    samples = steps_done * job.global_batch
+    return SimResult(
+        policy=policy,
+        completed=completed,
+        completion_s=t - start if completed else None,
+        cost=cost,
+        cost_per_sample=cost / samples if samples > 0 else None,
+        worker_hours=worker_s / 3600.0,
+        samples=samples,
+        mean_workers=worker_s / (t - start) if t > start else 0.0,
+        peak_workers=peak,
+        rescales=rescales,
+        decisions=len(log),
+        deadline_s=params.deadline_s if decide is not static else None,
+        budget=params.budget if decide is not static else None,
+        log=tuple(log),
+    )
+
+
+def _stats(
+    job: JobModel, trained: dict[int, list[float]], cache: dict[int, SizeStats]
+) -> tuple[SizeStats, ...]:
+    """What the coordinator would have measured; ``cache`` keeps the unchanged sizes'."""
+    for n, (steps, _) in trained.items():
+        old = cache.get(n)
+        if steps >= 1 and (old is None or old.steps != int(steps)):
+            cache[n] = SizeStats(
+                world_size=n,
+                samples_per_s=job.samples_per_s(n),
+                samples=int(steps) * job.global_batch,
+                steps=int(steps),
+                compute_s=job.compute_s(n),
+                comm_s=job.comm_s(n),
+            )
+    return tuple(cache.values())
+
+
+def compare(job: JobModel, trace: Trace, config: SimConfig) -> list[SimResult]:
+    """Every policy of ``COMPARE_POLICIES``. Unless ``config.params.deadline_s`` is set,
+    the cost policy gets ``DEADLINE_FACTOR`` x the static-max completion time."""
+    results = [simulate(job, trace, name, config) for name in COMPARE_POLICIES[:2]]
+    fastest = results[1].completion_s
+    for name in COMPARE_POLICIES[2:]:
+        cfg = config
+        if name == "cost" and config.params.deadline_s is None and fastest is not None:
+            cfg = replace(
+                config, params=replace(config.params, deadline_s=DEADLINE_FACTOR * fastest)
+            )
+        results.append(simulate(job, trace, name, cfg))
+    return results

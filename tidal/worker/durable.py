@@ -1,0 +1,70 @@
+"""A worker's side of durable checkpoints: resume at start, save on schedule, flush at end.
+
+Only rank 0 of the current generation writes (every member holds the same state); the
+step it writes is a pure function of the step count (``--checkpoint-every``) or of rank 0's
+clock (``--checkpoint-interval``). The write is asynchronous (``AsyncCheckpointer``); a
+worker waits for its write in flight before it exits, and the job's last step (completion or
+``tidal stop``) is always checkpointed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.checkpoint import store
+from tidal.checkpoint.writer import AsyncCheckpointer
+from tidal.protocol import CheckpointView, WorkerConfig
+from tidal.worker.agent import Agent
+
+
+class Durable:
+    def __init__(self, cfg: WorkerConfig, agent: Agent) -> None:
+        self.cfg = cfg
+        self._last_time = time.monotonic()
+        self._writer: AsyncCheckpointer | None = None
+        if cfg.checkpoint_dir is not None:
+            self._writer = AsyncCheckpointer(
+                Path(cfg.checkpoint_dir),
+                keep=cfg.keep_checkpoints,
+                on_written=lambda w: agent.post_checkpoint(
+                    CheckpointView(
+                        step=w.step, path=w.path, bytes=w.bytes, seconds_to_write=w.seconds_to_write
+                    )
+                ),
+            )
+
+    def resume(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
+        """Load the checkpoint the coordinator chose, if any; returns its step."""
+        if self.cfg.resume_from is None:
+            return None
+        meta = store.load(Path(self.cfg.resume_from), module, optimizer)
+        store.restore_rng(meta)
+        return int(meta["step"])
+
+    def due(self, step: int) -> bool:
+        every, interval = self.cfg.checkpoint_every, self.cfg.checkpoint_interval_s
+        return (every is not None and step % every == 0) or (
+            interval is not None and time.monotonic() - self._last_time >= interval
+        )
+
+    def save(
+        self,
+        *,
+        step: int,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        meta: dict,
+    ) -> float:
+        """Checkpoint ``step`` (unless it is the one last written); returns the stall."""
+        if self._writer is None or self._writer.last_step == step:
+            return 0.0
+        self._last_time = time.monotonic()
+        self._writer.save(step=step, module=module, optimizer=optimizer, meta=meta)
+        return self._writer.last_stall_s
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.wait()
