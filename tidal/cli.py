@@ -55,6 +55,8 @@ def get_status(home: Path, name: str) -> JobStatus:
             return client.status()
         finally:
             client.close()
+    if not db_path(home).exists():
+        raise CliError(f"unknown job {name!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
     db = _database(home)
     try:
         status = db.load_status(name)

@@ -83,30 +83,61 @@ def restore_rng(meta: dict) -> None:
     random.setstate((version, tuple(state), gauss))
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingSnapshot:
+    """The first half of a snapshot, taken at once: what the next forward pass may change
+    (buffers such as running statistics) and the RNG. ``complete`` copies the rest
+    (parameters and optimizer state), which nothing changes until the next optimizer step,
+    so it may run on another thread while the next step computes."""
+
+    step: int
+    buffers: dict[str, torch.Tensor]
+    meta: dict
+
+    @torch.no_grad()
+    def complete(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
+        model = {
+            k: self.buffers[k] if k in self.buffers else _copy(v)
+            for k, v in module.state_dict(keep_vars=True).items()
+        }
+        opt = optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        state_meta: dict[str, dict] = {}
+        for pid, entries in opt["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"state.{pid}.{key}"] = _copy(value)
+                else:
+                    state_meta.setdefault(str(pid), {})[key] = value
+        return Snapshot(
+            step=self.step,
+            model=model,
+            optimizer_tensors=tensors,
+            optimizer_meta={"param_groups": opt["param_groups"], "state": state_meta},
+            meta=self.meta,
+        )
+
+
 @torch.no_grad()
+def begin_snapshot(*, step: int, module: torch.nn.Module, meta: dict) -> PendingSnapshot:
+    params = {id(p) for p in module.parameters()}
+    buffers = {
+        k: _copy(v) for k, v in module.state_dict(keep_vars=True).items() if id(v) not in params
+    }
+    return PendingSnapshot(
+        step=step, buffers=buffers, meta={**meta, "step": step, "time": time.time(), **_rng_meta()}
+    )
+
+
 def take_snapshot(
     *, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict
 ) -> Snapshot:
-    """Copy model and optimizer state (the only part the training step pays for)."""
-    model = {
-        k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()
-    }
-    opt = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    state_meta: dict[str, dict] = {}
-    for pid, entries in opt["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{pid}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
-            else:
-                state_meta.setdefault(str(pid), {})[key] = value
-    return Snapshot(
-        step=step,
-        model=model,
-        optimizer_tensors=tensors,
-        optimizer_meta={"param_groups": opt["param_groups"], "state": state_meta},
-        meta={**meta, "step": step, "time": time.time(), **_rng_meta()},
-    )
+    """The whole snapshot at once (what a synchronous save pays for)."""
+    return begin_snapshot(step=step, module=module, meta=meta).complete(module, optimizer)
 
 
 # -- writing -----------------------------------------------------------------------------

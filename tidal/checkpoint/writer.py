@@ -1,9 +1,13 @@
-"""Asynchronous checkpoint writing: the training step pays only for the snapshot copy.
+"""Asynchronous checkpoint writing: the training step pays for almost nothing.
 
-Serialisation, hashing, fsync and the rename run on a writer thread (the heavy parts,
-safetensors' copy, sha256 and file I/O, release the GIL). At most one write is in flight:
-a new checkpoint first waits for the previous write, so a slow disk delays training by at
-most one write and never queues snapshots in memory.
+``save`` copies at once only what the next forward pass may change (buffers, RNG). A writer
+thread then copies parameters and optimizer state, which nothing changes until the next
+optimizer step, while that step's forward and backward run; then it serialises, hashes,
+fsyncs and renames (safetensors' copy, sha256 and file I/O release the GIL). The trainer
+calls ``quiesce`` before anything modifies the state (the optimizer step, a heal): that is
+the only wait, and it lasts only as long as the copy outlives the step's compute. At most
+one write is in flight: a new ``save`` first waits for the previous write, so a slow disk
+delays training by at most one write and never queues snapshots in memory.
 """
 
 from __future__ import annotations
@@ -29,24 +33,46 @@ class AsyncCheckpointer:
         self.keep = keep
         self.on_written = on_written
         self._thread: threading.Thread | None = None
-        self.last_stall_s = 0.0
+        self._copied: threading.Event | None = None
+        self.last_stall_s = 0.0  # what the last checkpoint cost the training thread
         self.last_step: int | None = None
 
     def save(
         self, *, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict
     ) -> None:
-        """Snapshot now, write in the background. Returns once the snapshot is taken."""
+        """Begin a checkpoint of the current state; returns before it is copied. The caller
+        must ``quiesce`` before changing parameters or optimizer state."""
         start = time.monotonic()
         self.wait()
-        snap = store.take_snapshot(step=step, module=module, optimizer=optimizer, meta=meta)
-        self.last_stall_s = time.monotonic() - start
+        pending = store.begin_snapshot(step=step, module=module, meta=meta)
+        copied = threading.Event()
+        self._copied = copied
         self.last_step = step
         self._thread = threading.Thread(
-            target=self._write, args=(snap,), name="tidal-checkpoint", daemon=False
+            target=self._write, args=(pending, module, optimizer, copied), name="tidal-checkpoint"
         )
         self._thread.start()
+        self.last_stall_s = time.monotonic() - start
 
-    def _write(self, snap: store.Snapshot) -> None:
+    def quiesce(self) -> None:
+        """Block until the snapshot in flight has copied what the caller is about to change."""
+        if self._copied is not None:
+            start = time.monotonic()
+            self._copied.wait()
+            self._copied = None
+            self.last_stall_s += time.monotonic() - start
+
+    def _write(
+        self,
+        pending: store.PendingSnapshot,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        copied: threading.Event,
+    ) -> None:
+        try:
+            snap = pending.complete(module, optimizer)
+        finally:
+            copied.set()
         try:
             written = store.write(snap, self.directory)
             store.prune(self.directory, self.keep)
@@ -62,3 +88,4 @@ class AsyncCheckpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._copied = None

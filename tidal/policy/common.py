@@ -113,7 +113,7 @@ def gate(m: Measurements) -> Decision | Context:
     if here is None or not here.trusted(p):
         steps = here.steps if here is not None else 0
         return hold(m, f"measuring {m.world_size} workers: {steps}/{p.min_steps} steps")
-    if False:
+    if m.since_change_s is not None and m.since_change_s < p.cooldown_s:
         return hold(
             m,
             f"cooling down: last change {dur(m.since_change_s)} ago < {dur(p.cooldown_s)}",

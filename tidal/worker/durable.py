@@ -57,13 +57,21 @@ class Durable:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         meta: dict,
-    ) -> float:
-        """Checkpoint ``step`` (unless it is the one last written); returns the stall."""
+    ) -> None:
+        """Begin a checkpoint of ``step`` (unless it is the one last written)."""
         if self._writer is None or self._writer.last_step == step:
-            return 0.0
+            return
         self._last_time = time.monotonic()
         self._writer.save(step=step, module=module, optimizer=optimizer, meta=meta)
-        return self._writer.last_stall_s
+
+    def quiesce(self) -> None:
+        """Call before changing parameters or optimizer state (a snapshot may be copying)."""
+        if self._writer is not None:
+            self._writer.quiesce()
+
+    @property
+    def last_stall_s(self) -> float:
+        return self._writer.last_stall_s if self._writer is not None else 0.0
 
     def wait(self) -> None:
         if self._writer is not None:

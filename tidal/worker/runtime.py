@@ -141,6 +141,8 @@ class Trainer:
         self._store: dist.TCPStore | None = None
         self._stopping = False
         self._last_rank: int | None = None  # rank in the last generation this worker formed
+        self._durable: Durable | None = None
+        self._stall_pending = False
         self._last_step_time: float | None = None
         self._last_step_gen: int | None = None
         self._gen_prev_gen: int | None = None
@@ -239,14 +241,13 @@ class Trainer:
                 atexit.register(self._agent.close)
 
     def _checkpoint(self) -> None:
-        stall = self._durable.save(
+        self._durable.save(
             step=self.step,
             module=self.module,
             optimizer=self.optimizer,
             meta={"world_size": self.world_size, **vars(self.sampler.position(self.step))},
         )
-        if stall and self._agent is not None:
-            self._agent.post_metrics({"checkpoint_stall_s": stall})
+        self._stall_pending = True
 
     def _before_sync(self, step: Step) -> None:
         """Set the control word for this step's all-reduce from the newest heartbeat."""
@@ -263,6 +264,11 @@ class Trainer:
         self._control.before_allreduce = lambda: self._faults.maybe_fire(index, "allreduce")
 
     def _commit(self) -> None:
+        if self._durable is not None:
+            self._durable.quiesce()  # a snapshot may still be copying what the step changes
+            if self._stall_pending and self._agent is not None:
+                self._stall_pending = False
+                self._agent.post_metrics({"checkpoint_stall_s": self._durable.last_stall_s})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -372,6 +378,7 @@ class Trainer:
 
     def _form(self, info: GenerationInfo) -> None:
         rank = info.members.index(self._env.worker_id)
+        self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
         grp.form_group(self._store, info, rank, timeout_s=self._cfg.collective_timeout_s)
         self._debug("group formed")
         result = heal(

@@ -1,0 +1,160 @@
+"""Durable checkpoints end to end: lose the whole job, resume at another world size;
+a damaged newest checkpoint; preemption notices; stop checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from e2e_helpers import (
+    Home,
+    event_messages,
+    relative_l2,
+    running_workers,
+    summarize,
+    wait_gone,
+)
+
+STEPS = "300"
+
+
+def kill_everything(job) -> None:
+    """kill -9 of the coordinator and all its workers: the machine died."""
+    status = job.poll()
+    pids = [job.coordinator_info()["pid"]] + [w["pid"] for w in status["workers"] if w["pid"]]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not wait_gone(pids, timeout=10)
+
+
+def start_stalled_at(home: Home, name: str, step: int, save: Path):
+    """A 2-worker digits job checkpointing every 25 steps that stalls at ``step`` (worker 1
+    is SIGSTOPped there, so rank 0, the writer, waits in the all-reduce while its heartbeats
+    still report its checkpoints): a deterministic place to kill the machine."""
+    job = home.start(
+        name, "--workers", "2", "--checkpoint-every", "25", "--heartbeat-timeout", "100",
+        "--collective-timeout", "200",
+        script_args=["--max-steps", STEPS, "--save", str(save)],
+        faults=f"sigstop@worker=1,step={step}",
+    )
+    job.wait_for(
+        lambda s: s["step"] >= step and any(c["step"] == 100 for c in s["checkpoints"]),
+        timeout=90, what=f"the job to reach step {step} with a checkpoint of step 100",
+    )
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_everything_then_resume_on_three_workers(tidal_home: Home, reference_params, tmp_path):
+    save = tmp_path / "resumed.safetensors"
+    job = start_stalled_at(tidal_home, "crash", 120, save)
+    status = job.poll()
+    ckpts = status["checkpoints"]
+    assert [c["step"] for c in ckpts] == [50, 75, 100], summarize(status)
+    assert all(c["bytes"] > 0 and c["seconds_to_write"] >= 0 for c in ckpts)
+    kill_everything(job)
+
+    status = job.status()
+    assert status["state"] == "interrupted", summarize(status)
+    assert [c["step"] for c in status["checkpoints"]] == [50, 75, 100]
+
+    proc = tidal_home.cli("resume", "crash", "--workers", "3", "--quiet", timeout=180)
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    assert "step-00000100" in proc.stderr
+    status = job.status()
+    assert status["state"] == "succeeded" and status["step"] == 300, summarize(status)
+    resumed = [g for g in status["generations"] if g["start_step"] is not None][-1]
+    assert resumed["world_size"] == 3 and resumed["start_step"] == 100, summarize(status)
+    assert max(c["step"] for c in status["checkpoints"]) == 300  # the end is checkpointed
+    rel = relative_l2(reference_params(300), save)
+    assert rel <= 1e-4, f"resumed parameters differ by {rel:.2e}"
+    tidal_home.assert_no_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_damaged_newest_checkpoint_is_refused_on_resume(tidal_home: Home, reference_params, tmp_path):
+    save = tmp_path / "resumed.safetensors"
+    job = start_stalled_at(tidal_home, "flip", 110, save)
+    kill_everything(job)
+    newest = job.dir / "checkpoints" / "step-00000100" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-7] ^= 0x5A
+    newest.write_bytes(bytes(data))
+
+    proc = tidal_home.cli("resume", "flip", "--workers", "2", "--quiet", timeout=180)
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "step-00000100" in warnings[0] and "refused" in warnings[0]
+    assert "resuming from step-00000075" in proc.stderr
+    status = job.status()
+    assert status["state"] == "succeeded", summarize(status)
+    assert any("step-00000100" in m for m in event_messages(status, "checkpoint"))
+    assert relative_l2(reference_params(300), save) <= 1e-4
+    tidal_home.assert_no_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_to_a_worker_is_a_planned_leave(tidal_home: Home):
+    job = tidal_home.start("preempt", "--workers", "3", script_args=["--max-steps", "100000"])
+    status = job.wait_running(min_step=30, timeout=90)
+    n_gens = len(status["generations"])
+    victim = next(w for w in running_workers(status) if w["rank"] == 2)
+    os.kill(victim["pid"], signal.SIGTERM)
+
+    status = job.wait_for(
+        lambda s: any(g["world_size"] == 2 and g["pause_s"] is not None for g in s["generations"][n_gens:]),
+        timeout=60, what="a generation of two after the preemption notice",
+    )
+    gen = status["generations"][n_gens]
+    assert "preemption" in gen["reason"] and "failed" not in gen["reason"], summarize(status)
+    assert victim["id"] not in gen["members"]
+    # No step redone: the survivors start the new generation right after the last step
+    # they all committed, which a failure would not guarantee; and no failure is recorded.
+    assert not event_messages(status, "failure"), summarize(status)
+    job.wait_for(lambda s: next(w for w in s["workers"] if w["id"] == victim["id"])["state"] == "exited",
+                 timeout=30, what="the preempted worker to exit")
+    status = job.poll()
+    assert status["target_workers"] == 2
+    assert len(running_workers(status)) == 2
+    assert job.stop().returncode == 0
+    status = job.wait_state("stopped", "failed", "succeeded", timeout=60)
+    assert status["state"] == "stopped", summarize(status)
+    tidal_home.assert_no_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_stop_writes_a_final_checkpoint_that_resume_continues(tidal_home: Home, tmp_path):
+    job = tidal_home.start(
+        "stopme", "--workers", "2", "--checkpoint-every", "1000000",
+        script_args=["--max-steps", "1500", "--save", str(tmp_path / "final.safetensors")],
+    )
+    job.wait_running(min_step=200, timeout=90)
+    assert job.stop().returncode == 0
+    status = job.wait_state("stopped", "failed", "succeeded", timeout=60)
+    assert status["state"] == "stopped", summarize(status)
+    assert [c["step"] for c in status["checkpoints"]] == [status["step"]], summarize(status)
+    meta = json.loads((Path(status["checkpoints"][0]["path"]) / "meta.json").read_text())
+    assert meta["step"] == status["step"]
+
+    proc = tidal_home.cli("resume", "stopme", "--workers", "1", "--quiet", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    status = job.status()
+    assert status["state"] == "succeeded" and status["step"] == 1500, summarize(status)
+    assert (tmp_path / "final.safetensors").is_file()
+    tidal_home.assert_no_processes()
+
+
+def test_resume_refuses_unknown_and_running_jobs(tidal_home: Home):
+    proc = tidal_home.cli("resume", "nosuchjob")
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
+    assert "unknown job" in proc.stderr
