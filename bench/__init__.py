@@ -1,0 +1,1 @@
+"""Benchmarks: each measures Tidal against a peer in the same run and prints ratios."""

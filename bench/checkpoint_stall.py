@@ -1,0 +1,125 @@
+"""Checkpoint stall: what a checkpoint costs the training step, async against sync.
+
+``python -m bench.checkpoint_stall [--quick] [--json FILE]``
+
+A ~100 MB MLP (25 M float32 parameters) with SGD momentum (another 100 MB of state) trains
+on synthetic data. Three phases in one process: no checkpoints (the baseline step time),
+Tidal's asynchronous checkpoint every ``--every`` steps, and a synchronous save of the same
+files (the peer: what a plain ``save`` in the loop costs). The stall is the time the training
+thread waits for the checkpoint (``save`` plus the wait before the next optimizer step) plus
+how much longer the steps it overlaps get, as a percentage of the baseline step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.checkpoint import store
+from tidal.checkpoint.writer import AsyncCheckpointer
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2048, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 10),
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def step_fn(model, opt, x, y, before_update=lambda: None) -> None:
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    before_update()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run(steps: int, every: int, batch: int, mode: str, directory: Path) -> dict:
+    model, opt = build()
+    x, y = torch.randn(batch, 2048), torch.randint(0, 10, (batch,))
+    step_fn(model, opt, x, y)  # warm up allocations and momentum buffers
+    writer = AsyncCheckpointer(directory / mode, keep=2, on_written=lambda w: None)
+    times, blocked = [], []
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        step_fn(model, opt, x, y, writer.quiesce)
+        if mode == "async" and i % every == 1 and i > 1:
+            blocked.append(writer.last_stall_s)  # save() plus the wait before this update
+        if mode != "none" and i % every == 0:
+            s0 = time.perf_counter()
+            if mode == "async":
+                writer.save(step=i, module=model, optimizer=opt, meta={})
+            else:
+                snap = store.take_snapshot(step=i, module=model, optimizer=opt, meta={})
+                store.write(snap, directory / mode)
+                blocked.append(time.perf_counter() - s0)
+        times.append(time.perf_counter() - t0)
+    writer.wait()
+    size = sum(p.numel() * 4 for p in model.parameters())
+    return {"mode": mode, "step_s": times, "blocked_s": blocked, "params_mb": size / 1e6}
+
+
+def summarize(steps: list[float], every: int, baseline: float) -> tuple[float, float]:
+    """(extra seconds per checkpoint, as % of the baseline step)."""
+    extra = sum(steps) - baseline * len(steps)
+    per_ckpt = extra / max(1, len(steps) // every)
+    return per_ckpt, 100 * per_ckpt / baseline
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=128)
+    args = parser.parse_args()
+    steps = 12 if args.quick else 40
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = run(steps, args.every, args.batch, "none", Path(tmp))
+        baseline = statistics.median(base["step_s"])
+        results = {m: run(steps, args.every, args.batch, m, Path(tmp)) for m in ("async", "sync")}
+    rows = []
+    print(
+        f"model {base['params_mb']:.0f} MB of parameters + as much optimizer state; "
+        f"baseline step {baseline * 1000:.0f} ms; a checkpoint every {args.every} steps"
+    )
+    out = {}
+    for mode, res in results.items():
+        per, pct = summarize(res["step_s"], args.every, baseline)
+        blocked = statistics.mean(res["blocked_s"]) if res["blocked_s"] else 0.0
+        # The stall: the training thread's wait, or the steps' slowdown if that is larger.
+        stall = max(blocked, per, 0.0)
+        out[mode] = 100 * stall / baseline
+        print(
+            f"{mode:>5}: waits {blocked * 1000:7.1f} ms, steps slower by {per * 1000:7.1f} ms "
+            f"per checkpoint: stall {out[mode]:6.2f}% of a step"
+        )
+    ratio = out["sync"] / max(out["async"], 0.01)
+    print(f"sync stall / async stall = {ratio:.1f}x (goal: async at most 3.5% of a step)")
+    rows.append(
+        {
+            "name": "checkpoint_stall_pct",
+            "tidal": out["async"],
+            "peer": out["sync"],
+            "ratio": ratio,
+            "unit": "% of step",
+        }
+    )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
