@@ -16,6 +16,7 @@ from tidal.config import JobSpec, parse_schedule
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.coordinator.home import db_path, job_dir, resolve_home
 from tidal.coordinator.records import Resume
+from tidal.policy.inputs import parse_duration
 from tidal.protocol import JobState, JobStatus
 
 
@@ -114,6 +115,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         checkpoint_interval_s=args.checkpoint_interval,
         keep_checkpoints=args.keep_checkpoints,
+        price_per_worker_hour=args.price,
+        capacity_trace=_capacity(args.capacity),
+        min_efficiency=args.min_efficiency,
+        deadline_s=parse_duration(args.deadline) if args.deadline else None,
+        budget=args.budget,
+        decision_interval_s=args.decision_interval,
     )
     from tidal.backends import get_backend
     from tidal.policy import get_policy
@@ -121,6 +128,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     get_backend(spec.backend)
     get_policy(spec.policy)
     return _launch(spec, home, args, resume=None)
+
+
+def _capacity(path: str | None) -> str | None:
+    """A validated capacity trace's absolute path (one clear line if it is malformed)."""
+    if path is None:
+        return None
+    from tidal.sim.trace import load_trace
+
+    load_trace(path)
+    return str(Path(path).resolve())
 
 
 def _launch(spec: JobSpec, home: Path, args: argparse.Namespace, resume: Resume | None) -> int:
@@ -294,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps")
     run.add_argument("--checkpoint-interval", type=float, help="checkpoint every S seconds")
     run.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K (default 3)")
+    run.add_argument("--price", type=float, default=0.0, help="dollars per worker-hour")
+    run.add_argument("--capacity", help="CSV trace: time_s,capacity,price_per_worker_hour")
+    run.add_argument("--min-efficiency", type=float, default=0.7, help="throughput policy")
+    run.add_argument("--deadline", help="cost policy: finish within, e.g. 2h30m")
+    run.add_argument("--budget", type=float, help="cost policy: dollars for the whole job")
+    run.add_argument(
+        "--decision-interval", type=float, default=30.0, help="seconds between policy changes"
+    )
     run.add_argument("--detach", action="store_true", help="print the job name and return")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("script")

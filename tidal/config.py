@@ -47,6 +47,12 @@ class JobSpec:
     checkpoint_every: int | None = None
     checkpoint_interval_s: float | None = None
     keep_checkpoints: int = 3
+    price_per_worker_hour: float = 0.0
+    capacity_trace: str | None = None
+    min_efficiency: float = 0.7
+    deadline_s: float | None = None
+    budget: float | None = None
+    decision_interval_s: float = 30.0
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -86,6 +92,14 @@ class JobSpec:
             )
         if self.keep_checkpoints < 1:
             raise ValueError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if self.price_per_worker_hour < 0:
+            raise ValueError(f"--price must be at least 0, got {self.price_per_worker_hour}")
+        if not 0 < self.min_efficiency <= 1:
+            raise ValueError(f"--min-efficiency must be in (0, 1], got {self.min_efficiency}")
+        if self.decision_interval_s < 0:
+            raise ValueError(
+                f"--decision-interval must be at least 0 s, got {self.decision_interval_s}"
+            )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
 

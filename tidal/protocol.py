@@ -205,3 +205,6 @@ class JobStatus(BaseModel):
     events: list[EventView] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
     checkpoints: list[CheckpointView] = Field(default_factory=list)
+    cost: float = 0.0  # dollars spent so far (price per worker-hour x live workers x time)
+    cost_per_1k_samples: float | None = None
+    projected_cost: float | None = None  # at the current rate, when the job's length is known

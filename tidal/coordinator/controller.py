@@ -19,18 +19,22 @@ import torch.distributed as dist
 
 from tidal.backends import Exit, get_backend
 from tidal.config import JobSpec
+from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.db import Database
 from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
+from tidal.coordinator.scaling import Scaling
+from tidal.policy.inputs import PolicyParams
 from tidal.policy.reconcile import Pool, reconcile
-from tidal.policy.registry import Measurements, get_policy
+from tidal.policy.registry import get_policy
 from tidal.policy.schedule import future_peak
 from tidal.protocol import (
     EventView,
     JobState,
     WorkerState,
 )
+from tidal.sim.trace import load_trace
 from tidal.worker.agent import WorkerEnv
 
 FLUSH_EVERY_S = 0.5
@@ -38,7 +42,7 @@ REFORM_GRACE_S = 0.1  # let a dead peer's exit be seen before re-forming on a fa
 STOP_GRACE_S = 30.0
 
 
-class Coordinator(Handlers):
+class Coordinator(Handlers, Scaling):
     def __init__(
         self,
         spec: JobSpec,
@@ -72,6 +76,19 @@ class Coordinator(Handlers):
         self.url = ""
         self.state = JobState.PENDING
         self.target = spec.workers
+        self.requested = spec.workers
+        self.target_changed_at: float | None = None
+        self.accounting = Accounting(
+            price=spec.price_per_worker_hour,
+            trace=load_trace(spec.capacity_trace) if spec.capacity_trace else None,
+            params=PolicyParams(
+                min_efficiency=spec.min_efficiency,
+                deadline_s=spec.deadline_s,
+                budget=spec.budget,
+                cooldown_s=spec.decision_interval_s,
+                assumed_pause_s=1.0,  # joiners warm up before joining: pauses are short
+            ),
+        )
         self.step = resume.step if resume else 0
         self.metrics: dict[str, float] = {}
         self.leaving: list[int] = []  # workers that got a preemption notice
@@ -103,6 +120,8 @@ class Coordinator(Handlers):
                 f"with {spec.workers} workers",
             )
 
+        self._set_target(spec.workers, "the capacity at the start")
+
     @property
     def checkpoint_dir(self) -> Path | None:
         return self.jobdir.path / "checkpoints" if self.spec.checkpoints else None
@@ -131,9 +150,14 @@ class Coordinator(Handlers):
 
     # -- the control loop ----------------------------------------------------------------
     def _set_target(self, n: int, why: str) -> None:
-        if n != self.target:
-            self.event("scale", f"target {self.target} -> {n} ({why})")
-            self.target = n
+        """The requested count; the target is that, within the capacity available now."""
+        self.requested = n
+        cap = self.accounting.capacity()
+        effective = n if cap is None else max(0, min(n, cap))
+        if effective != self.target:
+            self.event("scale", f"target {self.target} -> {effective} ({why})")
+            self.target = effective
+            self.target_changed_at = time.monotonic()
 
     def _decide(self, outcome: JobState, why: str) -> None:
         self.outcome = outcome
@@ -147,9 +171,12 @@ class Coordinator(Handlers):
                 self._on_exit(ex)
             self._check_heartbeats()
             if self.outcome is None:
+                self._observe(now)
                 self._release_leavers()
                 self._maybe_reform(now)
                 self._apply_schedule()
+                self._apply_policy()
+                self._enforce_capacity()
                 if self.stop_requested_at is not None:
                     self.outcome = JobState.STOPPED if self.outcome is None else self.outcome
                 else:
@@ -225,24 +252,6 @@ class Coordinator(Handlers):
                 self.event("failure", f"worker {w.id} {w.kill_reason}; killing it")
                 self.backend.signal(w.id, signal.SIGKILL)
 
-    def _release_leavers(self) -> None:
-        """Preemption notices: each leaver leaves at the next step boundary (a planned
-        change, nothing redone) and the target shrinks with the capacity that went away."""
-        while self.leaving:
-            w = self.workers[self.leaving.pop(0)]
-            if not w.live or w.retired:
-                continue
-            self._set_target(
-                max(self.spec.min_workers, self.target - 1), f"worker {w.id} preempted"
-            )
-            was_member = w.id in self.members
-            self._retire(w)
-            if was_member:
-                self._open(
-                    [m for m in self.members if m != w.id],
-                    f"worker {w.id} left: preemption notice (SIGTERM)",
-                )
-
     def _maybe_reform(self, now: float) -> None:
         if self.reform_requested is None:
             return
@@ -251,24 +260,6 @@ class Coordinator(Handlers):
             self.reform_requested = None
             if self.latest is not None and self.latest.id == gen_id:  # else already superseded
                 self._open(self.members, why)
-
-    def _apply_schedule(self) -> None:
-        sched = self.spec.schedule
-        while self._schedule_done < len(sched) and self.step >= sched[self._schedule_done][0]:
-            at, count = sched[self._schedule_done]
-            self._schedule_done += 1
-            self._schedule_applied_at = time.monotonic()
-            self._set_target(count, f"--schedule at step {at}")
-        decision = self._policy(
-            Measurements(
-                step=self.step,
-                world_size=self.world_size(),
-                target=self.target,
-                min_workers=self.spec.min_workers,
-                max_workers=self.spec.max_workers,
-            )
-        )
-        self._set_target(decision.target, decision.reason)
 
     def _reconcile(self) -> None:
         members = [m for m in self.members if self.workers[m].live]
@@ -394,6 +385,13 @@ class Coordinator(Handlers):
 
     def flush(self) -> None:
         self._last_flush = time.monotonic()
+        self.metrics.update(
+            self.accounting.summary(
+                step=self.step,
+                global_batch=self._int_metric("global_batch_size"),
+                max_steps=self._int_metric("max_steps"),
+            )
+        )
         self.db.update_job(
             self.spec.name,
             state=self.state.value,

@@ -175,6 +175,7 @@ class Database:
         if not rows:
             raise UnknownJob(name)
         state, spec, created, step, world, target, url, metrics = rows[0]
+        metrics = json.loads(metrics)
         spec = json.loads(spec)
         workers = [
             WorkerView(
@@ -223,6 +224,9 @@ class Database:
             workers=workers,
             generations=generations,
             events=events,
-            metrics=json.loads(metrics),
+            metrics=metrics,
             checkpoints=self.checkpoints(name),
+            cost=metrics.get("cost", 0.0),
+            cost_per_1k_samples=metrics.get("cost_per_1k_samples"),
+            projected_cost=metrics.get("projected_cost"),
         )

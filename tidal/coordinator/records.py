@@ -20,6 +20,7 @@ class WorkerRecord:
     retired: bool = False  # asked to exit (scale-down, job end)
     kill_reason: str | None = None  # why the coordinator killed it, if it did
     stopping_since: float | None = None  # monotonic time it was asked to exit
+    preempted: bool = False  # the coordinator sent it a preemption notice
 
     @property
     def live(self) -> bool:

@@ -193,6 +193,9 @@ class Trainer:
         cfg = self._agent.register().config
         self._cfg = cfg
         self._durable = Durable(cfg, self._agent)
+        self._agent.post_metrics(  # the coordinator's cost projection and policy need these
+            {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
+        )
         resumed = self._durable.resume(self.module, self.optimizer)
         if resumed is not None:
             self.step, self._has_state = resumed, True

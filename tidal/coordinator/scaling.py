@@ -1,0 +1,102 @@
+"""How the target worker count moves: the schedule, the policy, the capacity.
+
+A mixin of ``Coordinator``; every method runs on the control loop under ``self.lock``.
+Decisions come from pure functions (``policy``); this carries them out and records each as
+an event with its reason. The target is what was requested (``--workers``, ``tidal scale``,
+``--schedule`` or the policy) within the capacity available now; workers beyond the
+capacity get a preemption notice (SIGTERM) and leave at a step boundary, as on a cloud that
+reclaims spot instances.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from tidal.protocol import WorkerState
+
+
+class Scaling:
+    def _int_metric(self, key: str) -> int | None:
+        value = self.metrics.get(key)
+        return int(value) if value else None
+
+    def _observe(self, now: float) -> None:
+        latest = self.latest
+        live = sum(1 for w in self.workers.values() if w.live)
+        self.accounting.observe(
+            now=now,
+            step=self.step,
+            world_size=self.world_size(),
+            generation=latest.id if latest else 0,
+            live=live,
+        )
+
+    def _apply_schedule(self) -> None:
+        sched = self.spec.schedule
+        while self._schedule_done < len(sched) and self.step >= sched[self._schedule_done][0]:
+            at, count = sched[self._schedule_done]
+            self._schedule_done += 1
+            self._schedule_applied_at = time.monotonic()
+            self._set_target(count, f"--schedule at step {at}")
+
+    def _apply_policy(self) -> None:
+        pauses = [g.pause_s for g in self.generations if g.pause_s is not None]
+        changed = self.target_changed_at
+        m = self.accounting.measurements(
+            step=self.step,
+            world_size=self.world_size(),
+            target=self.requested,
+            min_workers=self.spec.min_workers,
+            max_workers=self.spec.max_workers,
+            global_batch=self._int_metric("global_batch_size"),
+            max_steps=self._int_metric("max_steps"),
+            pause_s=sum(pauses) / len(pauses) if pauses else None,
+            since_change_s=time.monotonic() - changed if changed is not None else None,
+        )
+        decision = self._policy(m)
+        if decision.target != self.requested:
+            self.event("policy", f"{self.spec.policy}: {decision.reason}")
+            self._set_target(decision.target, f"{self.spec.policy} policy")
+
+    def _enforce_capacity(self) -> None:
+        cap = self.accounting.capacity()
+        if cap is None:
+            return
+        self._set_target(self.requested, f"capacity {cap} (--capacity)")
+        alive = [w for w in self.workers.values() if w.live and not w.retired and not w.preempted]
+        excess = len(alive) - cap
+        if excess <= 0:
+            return
+        members = self.members
+        # Spares first (nothing to hand over), then the highest ranks.
+        victims = [w for w in alive if w.id not in members][:excess]
+        victims += sorted(
+            (w for w in alive if w.id in members), key=lambda w: members.index(w.id), reverse=True
+        )[: excess - len(victims)]
+        for w in victims:
+            w.preempted = True
+            self.event("capacity", f"capacity {cap}: preemption notice (SIGTERM) to worker {w.id}")
+            if w.state in (WorkerState.STARTING, WorkerState.STANDBY):
+                self._retire(w)
+            self.backend.signal(w.id, signal.SIGTERM)
+
+    def _release_leavers(self) -> None:
+        """Preemption notices: each leaver leaves at the next step boundary (a planned
+        change, nothing redone). A notice the coordinator did not send means capacity went
+        away: the target shrinks with it."""
+        while self.leaving:
+            w = self.workers[self.leaving.pop(0)]
+            if not w.live or w.retired:
+                continue
+            if not w.preempted:
+                self._set_target(
+                    max(self.spec.min_workers, self.requested - 1), f"worker {w.id} preempted"
+                )
+            was_member = w.id in self.members
+            self._retire(w)
+            if was_member:
+                self._open(
+                    [m for m in self.members if m != w.id],
+                    f"worker {w.id} left: preemption notice (SIGTERM)",
+                )
