@@ -38,14 +38,22 @@ def start_stalled_at(home: Home, name: str, step: int, save: Path):
     is SIGSTOPped there, so rank 0, the writer, waits in the all-reduce while its heartbeats
     still report its checkpoints): a deterministic place to kill the machine."""
     job = home.start(
-        name, "--workers", "2", "--checkpoint-every", "25", "--heartbeat-timeout", "100",
-        "--collective-timeout", "200",
+        name,
+        "--workers",
+        "2",
+        "--checkpoint-every",
+        "25",
+        "--heartbeat-timeout",
+        "100",
+        "--collective-timeout",
+        "200",
         script_args=["--max-steps", STEPS, "--save", str(save)],
         faults=f"sigstop@worker=1,step={step}",
     )
     job.wait_for(
         lambda s: s["step"] >= step and any(c["step"] == 100 for c in s["checkpoints"]),
-        timeout=90, what=f"the job to reach step {step} with a checkpoint of step 100",
+        timeout=90,
+        what=f"the job to reach step {step} with a checkpoint of step 100",
     )
     return job
 
@@ -80,7 +88,9 @@ def test_kill_everything_then_resume_on_three_workers(tidal_home: Home, referenc
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_damaged_newest_checkpoint_is_refused_on_resume(tidal_home: Home, reference_params, tmp_path):
+def test_damaged_newest_checkpoint_is_refused_on_resume(
+    tidal_home: Home, reference_params, tmp_path
+):
     save = tmp_path / "resumed.safetensors"
     job = start_stalled_at(tidal_home, "flip", 110, save)
     kill_everything(job)
@@ -111,8 +121,11 @@ def test_sigterm_to_a_worker_is_a_planned_leave(tidal_home: Home):
     os.kill(victim["pid"], signal.SIGTERM)
 
     status = job.wait_for(
-        lambda s: any(g["world_size"] == 2 and g["pause_s"] is not None for g in s["generations"][n_gens:]),
-        timeout=60, what="a generation of two after the preemption notice",
+        lambda s: any(
+            g["world_size"] == 2 and g["pause_s"] is not None for g in s["generations"][n_gens:]
+        ),
+        timeout=60,
+        what="a generation of two after the preemption notice",
     )
     gen = status["generations"][n_gens]
     assert "preemption" in gen["reason"] and "failed" not in gen["reason"], summarize(status)
@@ -120,8 +133,11 @@ def test_sigterm_to_a_worker_is_a_planned_leave(tidal_home: Home):
     # No step redone: the survivors start the new generation right after the last step
     # they all committed, which a failure would not guarantee; and no failure is recorded.
     assert not event_messages(status, "failure"), summarize(status)
-    job.wait_for(lambda s: next(w for w in s["workers"] if w["id"] == victim["id"])["state"] == "exited",
-                 timeout=30, what="the preempted worker to exit")
+    job.wait_for(
+        lambda s: next(w for w in s["workers"] if w["id"] == victim["id"])["state"] == "exited",
+        timeout=30,
+        what="the preempted worker to exit",
+    )
     status = job.poll()
     assert status["target_workers"] == 2
     assert len(running_workers(status)) == 2
@@ -135,7 +151,11 @@ def test_sigterm_to_a_worker_is_a_planned_leave(tidal_home: Home):
 @pytest.mark.timeout(180)
 def test_stop_writes_a_final_checkpoint_that_resume_continues(tidal_home: Home, tmp_path):
     job = tidal_home.start(
-        "stopme", "--workers", "2", "--checkpoint-every", "1000000",
+        "stopme",
+        "--workers",
+        "2",
+        "--checkpoint-every",
+        "1000000",
         script_args=["--max-steps", "1500", "--save", str(tmp_path / "final.safetensors")],
     )
     job.wait_running(min_step=200, timeout=90)

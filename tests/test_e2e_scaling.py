@@ -1,0 +1,79 @@
+"""The policy and the capacity drive the job on their own (issue: autoscaling)."""
+
+from __future__ import annotations
+
+import pytest
+from e2e_helpers import Home, event_messages, summarize
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_throughput_policy_changes_world_size_on_its_own(tidal_home: Home):
+    job = tidal_home.start(
+        "pol",
+        "--workers",
+        "1",
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "3",
+        "--policy",
+        "throughput",
+        "--decision-interval",
+        "2",
+        "--price",
+        "2.5",
+        script_args=["--max-steps", "1000000"],
+    )
+    status = job.wait_for(
+        lambda s: any(g["world_size"] != 1 for g in s["generations"]),
+        timeout=150,
+        what="the throughput policy to change the world size",
+    )
+    decisions = event_messages(status, "policy")
+    assert decisions, summarize(status)
+    # Each decision gives the measured numbers behind it.
+    assert "samples/s measured" in decisions[0] and "throughput" in decisions[0]
+    status = job.poll()
+    assert status["cost"] > 0 and status["cost_per_1k_samples"] > 0, summarize(status)
+    assert job.stop().returncode == 0
+    job.wait_state("stopped", "failed", "succeeded", timeout=60)
+    tidal_home.assert_no_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_job_follows_a_capacity_trace_down_and_back(tidal_home: Home, tmp_path):
+    trace = tmp_path / "drop.csv"
+    trace.write_text("time_s,capacity,price_per_worker_hour\n0,3,1.0\n12,1,1.0\n24,3,1.0\n")
+    job = tidal_home.start(
+        "cap",
+        "--workers",
+        "3",
+        "--max-workers",
+        "3",
+        "--capacity",
+        str(trace),
+        script_args=["--max-steps", "40000"],
+    )
+    status = job.wait_state("succeeded", "failed", "stopped", timeout=240)
+    status = job.status()
+    assert status["state"] == "succeeded", summarize(status)
+    sizes = [g["world_size"] for g in status["generations"] if g["start_step"] is not None]
+    assert 1 in sizes, summarize(status)
+    first_one = sizes.index(1)
+    assert sizes[0] == 3 and max(sizes[first_one:]) > 1, summarize(status)
+    notices = event_messages(status, "capacity")
+    assert any("preemption notice" in m for m in notices), summarize(status)
+    assert not event_messages(status, "failure"), summarize(status)
+    tidal_home.assert_no_processes()
+
+
+def test_malformed_trace_is_one_line(tidal_home: Home, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,cap\n0,x\n")
+    proc = tidal_home.cli("run", "--capacity", str(bad), "examples/digits.py")
+    assert proc.returncode != 0
+    assert len(proc.stderr.strip().splitlines()) == 1 and "bad.csv" in proc.stderr
+    proc = tidal_home.cli("run", "--policy", "magic", "examples/digits.py")
+    assert proc.returncode != 0 and "known policies" in proc.stderr
