@@ -19,6 +19,8 @@ from tidal.sim.trace import Trace
 class _Size:
     steps: int = 0
     seconds: float = 0.0
+    compute_s: float | None = None  # rank 0's mean per-step split, last reported
+    comm_s: float | None = None
 
 
 class Accounting:
@@ -45,7 +47,9 @@ class Accounting:
     def capacity(self, now: float | None = None) -> int | None:
         return self.trace.at(self.elapsed(now)).capacity if self.trace is not None else None
 
-    def observe(self, *, now: float, step: int, world_size: int, generation: int, live: int) -> None:
+    def observe(
+        self, *, now: float, step: int, world_size: int, generation: int, live: int
+    ) -> None:
         if self._cost_time is not None:
             dt = now - self._cost_time
             self.spent += live * self.price(now) * dt / 3600
@@ -66,6 +70,12 @@ class Accounting:
             size.seconds += now - t0
         self._last = (now, step, world_size, generation, True)
 
+    def note_split(self, world_size: int, compute_s: float, comm_s: float) -> None:
+        """Rank 0's measured step split (compute, exposed communication) at this size."""
+        if world_size > 0 and compute_s + comm_s > 0:
+            size = self._sizes.setdefault(world_size, _Size())
+            size.compute_s, size.comm_s = compute_s, comm_s
+
     def stats(self, global_batch: int) -> tuple[SizeStats, ...]:
         return tuple(
             SizeStats(
@@ -73,6 +83,8 @@ class Accounting:
                 samples_per_s=s.steps * global_batch / s.seconds,
                 samples=s.steps * global_batch,
                 steps=s.steps,
+                compute_s=s.compute_s,
+                comm_s=s.comm_s if s.compute_s is not None else None,
             )
             for w, s in sorted(self._sizes.items())
             if s.seconds > 0

@@ -24,6 +24,10 @@ class Scaling:
     def _observe(self, now: float) -> None:
         latest = self.latest
         live = sum(1 for w in self.workers.values() if w.live)
+        split = self.metrics.get("compute_s"), self.metrics.get("comm_s")
+        ws = int(self.metrics.get("world_size", 0))
+        if None not in split and ws == self.world_size():
+            self.accounting.note_split(ws, *split)
         self.accounting.observe(
             now=now,
             step=self.step,

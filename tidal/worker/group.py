@@ -106,6 +106,10 @@ class ControlWord:
         self.send = torch.zeros(2)
         self.recv = torch.zeros(2)
         self.before_allreduce: Callable[[], None] = lambda: None
+        # When the last bucket's all-reduce started and completed: the step's exposed
+        # communication wait (earlier buckets overlap the backward pass).
+        self.comm_started = 0.0
+        self.comm_done = 0.0
 
     def set(self, *, switch: bool, stop: bool) -> None:
         self.send[self.SWITCH] = float(switch)
@@ -129,12 +133,14 @@ def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations
     if not bucket.is_last():
         return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
     control.before_allreduce()
+    control.comm_started = time.perf_counter()
     n = control.send.numel()
     packed = torch.cat([buf, control.send.to(buf.dtype)])
 
     def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = fut.value()[0]
         control.recv.copy_(out[-n:])
+        control.comm_done = time.perf_counter()
         buf.copy_(out[:-n])
         return buf
 

@@ -40,6 +40,7 @@ from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.faults import FaultInjector
 from tidal.worker.heal import heal
+from tidal.worker.step import Step, _one_line
 
 _current: Trainer | None = None
 
@@ -49,56 +50,6 @@ def log(**metrics: float) -> None:
     values = {k: float(v) for k, v in metrics.items()}
     if _current is not None:
         _current._log(values)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
-
-
-class Step:
-    """This worker's share of one global step."""
-
-    def __init__(self, trainer: Trainer, index: int, indices: torch.Tensor) -> None:
-        self.trainer = trainer
-        self.index = index
-        self.indices = indices
-        self._failed: Exception | None = None
-        self._n_micro = 0
-
-    @property
-    def samples(self) -> int:
-        return len(self.indices)
-
-    def micro_batches(self) -> Iterator[Any]:
-        """Collated micro-batches of this worker's share. Run forward and ``backward`` of
-        each inside the loop: all but the last accumulate without communication."""
-        tr = self.trainer
-        pieces = tr.sampler.micro_batches(self.indices)
-        for i, piece in enumerate(pieces):
-            if self._failed is not None:
-                return
-            self._n_micro = len(piece)
-            batch = tr._collate(piece)
-            if i < len(pieces) - 1 and tr._ddp is not None:
-                with tr._ddp.no_sync():
-                    yield batch
-            else:
-                self._last = True
-                tr._before_sync(self)
-                yield batch
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of a micro-batch's mean loss, weighted by its share of the global batch."""
-        if self._failed is not None:
-            return
-        scaled = loss * (self._n_micro / self.trainer.sampler.global_batch_size)
-        try:
-            scaled.backward()
-        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            if self.trainer._ddp is None or not getattr(self, "_last", False):
-                raise
-            self._failed = exc
 
 
 class Trainer:
@@ -143,6 +94,7 @@ class Trainer:
         self._last_rank: int | None = None  # rank in the last generation this worker formed
         self._durable: Durable | None = None
         self._stall_pending = False
+        self._split = [0.0, 0.0]  # compute and communication seconds since the last report
         self._last_step_time: float | None = None
         self._last_step_gen: int | None = None
         self._gen_prev_gen: int | None = None
@@ -219,6 +171,7 @@ class Trainer:
                     self._report_failure(step._failed)
                     member = self._join()
                     continue
+                self._time_split(step)
                 self._commit()
                 if self._durable.due(self.step) and self.rank == 0:
                     self._checkpoint()
@@ -295,13 +248,26 @@ class Trainer:
             self._agent.step = self.step
             self._maybe_report_rate()
 
+    def _time_split(self, step: Step) -> None:
+        """Accumulate this step's compute time and exposed communication wait."""
+        c = self._control
+        total = time.perf_counter() - step._started
+        comm = max(0.0, min(total, c.comm_done - c.comm_started)) if c.comm_done else 0.0
+        self._split[0] += total - comm
+        self._split[1] += comm
+
     def _maybe_report_rate(self) -> None:
         t0, s0 = self._rate_mark
         now = time.monotonic()
         if now - t0 >= 0.5 and self.rank == 0:
-            rate = (self.step - s0) * self.sampler.global_batch_size / (now - t0)
-            self._agent.post_metrics({"samples_per_s": rate, "world_size": self.world_size})
+            steps = self.step - s0
+            rate = steps * self.sampler.global_batch_size / (now - t0)
+            metrics = {"samples_per_s": rate, "world_size": self.world_size}
+            if steps:
+                metrics.update(compute_s=self._split[0] / steps, comm_s=self._split[1] / steps)
+            self._agent.post_metrics(metrics)
             self._rate_mark = (now, self.step)
+            self._split = [0.0, 0.0]
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self._agent is not None and self.rank == 0:
@@ -400,6 +366,7 @@ class Trainer:
         self._gen_prev_gen = self._last_step_gen
         self._gen_first_pending = True
         self._rate_mark = (time.monotonic(), self.step)
+        self._split = [0.0, 0.0]
         self._debug(
             f"formed gen {info.id} rank {rank}/{self.world_size} step {self.step} "
             f"heal src={result.source} sent={result.sent}"

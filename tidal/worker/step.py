@@ -1,0 +1,63 @@
+"""``Step``: this worker's share of one global step, as the training loop sees it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tidal.worker.runtime import Trainer
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+class Step:
+    """This worker's share of one global step."""
+
+    def __init__(self, trainer: Trainer, index: int, indices: torch.Tensor) -> None:
+        self.trainer = trainer
+        self.index = index
+        self.indices = indices
+        self._failed: Exception | None = None
+        self._n_micro = 0
+        self._started = time.perf_counter()
+
+    @property
+    def samples(self) -> int:
+        return len(self.indices)
+
+    def micro_batches(self) -> Iterator[Any]:
+        """Collated micro-batches of this worker's share. Run forward and ``backward`` of
+        each inside the loop: all but the last accumulate without communication."""
+        tr = self.trainer
+        pieces = tr.sampler.micro_batches(self.indices)
+        for i, piece in enumerate(pieces):
+            if self._failed is not None:
+                return
+            self._n_micro = len(piece)
+            batch = tr._collate(piece)
+            if i < len(pieces) - 1 and tr._ddp is not None:
+                with tr._ddp.no_sync():
+                    yield batch
+            else:
+                self._last = True
+                tr._before_sync(self)
+                yield batch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a micro-batch's mean loss, weighted by its share of the global batch."""
+        if self._failed is not None:
+            return
+        scaled = loss * (self._n_micro / self.trainer.sampler.global_batch_size)
+        try:
+            scaled.backward()
+        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
+            if self.trainer._ddp is None or not getattr(self, "_last", False):
+                raise
+            self._failed = exc
