@@ -72,6 +72,9 @@ def print_status(s: JobStatus) -> None:
         f"{s.world_size} (target {s.target_workers}, range {s.min_workers}-{s.max_workers})",
     )
     summary.add_row("script", s.script, "url", s.url or "-")
+    per_1k = f", ${s.cost_per_1k_samples:.4g}/1k samples" if s.cost_per_1k_samples else ""
+    projected = f", ~${s.projected_cost:.2f} at the end" if s.projected_cost else ""
+    summary.add_row("cost", f"${s.cost:.2f}{per_1k}{projected}", "", "")
     if s.metrics:
         summary.add_row(
             "metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", ""
