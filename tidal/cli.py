@@ -68,6 +68,7 @@ def get_status(home: Path, name: str) -> JobStatus:
     if status.state in (JobState.PENDING, JobState.RUNNING):
         status.state = JobState.INTERRUPTED  # its coordinator died without finishing it
         status.world_size = 0
+        status.dashboard_url = status.metrics_url = None  # nothing serves them
     return status
 
 
@@ -141,11 +142,17 @@ def _capacity(path: str | None) -> str | None:
 
 
 def _launch(spec: JobSpec, home: Path, args: argparse.Namespace, resume: Resume | None) -> int:
+    tensorboard = None
+    if args.tensorboard:
+        from tidal.tensorboard import check_available
+
+        check_available()
+        tensorboard = str(Path(args.tensorboard).resolve())
     if args.detach:
-        return _detach(spec, home, resume)
+        return _detach(spec, home, resume, tensorboard=tensorboard)
     from tidal.coordinator.runner import run_job
 
-    return run_job(spec, home, quiet=args.quiet, resume=resume)
+    return run_job(spec, home, quiet=args.quiet, resume=resume, tensorboard=tensorboard)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -183,7 +190,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return _launch(spec, home, args, resume)
 
 
-def _detach(spec: JobSpec, home: Path, resume: Resume | None) -> int:
+def _detach(
+    spec: JobSpec, home: Path, resume: Resume | None, *, tensorboard: str | None = None
+) -> int:
     jd = job_dir(home, spec.name)
     jd.path.mkdir(parents=True, exist_ok=True)
     with open(jd.path / "coordinator.log", "ab") as log:
@@ -195,6 +204,7 @@ def _detach(spec: JobSpec, home: Path, resume: Resume | None) -> int:
                 str(home),
                 json.dumps(spec.to_dict()),
                 *([json.dumps(vars(resume))] if resume else []),
+                *(["--tensorboard", tensorboard] if tensorboard else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -284,6 +294,48 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import webbrowser
+
+    home = resolve_home(args.home)
+    if args.job:
+        status = get_status(home, args.job)  # one line for an unknown job
+        if status.dashboard_url and not args.serve:  # its coordinator answered: it serves it
+            print(status.dashboard_url, flush=True)
+            if args.open:
+                webbrowser.open(status.dashboard_url)
+            return 0
+    elif not db_path(home).exists():
+        raise CliError(f"no jobs in {home} (set --home or $TIDAL_HOME)")
+    from tidal.dashboard import DashboardServer
+
+    server = DashboardServer(home, port=args.port)
+    url = server.job_url(args.job) if args.job else server.url + "/"
+    print(url, flush=True)
+    print(f"serving the jobs of {home} read-only; Ctrl-C to stop", file=sys.stderr, flush=True)
+    if args.open:
+        webbrowser.open(url)
+    try:
+        server.serve()
+    except KeyboardInterrupt:  # Ctrl-C is how it is meant to end
+        pass
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from tidal.dashboard.logs import print_logs
+
+    home = resolve_home(args.home)
+    jd = job_dir(home, args.job)
+    if not jd.path.is_dir():
+        get_status(home, args.job)  # one line for an unknown job
+        raise CliError(f"job {args.job!r} has no logs in {jd.logs}")
+    return print_logs(jd, worker=args.worker, follow=args.follow)
+
+
+TENSORBOARD_HELP = "write the metrics and world size as TensorBoard event files in DIR/NAME"
+
+
 # -- the parser ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
@@ -321,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--detach", action="store_true", help="print the job name and return")
     run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.add_argument("--tensorboard", metavar="DIR", help=TENSORBOARD_HELP)
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(fn=cmd_run)
@@ -333,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--max-workers", type=int)
     resume.add_argument("--detach", action="store_true")
     resume.add_argument("--quiet", action="store_true")
+    resume.add_argument("--tensorboard", metavar="DIR", help=TENSORBOARD_HELP)
     resume.set_defaults(fn=cmd_resume)
 
     status = sub.add_parser("status", parents=[common], help="a job's state (default: the newest)")
@@ -352,6 +406,30 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = sub.add_parser("jobs", parents=[common], help="list the jobs under --home")
     jobs.add_argument("--json", action="store_true")
     jobs.set_defaults(fn=cmd_jobs)
+
+    dashboard = sub.add_parser(
+        "dashboard",
+        parents=[common],
+        help="web dashboard: a running job's page, or serve every job of --home",
+        description="With a running JOB: print (or --open) its page on its coordinator. "
+        "Otherwise serve every job of --home, running or finished, read-only from SQLite, "
+        "on 127.0.0.1 until Ctrl-C (the first line printed is the URL).",
+    )
+    dashboard.add_argument("job", nargs="?", help="a job to show (default: the list of jobs)")
+    dashboard.add_argument("--port", type=int, default=0, help="port to serve on (default: free)")
+    dashboard.add_argument("--open", action="store_true", help="open the page in a browser")
+    dashboard.add_argument(
+        "--serve", action="store_true", help="serve from SQLite even if the job's coordinator runs"
+    )
+    dashboard.set_defaults(fn=cmd_dashboard)
+
+    logs = sub.add_parser("logs", parents=[common], help="print a job's worker logs")
+    logs.add_argument("job")
+    logs.add_argument("--worker", type=int, metavar="ID", help="only this worker's log")
+    logs.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing new lines until the job ends"
+    )
+    logs.set_defaults(fn=cmd_logs)
 
     from tidal.sim_cli import add_parser as add_simulate_parser
 

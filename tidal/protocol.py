@@ -208,3 +208,7 @@ class JobStatus(BaseModel):
     cost: float = 0.0  # dollars spent so far (price per worker-hour x live workers x time)
     cost_per_1k_samples: float | None = None
     projected_cost: float | None = None  # at the current rate, when the job's length is known
+    # The job's page on its coordinator's dashboard and its Prometheus endpoint; None when no
+    # coordinator serves the job (``tidal dashboard`` serves finished jobs from SQLite).
+    dashboard_url: str | None = None
+    metrics_url: str | None = None

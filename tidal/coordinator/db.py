@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from tidal.protocol import (
     CheckpointView,
@@ -229,4 +230,12 @@ class Database:
             cost=metrics.get("cost", 0.0),
             cost_per_1k_samples=metrics.get("cost_per_1k_samples"),
             projected_cost=metrics.get("projected_cost"),
+            **_observability_urls(url, name, state),
         )
+
+
+def _observability_urls(url: str | None, name: str, state: str) -> dict[str, str | None]:
+    """The job's dashboard page and ``/metrics`` on its coordinator (None once it ended)."""
+    if not url or JobState(state).terminal:
+        return {"dashboard_url": None, "metrics_url": None}
+    return {"dashboard_url": f"{url}/jobs/{quote(name, safe='')}", "metrics_url": f"{url}/metrics"}

@@ -1,7 +1,9 @@
 """Hosting a job: the coordinator, its API server and the control loop in one process.
 
 ``tidal run`` calls ``run_job`` in the foreground; ``tidal run --detach`` starts this module
-as a background process (``python -m tidal.coordinator.runner HOME SPEC_JSON``).
+as a background process (``python -m tidal.coordinator.runner HOME SPEC_JSON [RESUME_JSON]
+[--tensorboard DIR]``). The loop also feeds the dashboard's history (``Recorder``), which
+writes the TensorBoard events of ``--tensorboard``.
 """
 
 from __future__ import annotations
@@ -17,17 +19,36 @@ from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.records import Resume
 from tidal.coordinator.server import ApiServer
+from tidal.dashboard.history import Recorder
 from tidal.protocol import JobState
 
 TICK_S = 0.005
 
 
-def run_job(spec: JobSpec, home: Path, *, quiet: bool = False, resume: Resume | None = None) -> int:
+def run_job(
+    spec: JobSpec,
+    home: Path,
+    *,
+    quiet: bool = False,
+    resume: Resume | None = None,
+    tensorboard: str | Path | None = None,
+) -> int:
     """Run the job to its end; 0 if it succeeded. Must run on the main thread: workers are
-    tied to the thread that launched them (they die with it)."""
+    tied to the thread that launched them (they die with it). ``tensorboard``: a folder for
+    TensorBoard event files (``DIR/NAME``)."""
     from tidal.display import Progress
 
     coord = Coordinator(spec, home, resume=resume)
+    try:
+        sink = None
+        if tensorboard is not None:
+            from tidal.tensorboard import TensorBoardSink
+
+            sink = TensorBoardSink(tensorboard, spec.name)
+        recorder = Recorder(coord, home, tensorboard=sink)
+    except BaseException:
+        coord.close()
+        raise
     server = ApiServer(coord)
     coord.url = server.url
     server.start()
@@ -51,20 +72,33 @@ def run_job(spec: JobSpec, home: Path, *, quiet: bool = False, resume: Resume | 
     try:
         while coord.tick():
             progress.update()
+            recorder.tick()
             time.sleep(TICK_S)
         progress.update(final=True)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        recorder.close()
         server.stop()
         coord.close()
     return 0 if coord.state == JobState.SUCCEEDED else 1
 
 
 def main() -> int:
-    home, spec_json = sys.argv[1], sys.argv[2]
-    resume = Resume(**json.loads(sys.argv[3])) if len(sys.argv) > 3 else None
-    return run_job(JobSpec.from_dict(json.loads(spec_json)), Path(home), quiet=True, resume=resume)
+    argv, tensorboard = sys.argv[1:], None
+    if "--tensorboard" in argv:
+        i = argv.index("--tensorboard")
+        tensorboard = argv[i + 1]
+        del argv[i : i + 2]
+    home, spec_json = argv[0], argv[1]
+    resume = Resume(**json.loads(argv[2])) if len(argv) > 2 else None
+    return run_job(
+        JobSpec.from_dict(json.loads(spec_json)),
+        Path(home),
+        quiet=True,
+        resume=resume,
+        tensorboard=tensorboard,
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The coordinator's HTTP API (FastAPI), served by uvicorn on a thread of ``tidal run``.
 
 Every mutating call needs the job's token (``Authorization: Bearer ...``); reads do not.
-The server binds 127.0.0.1 unless told otherwise, on a port the OS picks.
+The server binds 127.0.0.1 unless told otherwise, on a port the OS picks. Beside the API it
+serves the read-only dashboard (``/``, ``/jobs/{name}``; ``tidal.dashboard``) and the
+Prometheus exposition (``/metrics``; ``tidal.metrics``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from tidal.protocol import (
 
 
 def make_app(coord: Coordinator) -> FastAPI:
+    from tidal.dashboard import LiveSource, dashboard_router
+
     app = FastAPI(title="Tidal coordinator", version="1")
+    source = LiveSource(coord)
+    app.state.dashboard_source = source
+    app.include_router(
+        dashboard_router(source, metrics_statuses=lambda: [coord.status()], bound_host=coord.host)
+    )
 
     def require_token(authorization: str | None = Header(default=None)) -> None:
         expected = f"Bearer {coord.token}"
@@ -100,7 +109,8 @@ class ApiServer:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(make_app(coord), log_level="warning", access_log=False)
+        self.app = make_app(coord)
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self.sock]}, name="tidal-api", daemon=True
@@ -113,3 +123,4 @@ class ApiServer:
         self._server.should_exit = True
         self._thread.join(timeout=5)
         self.sock.close()
+        self.app.state.dashboard_source.close()

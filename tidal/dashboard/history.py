@@ -1,0 +1,171 @@
+"""Time series of a job for the dashboard's charts: sampled from the coordinator's loop,
+kept in SQLite so that a finished job still shows its charts.
+
+The coordinator itself keeps only the latest values (step, world size, target, metrics).
+``Recorder.tick`` runs on the coordinator's loop thread (``runner.run_job``); every
+``SAMPLE_EVERY_S`` it reads those values under ``coord.lock`` and, when something changed
+(or ``IDLE_EVERY_S`` passed), appends a point to a small in-memory buffer that goes to the
+``dashboard_history`` table of ``HOME/tidal.db`` every ``WRITE_EVERY_S``, over its own
+connection. The same samples feed the TensorBoard sink (``--tensorboard``).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tidal.coordinator.home import db_path
+
+if TYPE_CHECKING:
+    from tidal.coordinator.controller import Coordinator
+    from tidal.tensorboard import TensorBoardSink
+
+SAMPLE_EVERY_S = 0.2
+IDLE_EVERY_S = 2.0  # a point even when nothing changed, so the time axis keeps moving
+WRITE_EVERY_S = 0.5
+MAX_POINTS = 4000  # a first load thins longer histories to about this many points
+RING = 10_000  # unwritten points kept if SQLite is busy for a long time
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS dashboard_history (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, time REAL NOT NULL,
+    step INTEGER NOT NULL, world_size INTEGER NOT NULL, target INTEGER NOT NULL,
+    metrics TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS dashboard_history_job ON dashboard_history (job, seq);
+"""
+
+
+@dataclass(frozen=True)
+class Point:
+    time: float
+    step: int
+    world_size: int
+    target: int
+    metrics: dict[str, float]
+
+
+class HistoryStore:
+    """The ``dashboard_history`` table; one connection, serialised by a lock."""
+
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.executescript(SCHEMA)
+        self._conn.commit()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def append(self, job: str, points: list[Point]) -> None:
+        with self._lock:
+            self._conn.executemany(
+                "INSERT INTO dashboard_history (job, time, step, world_size, target, metrics) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (job, p.time, p.step, p.world_size, p.target, json.dumps(p.metrics))
+                    for p in points
+                ],
+            )
+            self._conn.commit()
+
+    def read(self, job: str, *, after: int = 0, max_points: int | None = MAX_POINTS) -> dict:
+        """Points of ``job`` with ``seq > after``, columnar:
+        ``{seq, t, step, world_size, target, metrics}`` (``metrics``: one dict per point).
+        ``seq`` is the last one returned (pass it back as ``after``). With more than
+        ``max_points`` rows, every k-th is kept, and both sides of every change of size or target."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT seq, time, step, world_size, target, metrics FROM dashboard_history "
+                "WHERE job = ? AND seq > ? ORDER BY seq",
+                (job, after),
+            ).fetchall()
+        if max_points and len(rows) > max_points:
+            k = -(-len(rows) // max_points)
+            keep = {0, len(rows) - 1, *range(0, len(rows), k)}
+            for i in range(1, len(rows)):
+                if rows[i][3:5] != rows[i - 1][3:5]:  # a change of size: both sides of it
+                    keep.update((i - 1, i))
+            rows = [rows[i] for i in sorted(keep)]
+        return {
+            "seq": rows[-1][0] if rows else after,
+            "t": [r[1] for r in rows],
+            "step": [r[2] for r in rows],
+            "world_size": [r[3] for r in rows],
+            "target": [r[4] for r in rows],
+            "metrics": [json.loads(r[5]) for r in rows],
+        }
+
+
+class Recorder:
+    """Samples a running coordinator; ``tick`` is cheap enough for its 5 ms loop."""
+
+    def __init__(
+        self, coord: Coordinator, home: Path, *, tensorboard: TensorBoardSink | None = None
+    ) -> None:
+        self.coord = coord
+        self.job = coord.spec.name
+        self.store = HistoryStore(db_path(home))
+        self.sink = tensorboard
+        self._buffer: deque[Point] = deque(maxlen=RING)
+        self._last_key: tuple | None = None
+        self._last_point = 0.0
+        self._next_sample = 0.0
+        self._last_write = time.monotonic()
+        self._warned = False
+
+    def tick(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_sample:
+            return
+        self._next_sample = now + SAMPLE_EVERY_S
+        try:
+            self._sample(now, force)
+            if force or now - self._last_write >= WRITE_EVERY_S:
+                self._write(now)
+        except Exception as exc:  # noqa: BLE001 - charts must never stop a job
+            if not self._warned:
+                self._warned = True
+                print(f"tidal: warning: dashboard history: {exc}", file=sys.stderr)
+
+    def _sample(self, now: float, force: bool) -> None:
+        c = self.coord
+        with c.lock:
+            step, world, target = c.step, c.world_size(), c.target
+            metrics = {k: v for k, v in c.metrics.items() if isinstance(v, (int, float))}
+        key = (step, world, target, tuple(sorted(metrics.items())))
+        if key == self._last_key and now - self._last_point < IDLE_EVERY_S and not force:
+            return
+        self._last_key, self._last_point = key, now
+        p = Point(time=time.time(), step=step, world_size=world, target=target, metrics=metrics)
+        self._buffer.append(p)
+        if self.sink is not None:
+            self.sink.record(
+                time=p.time, step=step, world_size=world, target=target, metrics=metrics
+            )
+
+    def _write(self, now: float) -> None:
+        self._last_write = now
+        if self._buffer:
+            points = list(self._buffer)
+            self.store.append(self.job, points)
+            self._buffer.clear()
+
+    def close(self) -> None:
+        """A last sample (the job's end), then write everything and close."""
+        self.tick(force=True)
+        for close in (self.sink.close if self.sink is not None else None, self.store.close):
+            try:
+                if close is not None:
+                    close()
+            except Exception as exc:  # noqa: BLE001 - the job's outcome matters more
+                print(f"tidal: warning: dashboard history: {exc}", file=sys.stderr)
