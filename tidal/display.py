@@ -75,6 +75,8 @@ def print_status(s: JobStatus) -> None:
     per_1k = f", ${s.cost_per_1k_samples:.4g}/1k samples" if s.cost_per_1k_samples else ""
     projected = f", ~${s.projected_cost:.2f} at the end" if s.projected_cost else ""
     summary.add_row("cost", f"${s.cost:.2f}{per_1k}{projected}", "", "")
+    if s.dashboard_url:
+        summary.add_row("dashboard", s.dashboard_url, "metrics", s.metrics_url or "-")
     if s.metrics:
         summary.add_row(
             "metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", ""
