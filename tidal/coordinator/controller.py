@@ -243,7 +243,9 @@ class Coordinator(Handlers, Scaling):
                 self.backend.signal(w.id, signal.SIGKILL)
                 continue
             if (
-                w.state in (WorkerState.STANDBY, WorkerState.RUNNING, WorkerState.STOPPING)
+                # A stopping worker has reported its end and stops heartbeating as it exits;
+                # the stop grace period, not the heartbeat timeout, bounds it.
+                w.state in (WorkerState.STANDBY, WorkerState.RUNNING)
                 and w.kill_reason is None
                 and w.last_heartbeat is not None
                 and now - w.last_heartbeat > self.spec.heartbeat_timeout_s
