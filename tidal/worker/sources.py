@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
-    from tidal.worker.runtime import Step
+    from tidal.worker.step import Step
 
 _SEED_BITS = 63  # fits torch.Generator.manual_seed, numpy and gymnasium alike
 
