@@ -77,27 +77,23 @@ def summarize(steps: list[float], every: int, baseline: float) -> tuple[float, f
     return per_ckpt, 100 * per_ckpt / baseline
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--every", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=128)
-    args = parser.parse_args()
-    steps = 12 if args.quick else 40
+def measure(
+    *, quick: bool = False, every: int = 4, batch: int = 128, steps: int | None = None
+) -> dict:
+    """Run the three phases and return the ``checkpoint_stall_pct`` row (plus details)."""
+    steps = steps or (12 if quick else 40)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        base = run(steps, args.every, args.batch, "none", Path(tmp))
+        base = run(steps, every, batch, "none", Path(tmp))
         baseline = statistics.median(base["step_s"])
-        results = {m: run(steps, args.every, args.batch, m, Path(tmp)) for m in ("async", "sync")}
-    rows = []
+        results = {m: run(steps, every, batch, m, Path(tmp)) for m in ("async", "sync")}
     print(
         f"model {base['params_mb']:.0f} MB of parameters + as much optimizer state; "
-        f"baseline step {baseline * 1000:.0f} ms; a checkpoint every {args.every} steps"
+        f"baseline step {baseline * 1000:.0f} ms; a checkpoint every {every} steps"
     )
     out = {}
     for mode, res in results.items():
-        per, pct = summarize(res["step_s"], args.every, baseline)
+        per, pct = summarize(res["step_s"], every, baseline)
         blocked = statistics.mean(res["blocked_s"]) if res["blocked_s"] else 0.0
         # The stall: the training thread's wait, or the steps' slowdown if that is larger.
         stall = max(blocked, per, 0.0)
@@ -108,17 +104,27 @@ def main() -> None:
         )
     ratio = out["sync"] / max(out["async"], 0.01)
     print(f"sync stall / async stall = {ratio:.1f}x (goal: async at most 3.5% of a step)")
-    rows.append(
-        {
-            "name": "checkpoint_stall_pct",
-            "tidal": out["async"],
-            "peer": out["sync"],
-            "ratio": ratio,
-            "unit": "% of step",
-        }
-    )
+    return {
+        "name": "checkpoint_stall_pct",
+        "tidal": out["async"],
+        "peer": out["sync"],
+        "ratio": ratio,
+        "unit": "% of step",
+        "baseline_step_s": baseline,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=128)
+    args = parser.parse_args()
+    result = measure(quick=args.quick, every=args.every, batch=args.batch)
+    keys = ("name", "tidal", "peer", "ratio", "unit")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps([{k: result[k] for k in keys}], indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""Tidal against torchrun, side by side in one run.
+
+``python -m bench [--quick] [--json FILE] [--only NAMES]``
+
+Each measurement runs Tidal and its peer (torchrun on the same script, or the raw
+transfer, or a synchronous save) back to back and prints a table of ratios; ``--json``
+writes a list of ``{name, tidal, peer, ratio, unit}``. ``ratio`` is above 1 when Tidal is
+better: Tidal / peer for throughput, peer / Tidal for times and stalls. See
+``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from bench.common import log, percentile, row
+
+MEASUREMENTS = ("throughput", "rescale", "recovery", "state_transfer", "checkpoint_stall")
+
+SIZES = {
+    # steps per throughput run and repetitions, rescale events and torchrun joins,
+    # kills (Tidal, torchrun), state transfer MB and repetitions
+    "full": dict(
+        tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5
+    ),
+    "quick": dict(
+        tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3
+    ),
+    "tiny": dict(
+        tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1
+    ),
+}
+
+GOALS = {
+    "throughput_ws1": "ratio >= 0.98",
+    "throughput_ws2": "ratio >= 0.98",
+    "rescale_pause_p50": "Tidal <= 0.05 s and ratio >= 20",
+    "recovery_p50": "Tidal <= 0.2 s, <= 1 step lost",
+    "state_transfer": "Tidal <= 2x raw (ratio >= 0.5)",
+    "checkpoint_stall_pct": "Tidal <= 3.5 %",
+}
+
+
+def met(r: dict, extra: dict) -> bool | None:
+    t, ratio = r["tidal"], r["ratio"]
+    if t is None or ratio is None:
+        return None
+    name = r["name"]
+    if name.startswith("throughput"):
+        return ratio >= 0.98
+    if name == "rescale_pause_p50":
+        return t <= 0.05 and ratio >= 20
+    if name == "recovery_p50":
+        return t <= 0.2 and max(extra.get("steps_lost", [0]) or [0]) <= 1
+    if name == "state_transfer":
+        return ratio >= 0.5
+    if name == "checkpoint_stall_pct":
+        return t <= 3.5
+    return None
+
+
+def run_throughput(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import throughput
+
+    rows, details = [], {}
+    for world in (1, 2):
+        res = throughput.measure(world, size["tput_steps"], tmp / f"ws{world}", size["tput_reps"])
+        rows.append(
+            row(
+                f"throughput_ws{world}",
+                res["tidal"],
+                res["peer"],
+                "samples/s",
+                higher_is_better=True,
+            )
+        )
+        details[f"ws{world}"] = res
+    return rows, details
+
+
+def times_rows(prefix: str, tidal: list, peer: list, tidal_net: list, peer_net: list) -> list:
+    """p50 and p90 of a stall, and the p50 of its excess over one ordinary step."""
+
+    def r(name: str, a: list, b: list, q: float) -> dict:
+        return row(name, percentile(a, q), percentile(b, q), "s", higher_is_better=False)
+
+    return [
+        r(f"{prefix}_p50", tidal, peer, 50),
+        r(f"{prefix}_p90", tidal, peer, 90),
+        r(f"{prefix}_net_p50", tidal_net, peer_net, 50),
+    ]
+
+
+def run_rescale(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import rescale
+
+    (tmp / "tidal").mkdir(parents=True)
+    (tmp / "peer").mkdir(parents=True)
+    t = rescale.tidal_pauses(size["events"], tmp / "tidal")
+    log(f"tidal rescale pauses (s): {[round(p, 3) for p in t['pauses_s']]}, step {t['step_s']}")
+    p = rescale.peer_pauses(size["joins"], tmp / "peer")
+    log(f"torchrun pauses (s): {[round(x, 3) for x in p['pauses_s']]}, step {p['step_s']}")
+    rows = times_rows("rescale_pause", t["pauses_s"], p["pauses_s"], t["excess_s"], p["excess_s"])
+    return rows, {"tidal": t, "peer": p}
+
+
+def run_recovery(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import recovery
+
+    (tmp / "tidal").mkdir(parents=True)
+    (tmp / "peer").mkdir(parents=True)
+    t = recovery.tidal_recovery(size["kills"], tmp / "tidal")
+    log(
+        f"tidal recovery (s): {[round(p, 3) for p in t['recovery_s']]}, steps lost {t['steps_lost']}"
+    )
+    p = recovery.peer_recovery(size["peer_kills"], tmp / "peer")
+    log(f"torchrun recovery (s): {[round(x, 3) for x in p['recovery_s']]}, step {p['step_s']:.3f}")
+    rows = times_rows("recovery", t["recovery_s"], p["recovery_s"], t["excess_s"], p["excess_s"])
+    return rows, {"tidal": t, "peer": p, "steps_lost": t["steps_lost"]}
+
+
+def run_state_transfer(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import state_transfer
+
+    res = state_transfer.measure(tmp, mb=size["mb"], reps=size["reps"])
+    log(
+        f"state transfer {res['bytes'] / 1e6:.0f} MB: heal {res['heal']:.3f} s, gloo "
+        f"{res['gloo']:.3f} s, socket {res['socket']:.3f} s"
+    )
+    return [row("state_transfer", res["heal"], res["raw"], "s", higher_is_better=False)], res
+
+
+def run_checkpoint_stall(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import checkpoint_stall
+
+    quick = size is not SIZES["full"]
+    steps = 8 if size is SIZES["tiny"] else None
+    res = checkpoint_stall.measure(quick=quick, steps=steps)
+    keys = ("name", "tidal", "peer", "ratio", "unit")
+    return [{k: res[k] for k in keys}], res
+
+
+RUNNERS = {
+    "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
+    "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
+    "recovery": (run_recovery, ["recovery_p50"], "s"),
+    "state_transfer": (run_state_transfer, ["state_transfer"], "s"),
+    "checkpoint_stall": (run_checkpoint_stall, ["checkpoint_stall_pct"], "% of step"),
+}
+
+
+def fmt(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.4g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def suite(names: list[str], size: dict) -> tuple[list[dict], dict, list[str]]:
+    rows, details, errors = [], {}, []
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-") as tmp:
+        for name in names:
+            fn, expected, unit = RUNNERS[name]
+            d = Path(tmp) / name
+            d.mkdir()
+            t0 = time.monotonic()
+            log(f"{name} ...")
+            try:
+                r, det = fn(size, d)
+                rows += r
+                details[name] = det
+            except Exception as exc:  # noqa: BLE001 - one failed measurement does not end the suite
+                traceback.print_exc()
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                rows += [
+                    {"name": n, "tidal": None, "peer": None, "ratio": None, "unit": unit}
+                    for n in expected
+                ]
+            log(f"{name} done in {time.monotonic() - t0:.0f} s")
+    return rows, details, errors
+
+
+def print_table(rows: list[dict], details: dict) -> None:
+    lost = details.get("recovery", {}).get("steps_lost", [])
+    print(
+        f"{'measurement':<22} {'tidal':>10} {'torchrun/peer':>14} {'unit':<10} {'ratio':>8}  goal"
+    )
+    for r in rows:
+        goal = GOALS.get(r["name"], "")
+        ok = met(r, {"steps_lost": lost}) if goal else None
+        mark = "" if ok is None else (" met" if ok else " NOT met")
+        print(
+            f"{r['name']:<22} {fmt(r['tidal']):>10} {fmt(r['peer']):>14} {r['unit']:<10} "
+            f"{fmt(r['ratio']):>8}  {goal}{mark}"
+        )
+    if lost:
+        print(f"recovery: steps lost per kill {lost} (the interrupted step, redone)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer events and steps (< 10 min)")
+    parser.add_argument("--tiny", action="store_true", help="smallest sizes (the smoke test)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(MEASUREMENTS)}")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(MEASUREMENTS)
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown:
+        parser.error(f"unknown measurement(s) {unknown}; known: {MEASUREMENTS}")
+    size = SIZES["tiny" if args.tiny else "quick" if args.quick else "full"]
+    t0 = time.monotonic()
+    rows, details, errors = suite(names, size)
+    print()
+    print_table(rows, details)
+    print(
+        f"\n{'tiny' if args.tiny else 'quick' if args.quick else 'full'} run, {time.monotonic() - t0:.0f} s"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+        details_path = args.json.with_suffix(".details.json")
+        details_path.write_text(json.dumps(details, indent=2, default=str))
+    for e in errors:
+        print(f"FAILED {e}", file=sys.stderr)
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()

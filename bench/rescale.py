@@ -1,0 +1,177 @@
+"""Planned rescale pause.
+
+Tidal: ``tidal run --workers 2 --max-workers 3 --schedule`` with changes 2 -> 3 -> 2 ...
+every ``spacing`` steps; each change's pause is its generation's ``pause_s`` (the largest
+gap, among the members, between their last step before the change and their first step
+after it), read from ``tidal status --json``.
+
+Peer: torchrun elastic, ``--nnodes=1:2 --nproc-per-node=1`` with c10d rendezvous on a free
+port, ``--rdzv-conf=last_call_timeout=1`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. A
+second agent joins (1 -> 2) and later leaves (SIGTERM to it: 2 -> 1); torchrun restarts the
+workers each time. The pause has the same definition as Tidal's: from the last step before
+the change to the first step at the new size (from the step records). The time from the
+joining agent's launch to that first step is recorded too (``join_to_step_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from bench.common import (
+    TORCHRUN_ENV,
+    TRAIN,
+    Procs,
+    ends,
+    free_port,
+    log,
+    median_step,
+    read_records,
+    tidal_cmd,
+    torchrun_cmd,
+    wait_until,
+)
+
+
+def tidal_status(home: Path, name: str) -> dict:
+    """``tidal status --json``, computed in this process (the same code path as the CLI)."""
+    from tidal.cli import get_status
+
+    return json.loads(get_status(home, name).model_dump_json())
+
+
+def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12) -> dict:
+    schedule = ",".join(f"{first + i * spacing}:{3 if i % 2 == 0 else 2}" for i in range(events))
+    steps = first + events * spacing + 10
+    home, name = tmp / "home", "rescale"
+    procs = Procs()
+    try:
+        proc = procs.start(
+            tidal_cmd(home, name, "--workers", "2", "--max-workers", "3", "--schedule", schedule)
+            + [str(TRAIN), "--mode", "tidal", "--steps", str(steps), "--out", str(tmp / "tidal")],
+            tmp / "tidal-rescale.log",
+        )
+        rc = proc.wait(timeout=120 + steps * 0.5)
+    finally:
+        procs.cleanup()
+    if rc != 0:
+        raise RuntimeError(f"tidal run exited {rc}; see {tmp}")
+    status = tidal_status(home, name)
+    gens = sorted(status["generations"], key=lambda g: g["id"])[1:]
+    pauses = [g["pause_s"] for g in gens if g["pause_s"] is not None]
+    ups = [g["pause_s"] for g in gens if g["pause_s"] is not None and g["world_size"] == 3]
+    downs = [g["pause_s"] for g in gens if g["pause_s"] is not None and g["world_size"] == 2]
+    recs = read_records(tmp / "tidal")
+    step = {w: median_step(recs, w) for w in (2, 3)}
+    excess = [g["pause_s"] - step[g["world_size"]] for g in gens if g["pause_s"] is not None]
+    return {
+        "pauses_s": pauses,
+        "excess_s": excess,
+        "step_s": step,
+        "up_s": ups,
+        "down_s": downs,
+        "generations": len(gens),
+        "reasons": sorted({g["reason"] for g in gens}),
+    }
+
+
+def _gap(recs, before: float, new_world: int) -> tuple[float, float] | None:
+    """(last step end before ``before`` at another size, first end at ``new_world`` after)."""
+    e = ends(recs)
+    after = [r for r in e if r.time > before and r.world == new_world]
+    if not after:
+        return None
+    first = after[0]
+    prior = [r for r in e if r.time < first.time and r.world != new_world]
+    if not prior:
+        return None
+    return prior[-1].time, first.time
+
+
+def peer_pauses(joins: int, tmp: Path, timeout: float = 120) -> dict:
+    out = tmp / "peer"
+    port = free_port()
+
+    def agent(tag: str, procs: Procs):
+        return procs.start(
+            torchrun_cmd(
+                "--nnodes=1:2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=bench-rescale",
+                "--rdzv-conf=last_call_timeout=1",
+                "--max-restarts=100",
+                str(TRAIN),
+                *("--mode", "ddp", "--steps", "10000000", "--out", str(out)),
+            ),
+            tmp / f"peer-agent-{tag}.log",
+            TORCHRUN_ENV,
+        )
+
+    pauses, join_to_step, up, down = [], [], [], []
+    procs = Procs()
+    try:
+        agent("a", procs)
+        wait_until(lambda: len(ends(read_records(out))) > 20, timeout, "torchrun's first steps")
+        for j in range(joins):
+            extra = Procs()
+            extra.marker = procs.marker  # cleaned up with the others
+            b = agent(f"b{j}", extra)
+            procs.popens.append(b)
+            t_join = time.time()
+            gap = wait_until(
+                lambda t=t_join: _gap(read_records(out), t, 2), timeout, "torchrun at 2 nodes"
+            )
+            pauses.append(gap[1] - gap[0])
+            up.append(gap[1] - gap[0])
+            join_to_step.append(gap[1] - t_join)
+            log(
+                f"torchrun join {j}: pause {gap[1] - gap[0]:.2f} s, join->step {gap[1] - t_join:.2f} s"
+            )
+            wait_until(  # some steps at 2 before it leaves
+                lambda g=gap: sum(1 for r in ends(read_records(out)) if r.time > g[1]) > 20,
+                timeout,
+                "steps at 2 nodes",
+            )
+            t_leave = time.time()
+            Procs.signal_group(b, signal.SIGTERM)
+            gap = wait_until(
+                lambda t=t_leave: _gap(read_records(out), t, 1), timeout, "torchrun back at 1 node"
+            )
+            pauses.append(gap[1] - gap[0])
+            down.append(gap[1] - gap[0])
+            log(f"torchrun leave {j}: pause {gap[1] - gap[0]:.2f} s")
+            b.wait(timeout=30)
+            wait_until(
+                lambda g=gap: sum(1 for r in ends(read_records(out)) if r.time > g[1]) > 10,
+                timeout,
+                "steps at 1 node",
+            )
+    finally:
+        procs.cleanup()
+    recs = read_records(out)
+    step = {w: median_step(recs, w) for w in (1, 2)}
+    excess = [p - step[2] for p in up] + [p - step[1] for p in down]
+    return {
+        "pauses_s": pauses,
+        "excess_s": excess,
+        "step_s": step,
+        "up_s": up,
+        "down_s": down,
+        "join_to_step_s": join_to_step,
+    }
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as t:
+        which = sys.argv[1] if len(sys.argv) > 1 else "tidal"
+        if which == "tidal":
+            print(tidal_pauses(4, Path(t)))
+        else:
+            print(peer_pauses(1, Path(t)))

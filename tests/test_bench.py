@@ -1,0 +1,51 @@
+"""Smoke test of the bench suite: one tiny case runs end to end and writes its rows.
+
+No timing assertions: the numbers depend on the machine and its load. The case is the
+state transfer at 2 MB (two gloo processes, Tidal's heal against a raw broadcast and a
+socket), which exercises the suite's process handling, its table and its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_bench_tiny_state_transfer(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--tiny", "--only", "state_transfer", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == ["state_transfer"]
+    (r,) = rows
+    assert set(r) == {"name", "tidal", "peer", "ratio", "unit"}
+    assert r["unit"] == "s"
+    for key in ("tidal", "peer", "ratio"):
+        assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
+    assert "state_transfer" in proc.stdout  # the table
+
+
+def test_bench_cli_rejects_unknown_measurement() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--only", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "unknown measurement" in proc.stderr
