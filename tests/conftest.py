@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from e2e_helpers import Home
+
+from tidal.config import JobSpec
+from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.server import ApiServer
 
 
 @pytest.fixture
@@ -48,3 +53,23 @@ def reference_params(tmp_path_factory: pytest.TempPathFactory):
     finally:
         for home in homes:
             home.cleanup()
+
+
+@pytest.fixture
+def served_coordinator(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
+    """A real coordinator and its HTTP server that never ticks (no worker is started):
+    ``(coordinator, base URL)``."""
+    spec = JobSpec(name="served", script=str(tmp_path / "x.py"), workers=1, max_workers=2)
+    coord = Coordinator(spec, tmp_path)
+    server = ApiServer(coord)
+    coord.url = server.url
+    server.start()
+    for _ in range(500):
+        if server._server.started:
+            break
+        time.sleep(0.01)
+    try:
+        yield coord, server.url
+    finally:
+        server.stop()
+        coord.close()

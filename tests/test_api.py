@@ -1,30 +1,15 @@
 """The coordinator's HTTP API on a real server: tokens, validation, status from SQLite."""
 
-import time
-
 import httpx
 import pytest
 
-from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.server import ApiServer
 from tidal.protocol import API_PREFIX
 
 
 @pytest.fixture
-def served(tmp_path):
-    spec = JobSpec(name="api-test", script=str(tmp_path / "x.py"), workers=1, max_workers=2)
-    coord = Coordinator(spec, tmp_path)  # never ticks: no worker is started
-    server = ApiServer(coord)
-    coord.url = server.url
-    server.start()
-    for _ in range(500):
-        if server._server.started:
-            break
-        time.sleep(0.01)
-    yield coord, server.url + API_PREFIX
-    server.stop()
-    coord.close()
+def served(served_coordinator):
+    coord, url = served_coordinator
+    return coord, url + API_PREFIX
 
 
 def test_mutating_calls_need_the_job_token(served):
@@ -65,7 +50,7 @@ def test_status_is_readable_without_token_and_has_the_contract_fields(served):
         "checkpoints",
     ):
         assert key in data
-    assert data["state"] == "pending" and data["name"] == "api-test"
+    assert data["state"] == "pending" and data["name"] == "served"
 
 
 def test_server_binds_loopback_only(served):

@@ -3,15 +3,10 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.server import ApiServer
 from tidal.metrics import render
 from tidal.protocol import API_PREFIX, GenerationView, JobStatus, WorkerView
 
@@ -117,19 +112,8 @@ def test_non_finite_metrics_do_not_break_the_exposition() -> None:
 
 
 @pytest.fixture
-def served(tmp_path):
-    spec = JobSpec(name="metrics-test", script=str(tmp_path / "x.py"), workers=1, max_workers=2)
-    coord = Coordinator(spec, tmp_path)  # never ticks: no worker is started
-    server = ApiServer(coord)
-    coord.url = server.url
-    server.start()
-    for _ in range(500):
-        if server._server.started:
-            break
-        time.sleep(0.01)
-    yield coord, server.url
-    server.stop()
-    coord.close()
+def served(served_coordinator):
+    return served_coordinator
 
 
 def test_coordinator_serves_metrics_of_its_job(served) -> None:
@@ -141,18 +125,18 @@ def test_coordinator_serves_metrics_of_its_job(served) -> None:
     assert resp.headers["content-type"].startswith("text/plain")
     parsed = samples(resp.text)
     for name in REQUIRED:
-        assert any(k[0] == name and ("job", "metrics-test") in k[1] for k in parsed), name
-    assert value(parsed, "tidal_target_workers", job="metrics-test") == 1
+        assert any(k[0] == name and ("job", "served") in k[1] for k in parsed), name
+    assert value(parsed, "tidal_target_workers", job="served") == 1
     cost = httpx.get(url + API_PREFIX + "/status").json()["cost"]  # the coordinator's accounting
-    assert value(parsed, "tidal_cost_dollars", job="metrics-test") == cost
-    assert value(parsed, "tidal_checkpoint_stall_seconds", job="metrics-test") == 0.25
-    assert value(parsed, "tidal_job_state", job="metrics-test", state="pending") == 1
+    assert value(parsed, "tidal_cost_dollars", job="served") == cost
+    assert value(parsed, "tidal_checkpoint_stall_seconds", job="served") == 0.25
+    assert value(parsed, "tidal_job_state", job="served", state="pending") == 1
 
 
 def test_status_names_the_dashboard_and_metrics_urls(served) -> None:
     _, url = served
     data = httpx.get(url + API_PREFIX + "/status").json()
-    assert data["dashboard_url"] == f"{url}/jobs/metrics-test"
+    assert data["dashboard_url"] == f"{url}/jobs/served"
     assert data["metrics_url"] == f"{url}/metrics"
     assert httpx.get(data["dashboard_url"]).status_code == 200
     assert httpx.get(data["metrics_url"]).status_code == 200
