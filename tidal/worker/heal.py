@@ -71,22 +71,54 @@ def heal(
     elif all(v == best for v in values):
         return HealResult(source=source, step=best, sent=False)
     _broadcast_tensors(list(module.parameters()) + list(module.buffers()), source)
+    # The optimizer's structure travels as a small blob; its tensors travel flat, per
+    # dtype, straight into tensors the receivers allocate from that structure.
     blob = None
     if rank == source:
+        layout, tensors = _split_state(optimizer.state_dict())
         buf = io.BytesIO()
         torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(),
-            },
+            {"layout": layout, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
             buf,
         )
         blob = buf.getvalue()
-    data = _broadcast_blob(blob, source)
+    meta = torch.load(io.BytesIO(_broadcast_blob(blob, source)), weights_only=True)
     if rank != source:
-        state = torch.load(io.BytesIO(data), weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
+        tensors = [
+            torch.empty(shape, dtype=getattr(torch, dtype))
+            for shape, dtype in meta["layout"]["tensors"]
+        ]
+    _broadcast_tensors(tensors, source)
+    if rank != source:
+        optimizer.load_state_dict(_join_state(meta["layout"], tensors))
+        torch.set_rng_state(meta["torch_rng"])
+        random.setstate(meta["python_rng"])
     return HealResult(source=source, step=best, sent=True)
+
+
+def _split_state(state_dict: dict) -> tuple[dict, list[torch.Tensor]]:
+    """An optimizer state dict as (its structure with tensor slots, the tensors in order)."""
+    tensors: list[torch.Tensor] = []
+    state: dict = {}
+    for pid, entries in state_dict["state"].items():
+        state[pid] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                state[pid][key] = {"tensor": len(tensors)}
+                tensors.append(value.detach())
+            else:
+                state[pid][key] = {"value": value}
+    layout = {
+        "param_groups": state_dict["param_groups"],
+        "state": state,
+        "tensors": [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors],
+    }
+    return layout, tensors
+
+
+def _join_state(layout: dict, tensors: list[torch.Tensor]) -> dict:
+    state = {
+        pid: {k: tensors[v["tensor"]] if "tensor" in v else v["value"] for k, v in entries.items()}
+        for pid, entries in layout["state"].items()
+    }
+    return {"state": state, "param_groups": layout["param_groups"]}
