@@ -39,12 +39,19 @@ def _broadcast_blob(blob: bytes | None, src: int) -> bytes:
     return data.numpy().tobytes()
 
 
+LARGE = 1 << 18  # elements: a tensor this big travels alone, in place, with no copy
+
+
 @torch.no_grad()
 def _broadcast_tensors(tensors: list[torch.Tensor], src: int) -> None:
-    """One broadcast per dtype: parameters travel flattened, not a collective each."""
+    """Large contiguous tensors are broadcast in place, one collective each; the small ones
+    are flattened into one broadcast per dtype (a collective each would cost its latency)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+        if t.numel() >= LARGE and t.is_contiguous():
+            dist.broadcast(t.detach(), src)
+        else:
+            by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         dist.broadcast(flat, src)
