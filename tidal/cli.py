@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tidal.config import JobSpec, parse_schedule
+from tidal.config import ClusterSpec, JobSpec, parse_schedule
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.coordinator.home import db_path, job_dir, resolve_home
 from tidal.coordinator.records import Resume
@@ -108,6 +108,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         min_workers=args.min_workers,
         max_workers=args.max_workers if args.max_workers is not None else peak,
         backend=args.backend,
+        cluster=ClusterSpec(
+            address=args.ray_address, worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus
+        ),
         policy=args.policy,
         schedule=schedule,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -127,6 +130,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tidal.policy import get_policy
 
     get_backend(spec.backend)
+    if spec.backend == "ray":
+        from tidal.backends.ray import import_ray
+
+        import_ray()  # one line if the extra is missing, before anything is recorded
     get_policy(spec.policy)
     return _launch(spec, home, args, resume=None)
 
@@ -349,7 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-workers", type=int, default=None, help="default: the largest count asked for"
     )
-    run.add_argument("--backend", default="local")
+    run.add_argument(
+        "--backend", default="local", help="local (subprocesses, default) or ray (a Ray cluster)"
+    )
+    run.add_argument(
+        "--ray-address",
+        default="auto",
+        help="ray backend: the cluster, auto (the one this machine is in; default), "
+        "HOST:PORT, or local (a private one-node cluster)",
+    )
+    run.add_argument(
+        "--worker-cpus", type=float, default=1.0, help="ray backend: CPUs per worker (default 1)"
+    )
+    run.add_argument(
+        "--worker-gpus", type=float, default=0.0, help="ray backend: GPUs per worker (default 0)"
+    )
     run.add_argument("--policy", default="static")
     run.add_argument("--name", help="job name (default SCRIPT-xxxx)")
     run.add_argument("--schedule", help="scripted scaling, STEP:WORKERS pairs, e.g. 50:3,120:1")

@@ -26,6 +26,26 @@ def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """Where workers run on a cluster backend (``ray``): the cluster's address and what each
+    worker asks the cluster for. The local backend ignores it."""
+
+    address: str = (
+        "auto"  # "auto": the running cluster this machine belongs to; "local": a private one
+    )
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.worker_cpus <= 0:
+            raise ValueError(f"--worker-cpus must be positive, got {self.worker_cpus}")
+        if self.worker_gpus < 0:
+            raise ValueError(f"--worker-gpus must be at least 0, got {self.worker_gpus}")
+        if not self.address.strip():
+            raise ValueError("--ray-address must be 'auto', 'local' or HOST:PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobSpec:
     """One job. Invariants: 1 <= min_workers <= workers <= max_workers, every scheduled
     count within [min_workers, max_workers]."""
@@ -37,6 +57,7 @@ class JobSpec:
     min_workers: int = 1
     max_workers: int = 1
     backend: str = "local"
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
     policy: str = "static"
     schedule: tuple[tuple[int, int], ...] = ()
     heartbeat_interval_s: float = 0.05
@@ -114,4 +135,5 @@ class JobSpec:
     def from_dict(cls, data: dict) -> JobSpec:
         data = dict(data)
         data["schedule"] = tuple(tuple(e) for e in data.get("schedule", ()))
+        data["cluster"] = ClusterSpec(**data.get("cluster", {}))
         return cls(**data)

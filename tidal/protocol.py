@@ -41,7 +41,9 @@ class JobState(str, Enum):
 class WorkerState(str, Enum):
     """Life of one worker process.
 
-    ``starting`` (process launched, importing torch, not yet registered) -> ``standby``
+    ``pending`` (asked of the backend, which has no room for it yet: on Ray, no node can
+    take its resource request; it starts when one can) -> ``starting`` (process launched,
+    importing torch, not yet registered) -> ``standby``
     (registered and warmed up, not a member) -> ``running`` (member of the current
     generation). A member removed by a scale-down goes back to ``standby`` when a scheduled
     scale-up will need it again, else to ``stopping`` and ``exited``. A process that exits
@@ -49,6 +51,7 @@ class WorkerState(str, Enum):
     worker whose script raised. Nothing leaves ``exited`` or ``failed``.
     """
 
+    PENDING = "pending"
     STARTING = "starting"
     STANDBY = "standby"
     RUNNING = "running"
@@ -167,6 +170,7 @@ class WorkerView(BaseModel):
     pid: int | None
     state: WorkerState
     host: str | None = None
+    node: str | None = None  # where the backend placed it: a host, or a Ray node id
     last_heartbeat: float | None = None
     exit_code: int | None = None
 
@@ -195,6 +199,7 @@ class JobStatus(BaseModel):
     step: int
     world_size: int
     target_workers: int
+    pending_workers: int = 0  # asked for, waiting for room in the cluster (state pending)
     min_workers: int
     max_workers: int
     script: str

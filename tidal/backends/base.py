@@ -1,6 +1,8 @@
 """The interface every backend implements: start, watch and stop worker processes.
 
 A backend restarts nothing on its own: it reports exits and the coordinator decides.
+Whatever runs the worker (a local subprocess, a Ray actor), the worker itself is the same
+command with the same environment, so the worker runtime cannot tell backends apart.
 Backends register by name; an unknown name lists the known ones.
 """
 
@@ -14,10 +16,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class Exit:
+    """A worker's process ended. ``returncode`` > 0 means the script failed (a bug every
+    worker shares); < 0 a signal or a lost machine (recoverable); 0 a clean exit.
+    ``reason`` says why when the code alone does not (e.g. its node was lost)."""
+
     worker_id: int
     returncode: int
+    reason: str = ""
 
     def describe(self) -> str:
+        if self.reason:
+            return self.reason
         if self.returncode < 0:
             try:
                 name = signal.Signals(-self.returncode).name
@@ -28,9 +37,15 @@ class Exit:
 
 
 class Backend(ABC):
+    """Factories are called as ``factory(spec=JobSpec, log_dir=Path, cwd=Path)``."""
+
+    #: The address workers use to reach the coordinator's API and rendezvous store: the
+    #: coordinator binds it. Loopback when every worker runs on this machine.
+    host: str = "127.0.0.1"
+
     @abstractmethod
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:
-        """Launch a worker; returns its pid when known."""
+        """Launch a worker (or ask for one: see ``waiting``); returns its pid when known."""
 
     @abstractmethod
     def poll(self) -> list[Exit]:
@@ -43,6 +58,16 @@ class Backend(ABC):
     @abstractmethod
     def alive(self) -> list[int]:
         """Ids of workers whose process still runs."""
+
+    def waiting(self) -> set[int]:
+        """Workers asked for but not placed yet: the cluster has no room for them now.
+        They start by themselves when room appears; ``signal`` with SIGTERM or SIGKILL
+        cancels one, which then exits with code 0."""
+        return set()
+
+    def node(self, worker_id: int) -> str | None:
+        """Where the worker runs (a host or cluster node id), once placed."""
+        return None
 
     def describe_exit(self, worker_id: int) -> str:
         """A line of context for a failed worker (e.g. its log's last line)."""

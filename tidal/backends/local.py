@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from tidal.backends.base import Backend, Exit, register_backend
+from tidal.config import JobSpec
 
 _PR_SET_PDEATHSIG = 1
 try:  # loaded here, not in the forked child, where loading could deadlock
@@ -31,8 +33,8 @@ class LocalBackend(Backend):
     """Each worker runs ``command`` with the worker's environment; stdout and stderr go to
     ``log_dir/worker-ID.log``."""
 
-    def __init__(self, *, command: list[str], log_dir: Path, cwd: Path | None = None) -> None:
-        self.command = command
+    def __init__(self, *, spec: JobSpec, log_dir: Path, cwd: Path | None = None) -> None:
+        self.command = [spec.python, spec.script, *spec.script_args]
         self.log_dir = log_dir
         self.cwd = cwd
         self._procs: dict[int, subprocess.Popen] = {}
@@ -77,6 +79,9 @@ class LocalBackend(Backend):
 
     def alive(self) -> list[int]:
         return [wid for wid, p in self._procs.items() if p.poll() is None]
+
+    def node(self, worker_id: int) -> str | None:
+        return socket.gethostname() if worker_id in self._procs else None
 
     def describe_exit(self, worker_id: int) -> str:
         try:

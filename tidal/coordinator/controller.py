@@ -38,6 +38,7 @@ from tidal.sim.trace import load_trace
 from tidal.worker.agent import WorkerEnv
 
 FLUSH_EVERY_S = 0.5
+_NOT_STARTED = (WorkerState.PENDING, WorkerState.STARTING)  # not registered yet
 REFORM_GRACE_S = 0.1  # let a dead peer's exit be seen before re-forming on a failure report
 STOP_GRACE_S = 30.0
 
@@ -48,16 +49,22 @@ class Coordinator(Handlers, Scaling):
         spec: JobSpec,
         home: Path,
         *,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         resume: Resume | None = None,
     ) -> None:
+        """``host``: the address to bind and to give workers; default: the backend's (loopback
+        for local workers, this node's cluster address for Ray)."""
         get_policy(spec.policy)  # fail early on an unknown name
         self.spec = spec
-        self.host = host
         self.resume = resume
         self.token = secrets.token_urlsafe(24)
         self.jobdir = job_dir(home, spec.name)
         self.jobdir.logs.mkdir(parents=True, exist_ok=True)
+        # Before the job's record: a backend that cannot start (no cluster) leaves none.
+        self.backend = get_backend(spec.backend)(
+            spec=spec, log_dir=self.jobdir.logs, cwd=Path.cwd()
+        )
+        self.host = host or self.backend.host
         self.db = Database(db_path(home))
         if resume is None:
             self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
@@ -66,12 +73,7 @@ class Coordinator(Handlers, Scaling):
             self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = self.db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
-        self.backend = get_backend(spec.backend)(
-            command=[spec.python, spec.script, *spec.script_args],
-            log_dir=self.jobdir.logs,
-            cwd=Path.cwd(),
-        )
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self.lock = threading.RLock()
         self.url = ""
         self.state = JobState.PENDING
@@ -169,6 +171,7 @@ class Coordinator(Handlers, Scaling):
             now = time.monotonic()
             for ex in self.backend.poll():
                 self._on_exit(ex)
+            self._track_placement()
             self._check_heartbeats()
             if self.outcome is None:
                 self._observe(now)
@@ -196,7 +199,7 @@ class Coordinator(Handlers, Scaling):
         was_member = w.id in self.members
         if ex.returncode == 0 and (w.state == WorkerState.STOPPING or w.retired):
             w.state = WorkerState.EXITED
-            self.event("worker", f"worker {w.id} exited")
+            self.event("worker", f"worker {w.id} exited" + (f": {ex.reason}" if ex.reason else ""))
         elif w.retired or (w.state == WorkerState.STOPPING and not was_member):
             w.state = WorkerState.FAILED  # it was leaving anyway: no failure to recover from
             self.event("worker", f"worker {w.id} {w.kill_reason or ex.describe()} while leaving")
@@ -227,6 +230,17 @@ class Coordinator(Handlers, Scaling):
                         )
         w.rank = None
         self.db.upsert_worker(self.spec.name, w.view())
+
+    def _track_placement(self) -> None:
+        """``pending`` workers the backend has placed since become ``starting``."""
+        waiting = None
+        for w in self.workers.values():
+            if w.state == WorkerState.PENDING:
+                waiting = self.backend.waiting() if waiting is None else waiting
+                if w.id not in waiting:
+                    w.state, w.node = WorkerState.STARTING, self.backend.node(w.id)
+                    self.db.upsert_worker(self.spec.name, w.view())
+                    self.event("worker", f"worker {w.id} placed on {w.node}")
 
     def _check_heartbeats(self) -> None:
         """Kill hung workers (no heartbeat) and workers that do not leave when asked."""
@@ -272,7 +286,7 @@ class Coordinator(Handlers, Scaling):
             Pool(
                 members=members,
                 standby=[w.id for w in outside if w.state == WorkerState.STANDBY],
-                starting=[w.id for w in outside if w.state == WorkerState.STARTING],
+                starting=[w.id for w in outside if w.state in _NOT_STARTED],
                 target=self.target,
                 spares=max(0, future_peak(self.spec.schedule, self.step) - self.target),
                 forming=not self.generations,
@@ -334,7 +348,7 @@ class Coordinator(Handlers, Scaling):
 
     def _retire(self, w: WorkerRecord) -> None:
         w.retired = True
-        if w.state == WorkerState.STARTING:
+        if w.state in _NOT_STARTED:  # no heartbeat to tell it; pending ones are cancelled
             self.backend.signal(w.id, signal.SIGTERM)
         self._stopping(w)
         self.db.upsert_worker(self.spec.name, w.view())
@@ -345,8 +359,16 @@ class Coordinator(Handlers, Scaling):
         self.workers[wid] = w
         env = WorkerEnv(url=self.url, token=self.token, worker_id=wid).to_environ()
         w.pid = self.backend.start(wid, env)
+        if wid in self.backend.waiting():
+            w.state = WorkerState.PENDING
+            self.event(
+                "worker",
+                f"worker {wid} asked of the {self.spec.backend} backend; pending until placed",
+            )
+        else:
+            w.node = self.backend.node(wid)
+            self.event("worker", f"worker {wid} started (pid {w.pid})")
         self.db.upsert_worker(self.spec.name, w.view())
-        self.event("worker", f"worker {wid} started (pid {w.pid})")
 
     def _check_start_timeout(self) -> None:
         if (

@@ -31,7 +31,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE TABLE IF NOT EXISTS workers (
     job TEXT NOT NULL, id INTEGER NOT NULL, pid INTEGER, host TEXT, state TEXT NOT NULL,
-    rank INTEGER, last_heartbeat REAL, exit_code INTEGER, PRIMARY KEY (job, id)
+    rank INTEGER, last_heartbeat REAL, exit_code INTEGER, node TEXT, PRIMARY KEY (job, id)
 );
 CREATE TABLE IF NOT EXISTS generations (
     job TEXT NOT NULL, id INTEGER NOT NULL, members TEXT NOT NULL, reason TEXT NOT NULL,
@@ -62,6 +62,9 @@ class Database:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
+        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(workers)")}
+        if "node" not in columns:  # a home written before workers had a node
+            self._conn.execute("ALTER TABLE workers ADD COLUMN node TEXT")
         self._conn.commit()
 
     def close(self) -> None:
@@ -96,8 +99,20 @@ class Database:
 
     def upsert_worker(self, job: str, w: WorkerView) -> None:
         self._write(
-            "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (job, w.id, w.pid, w.host, w.state.value, w.rank, w.last_heartbeat, w.exit_code),
+            "INSERT OR REPLACE INTO workers "
+            "(job, id, pid, host, state, rank, last_heartbeat, exit_code, node) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                job,
+                w.id,
+                w.pid,
+                w.host,
+                w.state.value,
+                w.rank,
+                w.last_heartbeat,
+                w.exit_code,
+                w.node,
+            ),
         )
 
     def upsert_generation(self, job: str, g: GenerationView) -> None:
@@ -187,9 +202,10 @@ class Database:
                 rank=r[4],
                 last_heartbeat=r[5],
                 exit_code=r[6],
+                node=r[7],
             )
             for r in self._read(
-                "SELECT id, pid, host, state, rank, last_heartbeat, exit_code FROM workers "
+                "SELECT id, pid, host, state, rank, last_heartbeat, exit_code, node FROM workers "
                 "WHERE job = ? ORDER BY id",
                 (name,),
             )
@@ -217,6 +233,7 @@ class Database:
             step=step,
             world_size=world,
             target_workers=target,
+            pending_workers=sum(w.state == "pending" for w in workers),
             min_workers=spec["min_workers"],
             max_workers=spec["max_workers"],
             script=spec["script"],

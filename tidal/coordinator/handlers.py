@@ -58,8 +58,9 @@ class Handlers:
         with self.lock:
             w = self._worker(wid)
             w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
-            if w.state == WorkerState.STARTING:
+            if w.state in (WorkerState.PENDING, WorkerState.STARTING):
                 w.state = WorkerState.STANDBY
+                w.node = w.node or self.backend.node(wid)
             self.db.upsert_worker(self.spec.name, w.view())
             self.event("worker", f"worker {wid} ready (pid {req.pid})")
             return RegisterResponse(

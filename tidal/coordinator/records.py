@@ -13,6 +13,7 @@ class WorkerRecord:
     state: WorkerState = WorkerState.STARTING
     pid: int | None = None
     host: str | None = None
+    node: str | None = None
     rank: int | None = None
     last_heartbeat: float | None = None
     step: int = 0
@@ -33,6 +34,7 @@ class WorkerRecord:
             pid=self.pid,
             state=self.state,
             host=self.host,
+            node=self.node,
             last_heartbeat=self.last_heartbeat,
             exit_code=self.exit_code,
         )

@@ -49,7 +49,7 @@ def run_job(
     except BaseException:
         coord.close()
         raise
-    server = ApiServer(coord)
+    server = ApiServer(coord, host=coord.host)
     coord.url = server.url
     server.start()
     deadline = time.monotonic() + 30
@@ -92,13 +92,17 @@ def main() -> int:
         del argv[i : i + 2]
     home, spec_json = argv[0], argv[1]
     resume = Resume(**json.loads(argv[2])) if len(argv) > 2 else None
-    return run_job(
-        JobSpec.from_dict(json.loads(spec_json)),
-        Path(home),
-        quiet=True,
-        resume=resume,
-        tensorboard=tensorboard,
-    )
+    try:
+        return run_job(
+            JobSpec.from_dict(json.loads(spec_json)),
+            Path(home),
+            quiet=True,
+            resume=resume,
+            tensorboard=tensorboard,
+        )
+    except ValueError as exc:  # bad input: the last line of the log is what --detach shows
+        print(f"tidal: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

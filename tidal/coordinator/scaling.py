@@ -81,7 +81,7 @@ class Scaling:
         for w in victims:
             w.preempted = True
             self.event("capacity", f"capacity {cap}: preemption notice (SIGTERM) to worker {w.id}")
-            if w.state in (WorkerState.STARTING, WorkerState.STANDBY):
+            if w.state in (WorkerState.PENDING, WorkerState.STARTING, WorkerState.STANDBY):
                 self._retire(w)
             self.backend.signal(w.id, signal.SIGTERM)
 

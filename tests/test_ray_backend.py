@@ -1,0 +1,192 @@
+"""``--backend ray`` on a real multi-node Ray cluster started by each test.
+
+The cluster is Ray's own ``ray.cluster_utils.Cluster``: every node is a real raylet with its
+own resources, on this machine. Each node offers one CPU and each worker asks for one, so
+two workers must land on two nodes, and a third waits for a third node. Token
+authentication is on (``RAY_AUTH_MODE=token``): the coordinator joins with the token, as a
+user's ``tidal run`` does. Run alone with ``pytest -m ray``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pytest
+from e2e_helpers import DIGITS, ROOT, Home, event_messages, relative_l2, summarize
+
+from tidal.coordinator.home import db_path
+
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("Ray is not installed: pip install -e '.[ray]'", allow_module_level=True)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+class RayCluster:
+    """A Ray cluster of one-CPU nodes on this machine, token authentication on."""
+
+    def __init__(self, nodes: int) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        self.nodes = [self.cluster.head_node]
+        for _ in range(nodes - 1):
+            self.add_node()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self):
+        node = self.cluster.add_node(num_cpus=1)
+        self.cluster.wait_for_nodes()
+        self.nodes.append(node)
+        return node
+
+    def kill_raylet(self, node) -> None:
+        """SIGKILL the node's raylet, as when its machine is lost."""
+        (raylet,) = node.all_processes["raylet"]
+        os.kill(raylet.process.pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_token() -> Iterator[str]:
+    """Token authentication for every cluster of the session and every process that joins
+    one. Set before this process first imports Ray, which reads the mode once."""
+    token = secrets.token_hex(16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "token")
+        mp.setenv("RAY_AUTH_TOKEN", token)
+        yield token
+
+
+@pytest.fixture
+def two_nodes(ray_token: str) -> Iterator[RayCluster]:
+    cluster = RayCluster(nodes=2)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def ray_opts(cluster: RayCluster, *extra: str) -> list[str]:
+    return ["--backend", "ray", "--ray-address", cluster.address, *extra]
+
+
+def node_ids(status: dict, *states: str) -> set[str]:
+    return {w["node"] for w in status["workers"] if not states or w["state"] in states}
+
+
+def test_two_nodes_train_digits(tidal_home: Home, two_nodes: RayCluster, reference_params) -> None:
+    out = tidal_home.path / "final.safetensors"
+    proc, job = tidal_home.run(
+        "ray2",
+        *ray_opts(two_nodes, "--workers", "2"),
+        script_args=["--max-steps", "200", "--save", str(out)],
+        timeout=240,
+    )
+    status = job.status()
+    assert proc.returncode == 0, f"{proc.stderr}\n{summarize(status)}\n{job.logs_tail()}"
+    assert status["state"] == "succeeded"
+    assert status["metrics"]["accuracy"] > 0.9
+    # One worker on each node: each node has room for one.
+    assert node_ids(status) == {n.node_id for n in two_nodes.nodes}, summarize(status)
+    assert [g["world_size"] for g in status["generations"]] == [2]
+    # Workers reached the coordinator at the node's address, not at loopback.
+    host = urlparse(status["url"]).hostname
+    assert host and not host.startswith("127."), status["url"]
+    # Same mathematics as anywhere else: equal to a 1-worker local run.
+    assert relative_l2(out, reference_params(200)) < 1e-4
+    tidal_home.assert_no_processes()
+
+
+def test_node_loss_is_a_worker_failure(
+    tidal_home: Home, two_nodes: RayCluster, reference_params
+) -> None:
+    out = tidal_home.path / "final.safetensors"
+    job = tidal_home.start(
+        "rayloss",
+        *ray_opts(two_nodes, "--workers", "2"),
+        script_args=["--max-steps", "600", "--save", str(out)],
+    )
+    status = job.wait_for(
+        lambda s: s["world_size"] == 2 and s["step"] >= 30, 120, "2 workers past step 30"
+    )
+    second = two_nodes.nodes[1]
+    (lost,) = [w["id"] for w in status["workers"] if w["node"] == second.node_id]
+    two_nodes.kill_raylet(second)
+
+    status = job.wait_state("succeeded", "failed", timeout=180)
+    assert status["state"] == "succeeded", f"{summarize(status)}\n{job.logs_tail()}"
+    # The survivor went on alone on the first node, from where the pair had got to.
+    last = status["generations"][-1]
+    assert last["world_size"] == 1 and lost not in last["members"], summarize(status)
+    assert last["start_step"] >= 30
+    assert any(f"worker {lost} failed" in m for m in event_messages(status, "failure"))
+    # No room for a replacement: it waited as pending, and was cancelled at the end.
+    formed_after = [g for g in status["generations"][1:] if g["start_step"] is not None]
+    assert [g["world_size"] for g in formed_after] == [1], summarize(status)
+    (replacement,) = [w for w in status["workers"] if w["id"] > lost]
+    assert replacement["node"] is None and replacement["state"] == "exited"
+    assert any("cancelled before Ray placed it" in m for m in event_messages(status))
+    # At most one step redone, none applied twice: still a 1-worker run's parameters.
+    assert relative_l2(out, reference_params(600)) < 1e-4
+    tidal_home.assert_no_processes()
+
+
+def test_third_worker_waits_for_a_third_node(tidal_home: Home, two_nodes: RayCluster) -> None:
+    job = tidal_home.start(
+        "raypend",
+        *ray_opts(two_nodes, "--workers", "2", "--max-workers", "3"),
+        script_args=["--max-steps", "1000000", "--log-every", "1000"],
+    )
+    job.wait_for(lambda s: s["world_size"] == 2, 120, "2 workers training")
+    assert job.scale(3).returncode == 0
+    status = job.wait_for(lambda s: s["pending_workers"] == 1, 30, "a pending worker")
+    (pending,) = [w for w in status["workers"] if w["state"] == "pending"]
+    assert status["target_workers"] == 3 and status["world_size"] == 2
+
+    # Still pending a while later: the target is kept, nothing fails.
+    later = job.wait_for(lambda s: s["step"] > status["step"] + 50, 60, "50 more steps")
+    assert later["pending_workers"] == 1 and later["target_workers"] == 3
+    assert later["world_size"] == 2 and later["state"] == "running"
+
+    third = two_nodes.add_node()
+    status = job.wait_for(lambda s: s["world_size"] == 3, 120, "the third worker joined")
+    joined = {w["id"]: w for w in status["workers"]}[pending["id"]]
+    assert joined["state"] == "running" and joined["node"] == third.node_id
+    assert node_ids(status, "running") == {n.node_id for n in two_nodes.nodes}
+    assert status["pending_workers"] == 0
+
+    assert job.stop().returncode == 0
+    assert job.wait_state("stopped", timeout=60)["state"] == "stopped"
+    tidal_home.assert_no_processes()
+
+
+def test_wrong_ray_token_is_one_line(tidal_home: Home, two_nodes: RayCluster) -> None:
+    env = {**tidal_home.env(), "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", "--home", str(tidal_home.path)]
+        + ray_opts(two_nodes, "--workers", "1", "--quiet")
+        + [str(DIGITS)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("tidal: error: cannot join a Ray cluster"), proc.stderr
+    # Nothing recorded for a job that never started.
+    assert not db_path(tidal_home.path).exists()
