@@ -16,10 +16,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from e2e_helpers import DIGITS, ROOT, Home, event_messages, relative_l2, summarize
+from e2e_helpers import DIGITS, ROOT, Home, event_messages, pid_alive, relative_l2, summarize
 
 from tidal.coordinator.home import db_path
 
@@ -190,3 +191,44 @@ def test_wrong_ray_token_is_one_line(tidal_home: Home, two_nodes: RayCluster) ->
     assert lines and lines[-1].startswith("tidal: error: cannot join a Ray cluster"), proc.stderr
     # Nothing recorded for a job that never started.
     assert not db_path(tidal_home.path).exists()
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_killed_actor_process_is_replaced(tidal_home: Home, two_nodes: RayCluster) -> None:
+    job = tidal_home.start(
+        "rayactor",
+        *ray_opts(two_nodes, "--workers", "2"),
+        script_args=["--max-steps", "1000000", "--log-every", "1000"],
+    )
+    status = job.wait_for(
+        lambda s: s["world_size"] == 2 and s["step"] >= 30, 120, "2 workers past step 30"
+    )
+    second = two_nodes.nodes[1].node_id
+    (victim,) = [w for w in status["workers"] if w["node"] == second]
+    actor = parent_of(victim["pid"])  # the worker's script is the actor's child
+    assert Path(f"/proc/{actor}/cmdline").read_bytes().startswith(b"ray::"), actor
+    os.kill(actor, signal.SIGKILL)
+
+    # The script died with its actor; the freed node takes a replacement, which joins.
+    status = job.wait_for(
+        lambda s: (
+            s["world_size"] == 2
+            and any(w["id"] > victim["id"] and w["state"] == "running" for w in s["workers"])
+        ),
+        120,
+        "a replacement on the freed node",
+    )
+    assert not pid_alive(victim["pid"])
+    by_id = {w["id"]: w for w in status["workers"]}
+    assert by_id[victim["id"]]["state"] == "failed"
+    (new,) = [w for w in status["workers"] if w["id"] > victim["id"]]
+    assert new["node"] == second
+    assert any(f"worker {victim['id']} failed" in m for m in event_messages(status, "failure"))
+
+    assert job.stop().returncode == 0
+    assert job.wait_state("stopped", timeout=60)["state"] == "stopped"
+    tidal_home.assert_no_processes()

@@ -69,7 +69,8 @@ def print_status(s: JobStatus) -> None:
         "step",
         str(s.step),
         "workers",
-        f"{s.world_size} (target {s.target_workers}, range {s.min_workers}-{s.max_workers})",
+        f"{s.world_size} (target {s.target_workers}, range {s.min_workers}-{s.max_workers}"
+        + (f", {s.pending_workers} pending: no room in the cluster)" if s.pending_workers else ")"),
     )
     summary.add_row("script", s.script, "url", s.url or "-")
     per_1k = f", ${s.cost_per_1k_samples:.4g}/1k samples" if s.cost_per_1k_samples else ""
@@ -83,7 +84,7 @@ def print_status(s: JobStatus) -> None:
         )
     console.print(summary)
     workers = Table(title="workers")
-    for col in ("id", "rank", "pid", "state", "exit"):
+    for col in ("id", "rank", "pid", "state", "node", "exit"):
         workers.add_column(col)
     for w in s.workers:
         workers.add_row(
@@ -91,6 +92,7 @@ def print_status(s: JobStatus) -> None:
             "-" if w.rank is None else str(w.rank),
             str(w.pid or "-"),
             w.state.value,
+            (w.node or "-")[:12],  # Ray node ids are 56 hex digits; 12 tell them apart
             "-" if w.exit_code is None else str(w.exit_code),
         )
     console.print(workers)
