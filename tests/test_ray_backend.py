@@ -169,6 +169,17 @@ def test_third_worker_waits_for_a_third_node(tidal_home: Home, two_nodes: RayClu
     assert node_ids(status, "running") == {n.node_id for n in two_nodes.nodes}
     assert status["pending_workers"] == 0
 
+    # Scale-down removes a worker (the highest rank): its actor ends and frees its node.
+    assert job.scale(2).returncode == 0
+    status = job.wait_for(
+        lambda s: s["world_size"] == 2 and s["generations"][-1]["start_step"] is not None,
+        60,
+        "back to 2 workers",
+    )
+    left = [w for w in status["workers"] if w["state"] in ("exited", "stopping")]
+    assert len(left) == 1, summarize(status)
+    assert not any(m.endswith("failed") for m in event_messages(status, "failure"))
+
     assert job.stop().returncode == 0
     assert job.wait_state("stopped", timeout=60)["state"] == "stopped"
     tidal_home.assert_no_processes()

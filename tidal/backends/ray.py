@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,7 @@ class RayBackend(Backend):
         self._last_lines: dict[int, str] = {}  # each ended worker's last log line
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._warned = False
         self._monitor = threading.Thread(target=self._watch, name="tidal-ray-monitor", daemon=True)
         self._monitor.start()
 
@@ -165,7 +167,16 @@ class RayBackend(Backend):
             if not refs:
                 self._closing.wait(WAIT_S)
                 continue
-            ready, _ = self._ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
+            try:
+                ready, _ = self._ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - the driver lost its cluster (head gone)
+                # Workers still heartbeat the coordinator; a lost one misses its heartbeats
+                # and is handled as hung. Keep trying: the connection may come back.
+                if not self._warned:
+                    self._warned = True
+                    print(f"tidal: warning: Ray is not answering: {exc}", file=sys.stderr)
+                self._closing.wait(1.0)
+                continue
             for ref in ready:
                 self._settle(refs[ref], ref)
 

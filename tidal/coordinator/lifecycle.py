@@ -1,0 +1,128 @@
+"""The life of worker processes, carried out: start, placement, exits, hung workers.
+
+A mixin of ``Coordinator``; every method runs under ``self.lock``. The backend reports
+(exits, placement); these methods turn reports into worker states and generations. An exit
+is a failure to recover from unless the worker was asked to leave; an exit with a positive
+code (the script raised) fails the job, since every worker runs the same code.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from tidal.backends import Exit
+from tidal.coordinator.records import WorkerRecord
+from tidal.protocol import JobState, WorkerState
+from tidal.worker.agent import WorkerEnv
+
+STOP_GRACE_S = 30.0
+NOT_STARTED = (WorkerState.PENDING, WorkerState.STARTING)  # not registered yet
+
+
+class Lifecycle:
+    def _on_exit(self, ex: Exit) -> None:
+        w = self.workers.get(ex.worker_id)
+        if w is None:
+            return
+        w.exit_code = ex.returncode
+        was_member = w.id in self.members
+        if ex.returncode == 0 and (w.state == WorkerState.STOPPING or w.retired):
+            w.state = WorkerState.EXITED
+            self.event("worker", f"worker {w.id} exited" + (f": {ex.reason}" if ex.reason else ""))
+        elif w.retired or (w.state == WorkerState.STOPPING and not was_member):
+            w.state = WorkerState.FAILED  # it was leaving anyway: no failure to recover from
+            self.event("worker", f"worker {w.id} {w.kill_reason or ex.describe()} while leaving")
+        else:
+            w.state = WorkerState.FAILED
+            why = w.kill_reason or ex.describe()
+            detail = self.backend.describe_exit(w.id) if ex.returncode > 0 else ""
+            self.event(
+                "failure", f"worker {w.id} failed ({why})" + (f": {detail}" if detail else "")
+            )
+            if self.outcome is None:
+                if ex.returncode > 0 and w.kill_reason is None:
+                    # The script raised: a bug every worker shares, not a lost machine.
+                    self._decide(
+                        JobState.FAILED, f"worker {w.id} {why}" + (f": {detail}" if detail else "")
+                    )
+                else:
+                    self.failures += 1
+                    if was_member:
+                        self._open(
+                            [m for m in self.members if m != w.id], f"worker {w.id} failed ({why})"
+                        )
+                    if self.failures > self.spec.max_restarts:
+                        alive = [m for m in self.workers.values() if m.live and not m.retired]
+                        self._set_target(
+                            max(1, min(self.target, len(alive))),
+                            f"restart budget of {self.spec.max_restarts} spent",
+                        )
+        w.rank = None
+        self.db.upsert_worker(self.spec.name, w.view())
+
+    def _track_placement(self) -> None:
+        """``pending`` workers the backend has placed since become ``starting``."""
+        waiting = None
+        for w in self.workers.values():
+            if w.state == WorkerState.PENDING:
+                waiting = self.backend.waiting() if waiting is None else waiting
+                if w.id not in waiting:
+                    w.state, w.node = WorkerState.STARTING, self.backend.node(w.id)
+                    self.db.upsert_worker(self.spec.name, w.view())
+                    self.event("worker", f"worker {w.id} placed on {w.node}")
+
+    def _check_heartbeats(self) -> None:
+        """Kill hung workers (no heartbeat) and workers that do not leave when asked."""
+        now = time.time()
+        for w in self.workers.values():
+            if (
+                w.state == WorkerState.STOPPING
+                and w.kill_reason is None
+                and w.stopping_since is not None
+                and time.monotonic() - w.stopping_since > STOP_GRACE_S
+            ):
+                w.kill_reason = f"did not exit within {STOP_GRACE_S:.0f} s of being asked"
+                self.event("worker", f"worker {w.id} {w.kill_reason}; killing it")
+                self.backend.signal(w.id, signal.SIGKILL)
+                continue
+            if (
+                # A stopping worker has reported its end and stops heartbeating as it exits;
+                # the stop grace period, not the heartbeat timeout, bounds it.
+                w.state in (WorkerState.STANDBY, WorkerState.RUNNING)
+                and w.kill_reason is None
+                and w.last_heartbeat is not None
+                and now - w.last_heartbeat > self.spec.heartbeat_timeout_s
+            ):
+                w.kill_reason = f"missed heartbeats for {now - w.last_heartbeat:.1f} s"
+                self.event("failure", f"worker {w.id} {w.kill_reason}; killing it")
+                self.backend.signal(w.id, signal.SIGKILL)
+
+    def _stopping(self, w: WorkerRecord) -> None:
+        w.state, w.rank = WorkerState.STOPPING, None
+        if w.stopping_since is None:
+            w.stopping_since = time.monotonic()
+
+    def _retire(self, w: WorkerRecord) -> None:
+        w.retired = True
+        if w.state in NOT_STARTED:  # no heartbeat to tell it; pending ones are cancelled
+            self.backend.signal(w.id, signal.SIGTERM)
+        self._stopping(w)
+        self.db.upsert_worker(self.spec.name, w.view())
+
+    def _start_worker(self) -> None:
+        wid = self._worker_base + len(self.workers)
+        w = WorkerRecord(id=wid)
+        self.workers[wid] = w
+        env = WorkerEnv(url=self.url, token=self.token, worker_id=wid).to_environ()
+        w.pid = self.backend.start(wid, env)
+        if wid in self.backend.waiting():
+            w.state = WorkerState.PENDING
+            self.event(
+                "worker",
+                f"worker {wid} asked of the {self.spec.backend} backend; pending until placed",
+            )
+        else:
+            w.node = self.backend.node(wid)
+            self.event("worker", f"worker {wid} started (pid {w.pid})")
+        self.db.upsert_worker(self.spec.name, w.view())
