@@ -124,6 +124,7 @@ def test_node_loss_is_a_worker_failure(
         lambda s: s["world_size"] == 2 and s["step"] >= 30, 120, "2 workers past step 30"
     )
     second = two_nodes.nodes[1]
+    first = {w["id"] for w in status["workers"]}
     (lost,) = [w["id"] for w in status["workers"] if w["node"] == second.node_id]
     two_nodes.kill_raylet(second)
 
@@ -137,7 +138,7 @@ def test_node_loss_is_a_worker_failure(
     # No room for a replacement: it waited as pending, and was cancelled at the end.
     formed_after = [g for g in status["generations"][1:] if g["start_step"] is not None]
     assert [g["world_size"] for g in formed_after] == [1], summarize(status)
-    (replacement,) = [w for w in status["workers"] if w["id"] > lost]
+    (replacement,) = [w for w in status["workers"] if w["id"] not in first]
     assert replacement["node"] is None and replacement["state"] == "exited"
     assert any("cancelled before Ray placed it" in m for m in event_messages(status))
     # At most one step redone, none applied twice: still a 1-worker run's parameters.
@@ -219,6 +220,7 @@ def test_killed_actor_process_is_replaced(tidal_home: Home, two_nodes: RayCluste
         lambda s: s["world_size"] == 2 and s["step"] >= 30, 120, "2 workers past step 30"
     )
     second = two_nodes.nodes[1].node_id
+    first = {w["id"] for w in status["workers"]}
     (victim,) = [w for w in status["workers"] if w["node"] == second]
     actor = parent_of(victim["pid"])  # the worker's script is the actor's child
     assert Path(f"/proc/{actor}/cmdline").read_bytes().startswith(b"ray::"), actor
@@ -228,7 +230,7 @@ def test_killed_actor_process_is_replaced(tidal_home: Home, two_nodes: RayCluste
     status = job.wait_for(
         lambda s: (
             s["world_size"] == 2
-            and any(w["id"] > victim["id"] and w["state"] == "running" for w in s["workers"])
+            and any(w["id"] not in first and w["state"] == "running" for w in s["workers"])
         ),
         120,
         "a replacement on the freed node",
@@ -236,7 +238,7 @@ def test_killed_actor_process_is_replaced(tidal_home: Home, two_nodes: RayCluste
     assert not pid_alive(victim["pid"])
     by_id = {w["id"]: w for w in status["workers"]}
     assert by_id[victim["id"]]["state"] == "failed"
-    (new,) = [w for w in status["workers"] if w["id"] > victim["id"]]
+    (new,) = [w for w in status["workers"] if w["id"] not in first]
     assert new["node"] == second
     assert any(f"worker {victim['id']} failed" in m for m in event_messages(status, "failure"))
 

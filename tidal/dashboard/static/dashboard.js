@@ -317,7 +317,8 @@ function tidalJobPage(name) {
         el("td", { class: "num" }, el("a", { href: `/dashboard/jobs/${encodeURIComponent(name)}/logs/${w.id}`,
           text: w.id, title: "this worker's log", target: "_blank" })),
         el("td", { class: "num", text: w.rank === null ? "–" : w.rank }),
-        el("td", { text: `${w.pid ?? "–"} @ ${w.host ?? "–"}` }),
+        el("td", { text: `${w.pid ?? "–"} @ ${w.host ?? "–"}` +
+          (w.node && w.node !== w.host ? ` · node ${w.node.slice(0, 12)}` : ""), title: w.node ?? "" }),
         el("td", {}, badge(w.state)),
         el("td", { text: ["exited", "failed"].includes(w.state) ? "–" : age(hb) }),
         el("td", { class: "num", text: r.step ?? "–" }),
