@@ -64,3 +64,70 @@ def test_joiner_adopts_the_source_state_exactly():
         assert joiner[name]["state"] == source[name]["state"] and joiner[name]["state"]
         assert joiner[name]["groups"] == source[name]["groups"]
         assert joiner[name]["draw"] == source[name]["draw"]  # the RNG came along
+
+
+SCRIPT3 = r"""
+import json, sys, torch, torch.distributed as dist
+from tidal.worker.heal import heal
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+
+def trained(steps):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
+    for _ in range(steps):
+        m(torch.randn(5, 16)).sum().backward(); opt.step(); opt.zero_grad()
+    return m, opt
+
+out = {}
+# join: ranks 0 and 1 in sync at step 7, rank 2 new. laggard: rank 0 one step behind.
+for case, steps in (("join", {0: 7, 1: 7, 2: None}), ("laggard", {0: 6, 1: 7, 2: 7})):
+    n = steps[rank]
+    m, opt = trained(n if n is not None else 0)
+    if n is None:
+        opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)  # no state yet
+        torch.manual_seed(100)
+        for p in m.parameters():
+            torch.nn.init.normal_(p)
+    torch.manual_seed(1000 + rank)
+    rng_before = torch.get_rng_state()
+    result = heal(module=m, optimizer=opt, step=n)
+    out[case] = {
+        "step": result.step, "sent": result.sent, "source": result.source,
+        "params": [p.detach().flatten().tolist() for p in m.parameters()],
+        "momentum": [s["momentum_buffer"].flatten().tolist() for s in opt.state.values()],
+        "rng_kept": bool(torch.equal(torch.get_rng_state(), rng_before)),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_only_members_behind_the_source_receive():
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT3, str(r), str(port)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1, 2)
+    ]
+    try:
+        outs = [json.loads(p.communicate(timeout=100)[0]) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    join = [o["join"] for o in outs]
+    assert [o["source"] for o in join] == [0, 0, 0] and {o["step"] for o in join} == {7}
+    # Rank 1 was in sync: it received nothing and kept its own RNG; the joiner got it all.
+    assert [o["sent"] for o in join] == [True, False, True]
+    assert join[1]["rng_kept"] and not join[2]["rng_kept"]
+    assert join[2]["params"] == join[0]["params"] and join[2]["momentum"] == join[0]["momentum"]
+    assert join[2]["momentum"]  # state exists
+    lag = [o["laggard"] for o in outs]
+    # The lowest rank at the highest step is the source; only the laggard receives.
+    assert [o["source"] for o in lag] == [1, 1, 1] and {o["step"] for o in lag} == {7}
+    assert [o["sent"] for o in lag] == [True, True, False]
+    assert lag[0]["params"] == lag[1]["params"] == lag[2]["params"]
+    assert lag[0]["momentum"] == lag[1]["momentum"]

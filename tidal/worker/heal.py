@@ -1,12 +1,14 @@
 """Healing: every member of a new generation adopts the state of the most advanced one.
 
 The members all-gather their committed step; the lowest rank among those with the highest
-step is the source and broadcasts model, optimizer, RNG and step to the others. Joiners
-(no state yet) and laggards (a peer died mid all-reduce, leaving one survivor past the step
-and another before it) take the same path, so a join and a failure share one code path.
-When every member already holds the same step, nothing is sent: a scale-down costs no
-transfer. The optimizer state travels as a ``torch.save`` blob loaded with
-``weights_only=True``: tensors and plain containers only, never arbitrary pickles.
+step is the source and sends model, optimizer, RNG and step to the members behind it, and
+only to them: members already at that step hold the same state (synchronous training
+keeps them equal), so a scale-up sends to the joiners alone and a scale-down sends nothing.
+Joiners (no state yet) and laggards (a peer died mid all-reduce, leaving one survivor past
+the step and another before it) take the same path, so a join and a failure share one code
+path. The optimizer's structure travels as a ``torch.save`` blob loaded with
+``weights_only=True`` (tensors and plain containers only, never arbitrary pickles); its
+tensors travel raw, into tensors the receivers allocate from that structure.
 """
 
 from __future__ import annotations
@@ -28,33 +30,50 @@ class HealResult:
     sent: bool
 
 
-def _broadcast_blob(blob: bytes | None, src: int) -> bytes:
+def _send_blob(blob: bytes | None, src: int, receivers: list[int]) -> bytes:
     size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src)
+    _transfer([size], src, receivers)
     if blob is not None:
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     else:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(data, src)
+    _transfer([data], src, receivers)
     return data.numpy().tobytes()
 
 
 LARGE = 1 << 18  # elements: a tensor this big travels alone, in place, with no copy
 
 
+def _transfer(tensors: list[torch.Tensor], src: int, receivers: list[int]) -> None:
+    """``src`` sends each tensor to every receiver; receivers fill theirs in place. All the
+    messages are posted before any is waited for, so they stream back to back; gloo matches
+    messages between two ranks in the order they were posted."""
+    rank = dist.get_rank()
+    if rank == src:
+        works = [dist.isend(t, dst) for dst in receivers for t in tensors]
+    elif rank in receivers:
+        works = [dist.irecv(t, src) for t in tensors]
+    else:
+        return
+    for work in works:
+        work.wait()
+
+
 @torch.no_grad()
-def _broadcast_tensors(tensors: list[torch.Tensor], src: int) -> None:
-    """Large contiguous tensors are broadcast in place, one collective each; the small ones
-    are flattened into one broadcast per dtype (a collective each would cost its latency)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+def _send_tensors(tensors: list[torch.Tensor], src: int, receivers: list[int]) -> None:
+    """Large contiguous tensors travel in place, one message each; the small ones are
+    flattened into one message per dtype (a message each would cost its latency)."""
+    large, by_dtype = [], {}
     for t in tensors:
         if t.numel() >= LARGE and t.is_contiguous():
-            dist.broadcast(t.detach(), src)
+            large.append(t.detach())
         else:
             by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, src)
+    flats = [torch.cat([t.detach().reshape(-1) for t in group]) for group in by_dtype.values()]
+    _transfer(large + flats, src, receivers)
+    if dist.get_rank() == src:
+        return
+    for flat, group in zip(flats, by_dtype.values(), strict=True):
         offset = 0
         for t in group:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -75,9 +94,13 @@ def heal(
     source = values.index(best)
     if best == NO_STATE:  # a fresh job: everybody adopts rank 0's initialisation
         best, source = 0, 0
-    elif all(v == best for v in values):
+        values = [NO_STATE if r else 0 for r in range(world)]
+    receivers = [r for r, v in enumerate(values) if r != source and v != best]
+    if not receivers:
         return HealResult(source=source, step=best, sent=False)
-    _broadcast_tensors(list(module.parameters()) + list(module.buffers()), source)
+    if rank != source and rank not in receivers:  # already holds the source's state
+        return HealResult(source=source, step=best, sent=False)
+    _send_tensors(list(module.parameters()) + list(module.buffers()), source, receivers)
     # The optimizer's structure travels as a small blob; its tensors travel flat, per
     # dtype, straight into tensors the receivers allocate from that structure.
     blob = None
@@ -89,13 +112,13 @@ def heal(
             buf,
         )
         blob = buf.getvalue()
-    meta = torch.load(io.BytesIO(_broadcast_blob(blob, source)), weights_only=True)
+    meta = torch.load(io.BytesIO(_send_blob(blob, source, receivers)), weights_only=True)
     if rank != source:
         tensors = [
             torch.empty(shape, dtype=getattr(torch, dtype))
             for shape, dtype in meta["layout"]["tensors"]
         ]
-    _broadcast_tensors(tensors, source)
+    _send_tensors(tensors, source, receivers)
     if rank != source:
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])
