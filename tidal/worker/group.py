@@ -125,22 +125,56 @@ class ControlWord:
         return bool(self.recv[self.STOP] > 0)
 
 
+CARRIER_MAX = 1 << 18  # elements: the control word is appended to a bucket at most this big
+
+
 def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations: keep none
     """All-reduce by SUM (the loss is already scaled by each sample's share of the global
     batch, so the sum is the mean over the global batch), with the control word on the
-    last bucket."""
+    first bucket.
+
+    The first bucket (DDP caps it at about 1 MB so that communication starts early) carries
+    the control word appended to its gradients: appending copies the bucket, which costs
+    nothing at that size but ~14 ms per step for a 21 MB bucket. If the first bucket is
+    larger than ``CARRIER_MAX`` elements (one huge parameter), the word travels in its own
+    2-float all-reduce beside it. ``before_allreduce`` and the exposed-wait timing belong to
+    the last bucket, the one the step waits for.
+    """
     buf = bucket.buffer()
-    if not bucket.is_last():
-        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-    control.before_allreduce()
-    control.comm_started = time.perf_counter()
+    if bucket.is_last():
+        control.before_allreduce()
+        control.comm_started = time.perf_counter()
+    if bucket.index() != 0:
+        fut = dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+    elif buf.numel() <= CARRIER_MAX:
+        fut = _carry(control, buf)
+    else:
+        grads = dist.all_reduce(buf, async_op=True).get_future()
+        word = control.send.clone()
+        flags = dist.all_reduce(word, async_op=True).get_future()
+
+        def both(_: torch.futures.Future) -> torch.Tensor:
+            control.recv.copy_(word)
+            return buf
+
+        fut = torch.futures.collect_all([grads, flags]).then(both)
+    if bucket.is_last():
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            control.comm_done = time.perf_counter()
+            return f.value()
+
+        fut = fut.then(done)
+    return fut
+
+
+def _carry(control: ControlWord, buf: torch.Tensor) -> torch.futures.Future:
     n = control.send.numel()
     packed = torch.cat([buf, control.send.to(buf.dtype)])
 
     def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = fut.value()[0]
         control.recv.copy_(out[-n:])
-        control.comm_done = time.perf_counter()
         buf.copy_(out[:-n])
         return buf
 
