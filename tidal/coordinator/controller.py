@@ -1,7 +1,7 @@
 """The coordinator: the source of truth for a job's membership, and its one control loop.
 
 Threads: the HTTP API (uvicorn's) calls the ``on_*`` methods; the controller thread calls
-``tick`` every few milliseconds. Both hold ``self.lock``, so each sees a consistent job.
+``tick`` when an API call sets ``wake``, and at least every ``runner.TICK_S``. Both hold ``self.lock``, so each sees a consistent job.
 Decisions come from pure functions (``policy.reconcile``, ``policy.schedule``); ``tick``
 carries them out: open generations, start and retire processes, kill hung workers.
 """
@@ -73,6 +73,10 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self._gen_base, self._worker_base = gen, wid + 1
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self.lock = threading.RLock()
+        # Set by API calls that need a decision (a registration, a failure report, a
+        # scale, a stop, members holding at a scheduled step): the loop ticks at once
+        # instead of at its next interval.
+        self.wake = threading.Event()
         self.url = ""
         self.state = JobState.PENDING
         self.target = spec.workers

@@ -63,6 +63,7 @@ class Handlers:
                 w.node = w.node or self.backend.node(wid)
             self.db.upsert_worker(self.spec.name, w.view())
             self.event("worker", f"worker {wid} ready (pid {req.pid})")
+            self.wake.set()  # a ready worker may complete the generation being formed
             return RegisterResponse(
                 job=self.spec.name,
                 config=WorkerConfig(
@@ -92,6 +93,8 @@ class Handlers:
                 self.leaving.append(wid)
             for report in req.reports:
                 self._on_step_report(report)
+            if req.leaving or any(at == req.step for at, _ in self.spec.schedule):
+                self.wake.set()  # a preemption notice, or members holding at a scheduled step
             return self._role(w)
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
@@ -141,6 +144,7 @@ class Handlers:
             if self.reform_requested is None:
                 why = f"worker {wid} reported a failed collective"
                 self.reform_requested = (time.monotonic(), latest.id, why)
+                self.wake.set()  # a dead peer's exit may be waiting to be polled
 
     def on_done(self, wid: int, r: DoneReport) -> None:
         with self.lock:
@@ -150,6 +154,7 @@ class Handlers:
             if r.completed and self.outcome is None:
                 self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
             self.db.upsert_worker(self.spec.name, w.view())
+            self.wake.set()
 
     # -- API: users ----------------------------------------------------------------------
     def on_scale(self, n: int) -> None:
@@ -162,12 +167,14 @@ class Handlers:
                     f"{n} workers is outside [{lo}, {hi}] (--min-workers, --max-workers)"
                 )
             self._set_target(n, "tidal scale")
+            self.wake.set()
 
     def on_stop(self) -> None:
         with self.lock:
             if self.stop_requested_at is None and self.outcome is None:
                 self.stop_requested_at = time.monotonic()
                 self.event("stop", "stop requested: members stop after the current step")
+                self.wake.set()
 
     def status(self) -> JobStatus:
         with self.lock:

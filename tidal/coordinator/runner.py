@@ -22,7 +22,11 @@ from tidal.coordinator.server import ApiServer
 from tidal.dashboard.history import Recorder
 from tidal.protocol import JobState
 
-TICK_S = 0.005
+# The longest the control loop sleeps. API calls that need a decision wake it at once
+# (``Coordinator.wake``); what only the loop notices (a process exit, a missed heartbeat, the
+# clock of a capacity trace) waits at most this long. A shorter interval costs CPU that the
+# workers need: at 5 ms the loop took ~8% of a core, 2 to 4% of a 2-worker job's throughput.
+TICK_S = 0.02
 
 
 def run_job(
@@ -70,10 +74,13 @@ def run_job(
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(coord, enabled=not quiet)
     try:
-        while coord.tick():
+        while True:
+            coord.wake.clear()  # before the tick: a call during it wakes the next one
+            if not coord.tick():
+                break
             progress.update()
             recorder.tick()
-            time.sleep(TICK_S)
+            coord.wake.wait(TICK_S)
         progress.update(final=True)
     finally:
         for s, h in old.items():

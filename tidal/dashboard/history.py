@@ -107,7 +107,7 @@ class HistoryStore:
 
 
 class Recorder:
-    """Samples a running coordinator; ``tick`` is cheap enough for its 5 ms loop."""
+    """Samples a running coordinator; ``tick`` is cheap enough for its control loop."""
 
     def __init__(
         self, coord: Coordinator, home: Path, *, tensorboard: TensorBoardSink | None = None
