@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,8 +68,18 @@ def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12)
     recs = read_records(tmp / "tidal")
     step = {w: median_step(recs, w) for w in (2, 3)}
     excess = [g["pause_s"] - step[g["world_size"]] for g in gens if g["pause_s"] is not None]
+    phases = [g["pause_phases"] for g in gens if g.get("pause_phases")]
+    phase_p50 = {
+        k: statistics.median(ph[k] for ph in phases) for k in (phases[0] if phases else {})
+    }
+    if phase_p50:
+        log(
+            "tidal pause phases, median (ms): "
+            + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in phase_p50.items())
+        )
     return {
         "pauses_s": pauses,
+        "phases_p50_s": phase_p50,
         "excess_s": excess,
         "step_s": step,
         "up_s": ups,

@@ -26,6 +26,8 @@ from e2e_helpers import (
     workers_by_id,
 )
 
+from tidal.protocol import PAUSE_PHASES
+
 BIG = "100000"  # steps: more than any test lets a live job take
 TOLERANCE = 1e-4  # relative L2 distance between elastic and single-worker parameters
 
@@ -226,6 +228,13 @@ def test_scheduled_resizes_match_one_worker(
     assert [g["world_size"] for g in gens] == [2, 3, 1, 2], summarize(status)
     assert [g["start_step"] for g in gens] == [0, 40, 100, 160], summarize(status)
     assert not failure_generations(status), summarize(status)
+    # Each resize's pause is broken down into its phases, which add up to it.
+    for g in gens[1:]:
+        phases = g["pause_phases"]
+        assert list(phases) == list(PAUSE_PHASES), summarize(status)
+        assert all(v >= 0 for v in phases.values()), phases
+        assert sum(phases.values()) == pytest.approx(g["pause_s"], abs=1e-3), (g, phases)
+        assert phases["first_step_s"] > 0 and phases["form_s"] > 0, phases
 
     rel = relative_l2(out, reference_params(200, 0))
     assert rel <= TOLERANCE, f"parameters differ from the 1-worker run: relative L2 {rel:.3e}"

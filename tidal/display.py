@@ -97,7 +97,7 @@ def print_status(s: JobStatus) -> None:
         )
     console.print(workers)
     gens = Table(title="generations")
-    for col in ("id", "size", "start step", "pause s", "reason"):
+    for col in ("id", "size", "start step", "pause s", "pause phases (ms)", "reason"):
         gens.add_column(col)
     for g in s.generations[-10:]:
         gens.add_row(
@@ -105,6 +105,7 @@ def print_status(s: JobStatus) -> None:
             str(g.world_size),
             "-" if g.start_step is None else str(g.start_step),
             "-" if g.pause_s is None else f"{g.pause_s:.3f}",
+            _phases(g.pause_phases),
             g.reason,
         )
     console.print(gens)
@@ -125,3 +126,10 @@ def print_jobs(rows: list[JobStatus]) -> None:
             _fmt_time(s.created),
         )
     Console(highlight=False).print(table)
+
+
+def _phases(phases: dict[str, float] | None) -> str:
+    """``leave 10 · rendezvous 3 · form 2 · heal 25 · first_step 49`` (milliseconds)."""
+    if not phases:
+        return "-"
+    return " · ".join(f"{k.removesuffix('_s')} {v * 1000:.0f}" for k, v in phases.items())

@@ -121,6 +121,17 @@ class StepReport(BaseModel):
     prev_generation: int | None = None  # generation of this worker's previous step
     prev_last_step_time: float | None = None
     first_step_time: float
+    # Where this member's pause went, in seconds (keys: see ``PAUSE_PHASES``); they add up to
+    # first_step_time - prev_last_step_time.
+    phases: dict[str, float] = Field(default_factory=dict)
+
+
+#: The phases of a member's pause between its last step in one generation and its first step
+#: in the next, in order: ``leave_s`` until it left the old generation (a hold at a scheduled
+#: step, or the step whose collective failed), ``rendezvous_s`` until every member of the new
+#: one arrived, ``form_s`` the process group's creation, ``heal_s`` the state transfer (and
+#: the DDP wrapper), ``first_step_s`` the first step in the new generation.
+PAUSE_PHASES = ("leave_s", "rendezvous_s", "form_s", "heal_s", "first_step_s")
 
 
 class CheckpointView(BaseModel):
@@ -183,6 +194,8 @@ class GenerationView(BaseModel):
     reason: str
     pause_s: float | None
     opened_at: float
+    # The phases of the largest pause (the member whose pause is ``pause_s``).
+    pause_phases: dict[str, float] | None = None
 
 
 class EventView(BaseModel):

@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS workers (
 );
 CREATE TABLE IF NOT EXISTS generations (
     job TEXT NOT NULL, id INTEGER NOT NULL, members TEXT NOT NULL, reason TEXT NOT NULL,
-    opened_at REAL NOT NULL, start_step INTEGER, pause_s REAL, PRIMARY KEY (job, id)
+    opened_at REAL NOT NULL, start_step INTEGER, pause_s REAL, pause_phases TEXT,
+    PRIMARY KEY (job, id)
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, time REAL NOT NULL,
@@ -65,6 +66,9 @@ class Database:
         columns = {r[1] for r in self._conn.execute("PRAGMA table_info(workers)")}
         if "node" not in columns:  # a home written before workers had a node
             self._conn.execute("ALTER TABLE workers ADD COLUMN node TEXT")
+        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(generations)")}
+        if "pause_phases" not in columns:  # written before pauses had phases
+            self._conn.execute("ALTER TABLE generations ADD COLUMN pause_phases TEXT")
         self._conn.commit()
 
     def close(self) -> None:
@@ -117,8 +121,19 @@ class Database:
 
     def upsert_generation(self, job: str, g: GenerationView) -> None:
         self._write(
-            "INSERT OR REPLACE INTO generations VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (job, g.id, json.dumps(g.members), g.reason, g.opened_at, g.start_step, g.pause_s),
+            "INSERT OR REPLACE INTO generations "
+            "(job, id, members, reason, opened_at, start_step, pause_s, pause_phases) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                job,
+                g.id,
+                json.dumps(g.members),
+                g.reason,
+                g.opened_at,
+                g.start_step,
+                g.pause_s,
+                json.dumps(g.pause_phases) if g.pause_phases else None,
+            ),
         )
 
     def add_event(self, job: str, e: EventView) -> None:
@@ -219,9 +234,11 @@ class Database:
                 opened_at=r[3],
                 start_step=r[4],
                 pause_s=r[5],
+                pause_phases=json.loads(r[6]) if r[6] else None,
             )
             for r in self._read(
-                "SELECT id, members, reason, opened_at, start_step, pause_s FROM generations "
+                "SELECT id, members, reason, opened_at, start_step, pause_s, pause_phases "
+                "FROM generations "
                 "WHERE job = ? ORDER BY id",
                 (name,),
             )

@@ -126,7 +126,8 @@ class Handlers:
             and r.prev_generation == prev_formed[-1]
         ):
             pause = r.first_step_time - r.prev_last_step_time
-            gen.pause_s = max(gen.pause_s or 0.0, pause)
+            if gen.pause_s is None or pause > gen.pause_s:
+                gen.pause_s, gen.pause_phases = pause, r.phases or None
         self.db.upsert_generation(self.spec.name, gen.view())
         if self.state == JobState.PENDING:
             self.state = JobState.RUNNING

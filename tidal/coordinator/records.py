@@ -48,6 +48,7 @@ class GenerationRecord:
     opened_at: float
     start_step: int | None = None
     pause_s: float | None = None
+    pause_phases: dict[str, float] | None = None
     reported: set[int] = field(default_factory=set)
 
     @property
@@ -73,6 +74,7 @@ class GenerationRecord:
             reason=self.reason,
             pause_s=self.pause_s,
             opened_at=self.opened_at,
+            pause_phases=self.pause_phases,
         )
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-from tidal.protocol import GenerationInfo, Role, StepReport
+from tidal.protocol import PAUSE_PHASES, GenerationInfo, Role, StepReport
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
@@ -100,6 +100,9 @@ class Trainer:
         self._gen_prev_gen: int | None = None
         self._gen_prev_time: float | None = None
         self._gen_first_pending = False
+        # When this worker began joining, met its peers, formed the group, and healed: the
+        # phases of its pause, reported with its first step in the generation.
+        self._t_join = self._t_rendezvous = self._t_formed = self._t_healed = 0.0
         self._rate_mark = (time.monotonic(), 0)
         tensors = getattr(dataset, "tensors", None)
         self._tensors: tuple[torch.Tensor, ...] | None = tensors
@@ -240,6 +243,7 @@ class Trainer:
                     prev_generation=self._gen_prev_gen,
                     prev_last_step_time=self._gen_prev_time,
                     first_step_time=now,
+                    phases=self._pause_phases(now),
                 )
             )
         self._last_step_time = now
@@ -247,6 +251,21 @@ class Trainer:
         if self._agent is not None:
             self._agent.step = self.step
             self._maybe_report_rate()
+
+    def _pause_phases(self, first_step_time: float) -> dict[str, float]:
+        """Where this member's pause went (``protocol.PAUSE_PHASES``); empty for a joiner,
+        which had no step before."""
+        if self._gen_prev_time is None:
+            return {}
+        marks = [
+            self._gen_prev_time,
+            self._t_join,
+            self._t_rendezvous,
+            self._t_formed,
+            self._t_healed,
+            first_step_time,
+        ]
+        return {name: marks[i + 1] - marks[i] for i, name in enumerate(PAUSE_PHASES)}
 
     def _time_split(self, step: Step) -> None:
         """Accumulate this step's compute time and exposed communication wait."""
@@ -317,6 +336,7 @@ class Trainer:
         """
         assert self._agent is not None and self._store is not None
         tried = self.generation
+        self._t_join = time.time()
         while True:
             resp = self._agent.fetch()
             if resp.stop:
@@ -337,6 +357,7 @@ class Trainer:
             self.sampler.check_world_size(len(info.members))
             if not grp.rendezvous(self._store, info, timeout_s=self._cfg.collective_timeout_s):
                 continue
+            self._t_rendezvous = time.time()
             self._debug(f"rendezvous gen {info.id} done")
             try:
                 self._form(info)
@@ -349,6 +370,7 @@ class Trainer:
         rank = info.members.index(self._env.worker_id)
         self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
         grp.form_group(self._store, info, rank, timeout_s=self._cfg.collective_timeout_s)
+        self._t_formed = time.time()
         self._debug("group formed")
         result = heal(
             module=self.module,
@@ -358,6 +380,7 @@ class Trainer:
         self.step = result.step
         self._has_state = True
         self._ddp = grp.wrap(self.module, self._control)
+        self._t_healed = time.time()
         self.rank, self.world_size, self.generation = rank, len(info.members), info.id
         self._last_rank = rank
         self._agent.generation = info.id
