@@ -2,12 +2,8 @@
 reads the same sums of the flags, and the gradients are summed exactly, whether the word is
 appended to the first bucket (small) or sent beside it (a first bucket too big to copy)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
-from test_heal import free_port
+from ranks import run_ranks
 
 from tidal.worker.group import CARRIER_MAX
 
@@ -41,18 +37,7 @@ print(json.dumps(out))
 
 @pytest.mark.timeout(120)
 def test_flags_and_gradients_are_summed_on_every_member():
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, str(r), str(port)], stdout=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [json.loads(p.communicate(timeout=100)[0]) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = run_ranks(SCRIPT, 2)
     assert outs[1]["huge"]["first_bucket"] > CARRIER_MAX  # the word went beside it
     for case in ("small", "huge"):
         a, b = outs[0][case], outs[1][case]

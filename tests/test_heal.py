@@ -1,12 +1,8 @@
-"""Healing between two real processes over gloo: a joiner with no state adopts the source's
+"""Healing between real processes over gloo: a joiner with no state adopts the source's
 parameters, optimizer state (Adam's and SGD's) and RNG exactly."""
 
-import json
-import socket
-import subprocess
-import sys
-
 import pytest
+from ranks import run_ranks
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
@@ -37,26 +33,9 @@ print(json.dumps(out))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_joiner_adopts_the_source_state_exactly():
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, str(r), str(port)], stdout=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [json.loads(p.communicate(timeout=100)[0]) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = run_ranks(SCRIPT, 2)
     source, joiner = outs
     for name in ("adam", "sgd"):
         assert joiner[name]["sent"] and joiner[name]["source"] == 0 and joiner[name]["step"] == 7
@@ -106,18 +85,7 @@ print(json.dumps(out))
 
 @pytest.mark.timeout(120)
 def test_only_members_behind_the_source_receive():
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT3, str(r), str(port)], stdout=subprocess.PIPE, text=True
-        )
-        for r in (0, 1, 2)
-    ]
-    try:
-        outs = [json.loads(p.communicate(timeout=100)[0]) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = run_ranks(SCRIPT3, 3)
     join = [o["join"] for o in outs]
     assert [o["source"] for o in join] == [0, 0, 0] and {o["step"] for o in join} == {7}
     # Rank 1 was in sync: it received nothing and kept its own RNG; the joiner got it all.
