@@ -69,9 +69,15 @@ def _send_tensors(tensors: list[torch.Tensor], src: int, receivers: list[int]) -
             large.append(t.detach())
         else:
             by_dtype.setdefault(t.dtype, []).append(t)
-    flats = [torch.cat([t.detach().reshape(-1) for t in group]) for group in by_dtype.values()]
+    sending = dist.get_rank() == src
+    flats = [
+        torch.cat([t.detach().reshape(-1) for t in group])
+        if sending
+        else torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype)
+        for group in by_dtype.values()
+    ]
     _transfer(large + flats, src, receivers)
-    if dist.get_rank() == src:
+    if sending:
         return
     for flat, group in zip(flats, by_dtype.values(), strict=True):
         offset = 0
