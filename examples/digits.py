@@ -34,7 +34,7 @@ TEST_SIZE = 297
 def load_data() -> tuple[TensorDataset, torch.Tensor, torch.Tensor]:
     """The train set, and a held-out test set fixed whatever ``--seed`` is."""
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    x = torch.tensor(digits.data, dtype=torch.get_default_dtype()) / 16.0
     y = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
     train, test = order[:-TEST_SIZE], order[-TEST_SIZE:]
@@ -57,7 +57,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", metavar="PATH", help="write the final parameters here")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument(
+        "--double", action="store_true", help="train in float64 (exactness tests compare runs)"
+    )
     args = parser.parse_args()
+    if args.double:
+        torch.set_default_dtype(torch.float64)
 
     train_set, x_test, y_test = load_data()
     torch.manual_seed(args.seed)
