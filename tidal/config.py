@@ -2,11 +2,58 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+# The largest number of seconds a setting may hold (~31 years): ``timedelta`` overflows
+# beyond about 8.6e13, and nobody waits longer.
+MAX_SECONDS = 1e9
+# The largest amount of dollars (a price per worker-hour, a budget).
+MAX_DOLLARS = 1e12
+
+# Every float field of the specs: (its flag, its rule, its upper bound). Rules: ``>0``
+# positive, ``>=0`` at least 0. ``check_numbers`` refuses a float field missing here.
+_NUMBER_RULES: dict[str, tuple[str, str, float]] = {
+    "heartbeat_interval_s": ("the heartbeat interval", ">0", MAX_SECONDS),
+    "heartbeat_timeout_s": ("--heartbeat-timeout", ">0", MAX_SECONDS),
+    "collective_timeout_s": ("--collective-timeout", ">0", MAX_SECONDS),
+    "start_timeout_s": ("the start timeout", ">0", MAX_SECONDS),
+    "checkpoint_interval_s": ("--checkpoint-interval", ">0", MAX_SECONDS),
+    "price_per_worker_hour": ("--price", ">=0", MAX_DOLLARS),
+    "min_efficiency": ("--min-efficiency", ">0", 1.0),
+    "deadline_s": ("--deadline", ">0", MAX_SECONDS),
+    "budget": ("--budget", ">0", MAX_DOLLARS),
+    "decision_interval_s": ("--decision-interval", ">=0", MAX_SECONDS),
+    "worker_cpus": ("--worker-cpus", ">0", 1e6),
+    "worker_gpus": ("--worker-gpus", ">=0", 1e6),
+}
+
+
+def check_numbers(spec: object) -> None:
+    """Refuse, with the flag to fix, any float field of ``spec`` (a dataclass) that is not a
+    finite number within its rule: NaN would pass every comparison (a NaN heartbeat timeout
+    never expires), infinity overflows timers."""
+    for f in fields(spec):
+        if "float" not in str(f.type):
+            continue
+        flag, rule, upper = _NUMBER_RULES[f.name]
+        value = getattr(spec, f.name)
+        if value is None and "None" in str(f.type):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{flag} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value}")
+        if rule == ">0" and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+        if rule == ">=0" and value < 0:
+            raise ValueError(f"{flag} must be at least 0, got {value}")
+        if value > upper:
+            raise ValueError(f"{flag} must be at most {upper:g}, got {value:g}")
 
 
 def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
@@ -37,6 +84,7 @@ class ClusterSpec:
     worker_gpus: float = 0.0
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         if self.worker_cpus <= 0:
             raise ValueError(f"--worker-cpus must be positive, got {self.worker_cpus}")
         if self.worker_gpus < 0:
@@ -79,6 +127,7 @@ class JobSpec:
     python: str = sys.executable
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         if not NAME_RE.match(self.name):
             raise ValueError(
                 f"bad job name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
