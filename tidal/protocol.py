@@ -7,12 +7,49 @@ validates what arrives and the OpenAPI spec documents it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
 from enum import Enum
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PlainSerializer
 
 API_PREFIX = "/api/v1"
 TOKEN_HEADER = "Authorization"
+
+
+def worker_token(job_token: str, worker_id: int) -> str:
+    """One worker's credential: HMAC-SHA256 of ``worker:ID`` keyed by the job's token (hex).
+    A worker holds only its own, so it can speak for no other worker, nor scale or stop the
+    job (those need the job's token)."""
+    msg = f"worker:{worker_id}".encode()
+    return hmac.new(job_token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+# -- bounds of what the API accepts (FastAPI answers 422 outside them) ----------------------
+MAX_STEP = 2**62  # steps, byte counts: SQLite holds signed 64-bit integers
+MAX_ID = 2**31 - 1  # worker and generation ids, pids, worker counts
+MAX_TIME = 1e11  # seconds: wall-clock times and durations
+
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Id = Annotated[int, Field(ge=0, le=MAX_ID)]
+Seconds = Annotated[float, Field(ge=-MAX_TIME, le=MAX_TIME, allow_inf_nan=False)]
+
+
+def wire_float(value: float) -> float | str:
+    """JSON has no NaN or infinity: they travel as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (what Python's ``float()`` and JavaScript's ``Number()`` read back)."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+#: A metric the script logs: any float, NaN and infinities included (a diverged loss is a
+#: fact worth showing); JSON carries the non-finite ones as strings (``wire_float``).
+MetricValue = Annotated[float, PlainSerializer(wire_float, when_used="json")]
+MetricName = Annotated[str, Field(min_length=1, max_length=200)]
+MAX_METRICS = 1000
 
 
 class JobState(str, Enum):
@@ -104,26 +141,17 @@ class WorkerConfig(BaseModel):
 
 
 class RegisterRequest(BaseModel):
-    pid: int
-    host: str
+    """``max_steps``: the length of the job, ``Trainer.run(max_steps)``; the coordinator
+    records the first one it is told and decides completion against it."""
+
+    pid: Id
+    host: str = Field(max_length=255)
+    max_steps: Step | None = None
 
 
 class RegisterResponse(BaseModel):
     job: str
     config: WorkerConfig
-
-
-class StepReport(BaseModel):
-    """Timing facts a member sends when it completes its first step in a generation."""
-
-    generation: int
-    start_step: int
-    prev_generation: int | None = None  # generation of this worker's previous step
-    prev_last_step_time: float | None = None
-    first_step_time: float
-    # Where this member's pause went, in seconds (keys: see ``PAUSE_PHASES``); they add up to
-    # first_step_time - prev_last_step_time.
-    phases: dict[str, float] = Field(default_factory=dict)
 
 
 #: The phases of a member's pause between its last step in one generation and its first step
@@ -134,23 +162,38 @@ class StepReport(BaseModel):
 PAUSE_PHASES = ("leave_s", "rendezvous_s", "form_s", "heal_s", "first_step_s")
 
 
+class StepReport(BaseModel):
+    """Timing facts a member sends when it completes its first step in a generation."""
+
+    generation: Id
+    start_step: Step
+    prev_generation: Id | None = None  # generation of this worker's previous step
+    prev_last_step_time: Seconds | None = None
+    first_step_time: Seconds
+    # Where this member's pause went, in seconds (keys: see ``PAUSE_PHASES``); they add up to
+    # first_step_time - prev_last_step_time.
+    phases: dict[Annotated[str, Field(max_length=32)], Seconds] = Field(
+        default_factory=dict, max_length=len(PAUSE_PHASES)
+    )
+
+
 class CheckpointView(BaseModel):
-    step: int
-    path: str
-    bytes: int | None = None
-    seconds_to_write: float | None = None
+    step: Step
+    path: str = Field(max_length=4096)
+    bytes: Step | None = None
+    seconds_to_write: Seconds | None = None
 
 
 class HeartbeatRequest(BaseModel):
     """``leaving``: the worker got a preemption notice (SIGTERM) and asks to leave at the
     next step boundary, a planned leave rather than a failure."""
 
-    step: int = 0
-    generation: int = 0
+    step: Step = 0
+    generation: Id = 0
     leaving: bool = False
-    metrics: dict[str, float] = Field(default_factory=dict)
-    reports: list[StepReport] = Field(default_factory=list)
-    checkpoints: list[CheckpointView] = Field(default_factory=list)
+    metrics: dict[MetricName, MetricValue] = Field(default_factory=dict, max_length=MAX_METRICS)
+    reports: list[StepReport] = Field(default_factory=list, max_length=1000)
+    checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)
 
 
 class HeartbeatResponse(BaseModel):
@@ -161,18 +204,22 @@ class HeartbeatResponse(BaseModel):
 
 
 class FailureReport(BaseModel):
-    generation: int
-    step: int
-    error: str
+    generation: Id
+    step: Step
+    error: str = Field(max_length=2000)
 
 
 class DoneReport(BaseModel):
-    step: int
+    """``completed``: the worker reached the job's ``max_steps``. The coordinator decides
+    success only from a member of the current generation whose ``step`` reaches the length
+    registered for the job (``RegisterRequest.max_steps``), never from the flag alone."""
+
+    step: Step
     completed: bool
 
 
 class ScaleRequest(BaseModel):
-    workers: int
+    workers: Annotated[int, Field(strict=True, ge=0, le=MAX_ID)]  # 2.0, "2", true: refused
 
 
 class WorkerView(BaseModel):
@@ -221,7 +268,7 @@ class JobStatus(BaseModel):
     workers: list[WorkerView] = Field(default_factory=list)
     generations: list[GenerationView] = Field(default_factory=list)
     events: list[EventView] = Field(default_factory=list)
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, MetricValue] = Field(default_factory=dict)  # NaN etc.: see wire_float
     checkpoints: list[CheckpointView] = Field(default_factory=list)
     cost: float = 0.0  # dollars spent so far (price per worker-hour x live workers x time)
     cost_per_1k_samples: float | None = None

@@ -25,7 +25,26 @@ from tidal.protocol import (
 
 
 class CoordinatorError(RuntimeError):
-    """The coordinator answered with an error; ``str()`` is its one-line message."""
+    """The coordinator answered with an error; ``str()`` is its one-line message, ``status``
+    the HTTP status (4xx: it refused the request, which sent again is refused again)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _detail(detail: object) -> str:
+    """One line from an error answer; a 422's list of field errors as ``field: why; ...``."""
+    if isinstance(detail, list):
+        parts = []
+        for e in detail:
+            if isinstance(e, dict):
+                loc = ".".join(str(p) for p in e.get("loc", ())[1:])
+                parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+            else:
+                parts.append(str(e))
+        return "; ".join(parts)
+    return str(detail)
 
 
 class CoordinatorClient:
@@ -56,7 +75,7 @@ class CoordinatorClient:
                 detail = resp.json().get("detail", resp.text)
             except ValueError:
                 detail = resp.text
-            raise CoordinatorError(str(detail))
+            raise CoordinatorError(_detail(detail), resp.status_code)
         return resp.json()
 
     # -- worker calls ---------------------------------------------------------------

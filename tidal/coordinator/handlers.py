@@ -36,6 +36,10 @@ class RequestError(ValueError):
 
 
 class Handlers:
+    #: The job's length (``Trainer.run(max_steps)``) as the first worker registered it; None
+    #: until then. Completion is decided against it (``on_done``).
+    job_length: int | None = None
+
     def _role(self, w: WorkerRecord) -> HeartbeatResponse:
         stop = self.stop_requested_at is not None
         latest = self.latest
@@ -58,6 +62,14 @@ class Handlers:
         with self.lock:
             w = self._worker(wid)
             w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
+            if req.max_steps is not None and self.job_length is None:
+                self.job_length = req.max_steps
+            elif req.max_steps is not None and req.max_steps != self.job_length:
+                self.event(
+                    "worker",
+                    f"worker {wid} runs {req.max_steps} steps, the job {self.job_length}: "
+                    f"the job's length stays {self.job_length}",
+                )
             if w.state in (WorkerState.PENDING, WorkerState.STARTING):
                 w.state = WorkerState.STANDBY
                 w.node = w.node or self.backend.node(wid)
@@ -153,9 +165,31 @@ class Handlers:
             self._stopping(w)
             self.step = max(self.step, r.step)
             if r.completed and self.outcome is None:
-                self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
+                refused = self._completion_refused(wid, r)
+                if refused:
+                    self.event(
+                        "worker",
+                        f"worker {wid} reported completion at step {r.step}; ignored: {refused}",
+                    )
+                else:
+                    self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
             self.db.upsert_worker(self.spec.name, w.view())
             self.wake.set()
+
+    def _completion_refused(self, wid: int, r: DoneReport) -> str:
+        """Why a completion report does not end the job ("" if it does): only a member of
+        the current generation (the newest, or the newest formed) that committed the job's
+        last step completes it, never a flag alone."""
+        formed = [g for g in self.generations if g.formed]
+        current = set(self.latest.members if self.latest else ())
+        current |= set(formed[-1].members if formed else ())
+        if wid not in current:
+            return "it is not a member of the current generation"
+        if self.job_length is None:
+            return "the job's length is unknown (no worker registered its max_steps)"
+        if r.step < self.job_length:
+            return f"the job has {self.job_length} steps"
+        return ""
 
     # -- API: users ----------------------------------------------------------------------
     def on_scale(self, n: int) -> None:

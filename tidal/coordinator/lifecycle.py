@@ -13,7 +13,7 @@ import time
 
 from tidal.backends import Exit
 from tidal.coordinator.records import WorkerRecord
-from tidal.protocol import JobState, WorkerState
+from tidal.protocol import JobState, WorkerState, worker_token
 from tidal.worker.agent import WorkerEnv
 
 STOP_GRACE_S = 30.0
@@ -114,7 +114,8 @@ class Lifecycle:
         wid = self._worker_base + len(self.workers)
         w = WorkerRecord(id=wid)
         self.workers[wid] = w
-        env = WorkerEnv(url=self.url, token=self.token, worker_id=wid).to_environ()
+        token = worker_token(self.token, wid)  # its own credential, not the job's token
+        env = WorkerEnv(url=self.url, token=token, worker_id=wid).to_environ()
         w.pid = self.backend.start(wid, env)
         if wid in self.backend.waiting():
             w.state = WorkerState.PENDING

@@ -10,6 +10,7 @@ reclaims spot instances.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 
@@ -18,15 +19,17 @@ from tidal.protocol import WorkerState
 
 class Scaling:
     def _int_metric(self, key: str) -> int | None:
-        value = self.metrics.get(key)
-        return int(value) if value else None
+        if key == "max_steps" and self.job_length is not None:
+            return self.job_length or None  # as registered (``Handlers.on_register``)
+        value = self.metrics.get(key)  # a script may log anything under any name: NaN too
+        return int(value) if value and math.isfinite(value) else None
 
     def _observe(self, now: float) -> None:
         latest = self.latest
         live = sum(1 for w in self.workers.values() if w.live)
         split = self.metrics.get("compute_s"), self.metrics.get("comm_s")
-        ws = int(self.metrics.get("world_size", 0))
-        if None not in split and ws == self.world_size():
+        ws = self._int_metric("world_size") or 0
+        if None not in split and all(map(math.isfinite, split)) and ws == self.world_size():
             self.accounting.note_split(ws, *split)
         self.accounting.observe(
             now=now,

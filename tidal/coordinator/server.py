@@ -1,6 +1,9 @@
 """The coordinator's HTTP API (FastAPI), served by uvicorn on a thread of ``tidal run``.
 
-Every mutating call needs the job's token (``Authorization: Bearer ...``); reads do not.
+Every mutating call needs a token (``Authorization: Bearer ...``); reads do not. ``/scale``
+and ``/stop`` need the job's token; ``/workers/ID/...`` only that worker's own credential
+(``protocol.worker_token``). Whatever a client sends that the wire messages refuse is a 422
+that names the field, never a 500 (a value JSON cannot spell back, like NaN, included).
 The server binds 127.0.0.1 unless told otherwise, on a port the OS picks. Beside the API it
 serves the read-only dashboard (``/``, ``/jobs/{name}``; ``tidal.dashboard``) and the
 Prometheus exposition (``/metrics``; ``tidal.metrics``).
@@ -8,16 +11,21 @@ Prometheus exposition (``/metrics``; ``tidal.metrics``).
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 import threading
+from typing import Annotated
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from tidal.coordinator.controller import Coordinator, RequestError
 from tidal.protocol import (
     API_PREFIX,
+    MAX_ID,
     DoneReport,
     FailureReport,
     HeartbeatRequest,
@@ -26,7 +34,20 @@ from tidal.protocol import (
     RegisterRequest,
     RegisterResponse,
     ScaleRequest,
+    worker_token,
 )
+
+_WORKER_PATH = re.compile(re.escape(API_PREFIX) + r"/workers/(\d{1,10})/")
+WorkerId = Annotated[int, Path(ge=0, le=MAX_ID)]
+
+
+def validation_errors(exc: RequestValidationError) -> list[dict]:
+    """The errors of a refused request without the values that caused them: a NaN or an
+    infinity there would make the answer itself unencodable (a 500 instead of a 422)."""
+    return [
+        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": e.get("type")}
+        for e in exc.errors()
+    ]
 
 
 def make_app(coord: Coordinator) -> FastAPI:
@@ -44,7 +65,35 @@ def make_app(coord: Coordinator) -> FastAPI:
         if authorization is None or not secrets.compare_digest(authorization, expected):
             raise HTTPException(status_code=401, detail="missing or wrong job token")
 
+    def worker_authorized(wid: int, authorization: str | None) -> bool:
+        expected = f"Bearer {worker_token(coord.token, wid)}"
+        return authorization is not None and secrets.compare_digest(authorization, expected)
+
+    def require_worker(wid: WorkerId, authorization: str | None = Header(default=None)) -> None:
+        if not worker_authorized(wid, authorization):
+            raise HTTPException(status_code=401, detail=f"missing or wrong token of worker {wid}")
+
     auth = [Depends(require_token)]
+    worker_auth = [Depends(require_worker)]
+    refused: dict[int, str] = {}  # the last refusal recorded as an event, per worker
+
+    @app.exception_handler(RequestValidationError)
+    def refuse(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = validation_errors(exc)
+        m = _WORKER_PATH.match(request.url.path)
+        if m and worker_authorized(int(m[1]), request.headers.get("authorization")):
+            wid = int(m[1])  # a worker of this job sent it: say why in the job's events
+            first = errors[0] if errors else {"loc": [], "msg": "invalid"}
+            line = f"{'.'.join(first['loc'][1:]) or 'body'}: {first['msg']}"
+            if refused.get(wid) != line:
+                refused[wid] = line
+                with coord.lock:
+                    coord.event(
+                        "refused",
+                        f"worker {wid}: {request.url.path.rsplit('/', 1)[-1]} refused "
+                        f"({len(errors)} invalid values): {line}"[:500],
+                    )
+        return JSONResponse(status_code=422, content={"detail": errors})
 
     def call(fn, *args):
         try:
@@ -67,29 +116,35 @@ def make_app(coord: Coordinator) -> FastAPI:
         return coord.status()
 
     @app.post(
-        API_PREFIX + "/workers/{wid}/register", response_model=RegisterResponse, dependencies=auth
+        API_PREFIX + "/workers/{wid}/register",
+        response_model=RegisterResponse,
+        dependencies=worker_auth,
     )
     def register(wid: int, req: RegisterRequest) -> RegisterResponse:
         return call(coord.on_register, wid, req)
 
     @app.post(
-        API_PREFIX + "/workers/{wid}/heartbeat", response_model=HeartbeatResponse, dependencies=auth
+        API_PREFIX + "/workers/{wid}/heartbeat",
+        response_model=HeartbeatResponse,
+        dependencies=worker_auth,
     )
     def heartbeat(wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
         return call(coord.on_heartbeat, wid, req)
 
     @app.get(
-        API_PREFIX + "/workers/{wid}/role", response_model=HeartbeatResponse, dependencies=auth
+        API_PREFIX + "/workers/{wid}/role",
+        response_model=HeartbeatResponse,
+        dependencies=worker_auth,
     )
     def role(wid: int) -> HeartbeatResponse:
         return call(coord.on_role, wid)
 
-    @app.post(API_PREFIX + "/workers/{wid}/failure", dependencies=auth)
+    @app.post(API_PREFIX + "/workers/{wid}/failure", dependencies=worker_auth)
     def failure(wid: int, req: FailureReport) -> dict:
         call(coord.on_failure, wid, req)
         return {}
 
-    @app.post(API_PREFIX + "/workers/{wid}/done", dependencies=auth)
+    @app.post(API_PREFIX + "/workers/{wid}/done", dependencies=worker_auth)
     def done(wid: int, req: DoneReport) -> dict:
         call(coord.on_done, wid, req)
         return {}

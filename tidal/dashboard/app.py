@@ -17,23 +17,26 @@ from __future__ import annotations
 import gzip
 import html
 import importlib.resources
+import json
+import math
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from tidal import metrics as prom
 from tidal.coordinator.home import job_dir
 from tidal.dashboard.logs import tail, worker_logs
 from tidal.dashboard.sources import HomeSource, UnknownJob
-from tidal.protocol import JobStatus
+from tidal.protocol import MAX_STEP, JobStatus, wire_float
 
 STATIC = Path(__file__).with_name("static")
 ASSETS = {
@@ -42,6 +45,29 @@ ASSETS = {
 }
 LOG_TAIL_BYTES = 256 * 1024
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities as ``protocol.wire_float`` spells them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return wire_float(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON, with a metric the script logged as NaN or infinity (JSON has no spelling for
+    them) sent as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:  # a non-finite float somewhere: rare, so only then walk it all
+            text = json.dumps(_finite(content), ensure_ascii=False, allow_nan=False)
+            return text.encode("utf-8")
 
 
 @lru_cache(maxsize=1)
@@ -107,19 +133,19 @@ def dashboard_router(
 
     @router.get("/dashboard/jobs")
     def jobs() -> JSONResponse:
-        return JSONResponse(
+        return SafeJSONResponse(
             {"home": str(source.home), "now": time.time(), "jobs": source.jobs()},
             headers=_no_store(),
         )
 
     @router.get("/dashboard/jobs/{name}")
-    def job_data(name: str, after: int = 0) -> JSONResponse:
+    def job_data(name: str, after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0) -> JSONResponse:
         job_or_404(name)
         try:
             data = source.job_data(name, after=after)
         except UnknownJob:
             raise HTTPException(status_code=404, detail=f"unknown job {name!r}") from None
-        return JSONResponse(data, headers=_no_store())
+        return SafeJSONResponse(data, headers=_no_store())
 
     @router.get("/dashboard/jobs/{name}/logs/{worker}", response_class=PlainTextResponse)
     def worker_log(name: str, worker: int) -> PlainTextResponse:

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tidal.coordinator.client import CoordinatorClient
+from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.protocol import (
     CheckpointView,
     DoneReport,
@@ -79,9 +79,11 @@ class Agent:
         self.step = 0
         self.generation = 0
 
-    def register(self) -> RegisterResponse:
+    def register(self, max_steps: int | None = None) -> RegisterResponse:
+        """``max_steps``: the job's length, against which the coordinator decides completion."""
         resp = self._client.register(
-            self.worker_id, RegisterRequest(pid=os.getpid(), host=socket.gethostname())
+            self.worker_id,
+            RegisterRequest(pid=os.getpid(), host=socket.gethostname(), max_steps=max_steps),
         )
         self._interval = resp.config.heartbeat_interval_s
         self._thread = threading.Thread(target=self._beat_loop, name="tidal-heartbeat", daemon=True)
@@ -92,7 +94,9 @@ class Agent:
     def _drain(self) -> HeartbeatRequest:
         """The next heartbeat, carrying (and taking out of the outbox) what waits there."""
         with self._lock:
-            req = HeartbeatRequest(
+            # Not validated here: the coordinator validates, and its refusal is printed (a bad
+            # metric must not end the heartbeat thread).
+            req = HeartbeatRequest.model_construct(
                 step=self.step,
                 generation=self.generation,
                 leaving=self.leaving,
@@ -105,6 +109,7 @@ class Agent:
 
     def _beat_loop(self) -> None:
         last_ok = time.monotonic()
+        last_refusal = ""
         while not self._closed:
             req = self._drain()
             try:
@@ -112,19 +117,35 @@ class Agent:
                 last_ok = time.monotonic()
                 self._set_latest(resp)
             except Exception as exc:  # noqa: BLE001 - any failure to reach it counts the same
-                with self._lock:  # keep what was not delivered
-                    self._metrics = {**req.metrics, **self._metrics}
-                    self._reports = req.reports + self._reports
-                    self._checkpoints = req.checkpoints + self._checkpoints
+                if isinstance(exc, CoordinatorError) and 400 <= exc.status < 500:
+                    # Refused: sent again it would be refused again, so what it carried is
+                    # dropped. A worker whose heartbeats keep being refused is killed as hung:
+                    # say why in its log, once per reason.
+                    line = (
+                        f"tidal: warning: the coordinator refused a heartbeat of worker "
+                        f"{self.worker_id} (HTTP {exc.status}): {exc}"[:1000]
+                    )
+                    if line != last_refusal:
+                        last_refusal = line
+                        print(line, file=sys.stderr, flush=True)
+                else:
+                    self._requeue(req)
                 if time.monotonic() - last_ok > ORPHAN_TIMEOUT_S and not self._closed:
                     print(
-                        f"tidal: coordinator unreachable for {ORPHAN_TIMEOUT_S:.0f}s ({exc}); exiting",
+                        f"tidal: no heartbeat accepted for {ORPHAN_TIMEOUT_S:.0f}s ({exc}); exiting",
                         file=sys.stderr,
                         flush=True,
                     )
                     os._exit(3)
             self._wake.wait(self._interval)
             self._wake.clear()
+
+    def _requeue(self, req: HeartbeatRequest) -> None:
+        """Keep what a heartbeat that was not delivered carried, for the next one."""
+        with self._lock:
+            self._metrics = {**req.metrics, **self._metrics}
+            self._reports = req.reports + self._reports
+            self._checkpoints = req.checkpoints + self._checkpoints
 
     def _set_latest(self, resp: HeartbeatResponse) -> None:
         with self._changed:

@@ -145,7 +145,7 @@ class Trainer:
         grp.warm_up(self.module)
         self._agent = Agent(self._env)
         self._agent.install_preemption_handler()
-        cfg = self._agent.register().config
+        cfg = self._agent.register(max_steps=max_steps).config
         self._cfg = cfg
         self._durable = Durable(cfg, self._agent)
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these

@@ -30,6 +30,7 @@ function el(tag, attrs, ...children) {
 }
 
 function num(v, digits = 3) {
+  if (typeof v === "string") return v; // "NaN", "Infinity", "-Infinity": a logged value
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
   const a = Math.abs(v);
   if (a !== 0 && (a >= 1e6 || a < 1e-3)) return v.toExponential(2);
@@ -201,7 +202,8 @@ function tidalJobPage(name) {
     return hist.t.length > 0;
   }
 
-  function metricColumn(key) { return h.metrics.map((m) => (key in m ? m[key] : null)); }
+  // A non-finite value arrives as a string ("NaN", ...): a gap in the chart.
+  function metricColumn(key) { return h.metrics.map((m) => (typeof m[key] === "number" ? m[key] : null)); }
 
   function drawCharts(status) {
     const gens = status.generations;

@@ -1,0 +1,401 @@
+"""Hardening of what the coordinator accepts (issue 19): non-finite metrics are carried, bad
+input is a 4xx (never a 500 nor a crash), completion is decided from the job's length, each
+worker holds its own credential.
+
+In-process against a real coordinator and its real HTTP server (``served_coordinator``),
+except one short real job (NaN metrics and completion end to end) and the CLI checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+
+from tidal.cli import main as cli_main
+from tidal.coordinator.client import CoordinatorClient, CoordinatorError
+from tidal.coordinator.records import WorkerRecord
+from tidal.protocol import (
+    API_PREFIX,
+    MAX_STEP,
+    DoneReport,
+    HeartbeatRequest,
+    JobState,
+    RegisterRequest,
+    WorkerState,
+    worker_token,
+)
+from tidal.worker.agent import Agent, WorkerEnv
+
+NAN, INF = float("nan"), float("inf")
+
+
+def strict_json(text: str):
+    """``json.loads`` that refuses the non-standard NaN/Infinity tokens."""
+
+    def refuse(token: str):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def served(served_coordinator):
+    coord, url = served_coordinator
+    return coord, url
+
+
+def add_workers(coord, *wids: int) -> None:
+    """Worker records as if the backend had started them (no process)."""
+    with coord.lock:
+        for wid in wids:
+            coord.workers[wid] = WorkerRecord(id=wid)
+
+
+def worker_client(coord, url: str, wid: int) -> CoordinatorClient:
+    return CoordinatorClient(url, worker_token(coord.token, wid))
+
+
+def worker_auth(coord, wid: int) -> dict[str, str]:
+    return {"Authorization": f"Bearer {worker_token(coord.token, wid)}"}
+
+
+def job_auth(coord) -> dict[str, str]:
+    return {"Authorization": f"Bearer {coord.token}"}
+
+
+def events(coord, kind: str | None = None) -> list[str]:
+    return [e.message for e in coord.status().events if kind is None or e.kind == kind]
+
+
+# -- finding 6: NaN and infinity metrics are carried ----------------------------------------
+def test_nan_and_inf_metrics_are_carried_to_every_view(served, tmp_path, capsys):
+    coord, url = served
+    add_workers(coord, 0)
+    client = worker_client(coord, url, 0)
+    try:
+        client.register(0, RegisterRequest(pid=1, host="h", max_steps=10))
+        metrics = {"loss": NAN, "grad_norm": INF, "log_p": -INF, "accuracy": 0.5}
+        client.heartbeat(0, HeartbeatRequest(step=3, metrics=metrics))
+        back = client.status().metrics  # the client reads them back as floats
+    finally:
+        client.close()
+    assert math.isnan(back["loss"]) and back["grad_norm"] == INF and back["log_p"] == -INF
+    assert back["accuracy"] == 0.5
+    spelled = {"loss": "NaN", "grad_norm": "Infinity", "log_p": "-Infinity", "accuracy": 0.5}
+    # GET /status (the coordinator answering) is standard JSON
+    raw = httpx.get(url + API_PREFIX + "/status")
+    assert raw.status_code == 200
+    assert {k: strict_json(raw.text)["metrics"][k] for k in spelled} == spelled
+    # `tidal status --json` from SQLite (no coordinator.json: the records path)
+    assert cli_main(["status", "served", "--json", "--home", str(tmp_path)]) == 0
+    printed = strict_json(capsys.readouterr().out)
+    assert {k: printed["metrics"][k] for k in spelled} == spelled
+    # the dashboard's JSON and the Prometheus exposition answer too
+    for path in ("/dashboard/jobs", "/dashboard/jobs/served"):
+        resp = httpx.get(url + path)
+        assert resp.status_code == 200, path
+        strict_json(resp.text)
+    assert strict_json(httpx.get(url + "/dashboard/jobs").text)["jobs"][0]["loss"] == "NaN"
+    assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_a_refused_heartbeat_is_one_line_in_the_worker_log_and_an_event(served, capsys):
+    coord, url = served
+    add_workers(coord, 0)
+    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
+    try:
+        agent.register(max_steps=10)
+        agent.post_metrics({"x" * 300: 1.0, "loss": NAN})  # a name longer than the API takes
+        deadline = time.monotonic() + 10
+        while "refused" not in capsys.readouterr().err and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = coord.workers[0].last_heartbeat
+        time.sleep(0.4)  # several more heartbeats: accepted (the refused content was dropped)
+        assert coord.workers[0].last_heartbeat > before
+        agent.post_metrics({"loss": NAN})
+        time.sleep(0.3)
+    finally:
+        agent.close()
+    err = capsys.readouterr().err
+    assert "refused" not in err  # said once, not once per heartbeat
+    assert math.isnan(coord.status().metrics["loss"])
+    refused = events(coord, "refused")
+    assert len(refused) == 1 and "worker 0: heartbeat refused" in refused[0]
+    assert "metrics" in refused[0] and "at most 200 characters" in refused[0]
+
+
+def test_the_line_names_the_reason_when_the_credential_is_refused(served, capsys):
+    coord, url = served
+    add_workers(coord, 0)
+    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
+    try:
+        agent.register()
+        agent._beat_client.close()
+        agent._beat_client = CoordinatorClient(url, coord.token)  # the job's token: refused
+        deadline = time.monotonic() + 10
+        err = ""
+        while "refused" not in err and time.monotonic() < deadline:
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+        time.sleep(0.3)
+        err += capsys.readouterr().err
+    finally:
+        agent.close()
+    lines = [line for line in err.splitlines() if "refused" in line]
+    assert lines == [
+        "tidal: warning: the coordinator refused a heartbeat of worker 0 (HTTP 401): "
+        "missing or wrong token of worker 0"
+    ]
+
+
+# -- finding 13: ranges at the API edge, completion, per-worker credentials -----------------
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("heartbeat", {"step": 10**23}),
+        ("heartbeat", {"step": -1}),
+        ("heartbeat", {"generation": 2**40}),
+        ("heartbeat", {"metrics": {"": 1.0}}),
+        ("heartbeat", {"metrics": {f"m{i}": 1.0 for i in range(1001)}}),
+        ("heartbeat", {"checkpoints": [{"step": 1, "path": "p" * 5000}]}),
+        ("heartbeat", {"reports": [{"generation": 1, "start_step": 0, "first_step_time": 1e300}]}),
+        ("register", {"pid": -1, "host": "h"}),
+        ("register", {"pid": 2**40, "host": "h"}),
+        ("register", {"pid": 1, "host": "h" * 1000}),
+        ("register", {"pid": 1, "host": "h", "max_steps": 10**23}),
+        ("failure", {"generation": 1, "step": 1, "error": "e" * 10_000}),
+        ("done", {"step": 10**23, "completed": True}),
+        ("done", {"step": -5, "completed": False}),
+    ],
+)
+def test_out_of_range_values_are_refused_with_422(served, path, body):
+    coord, url = served
+    add_workers(coord, 0)
+    resp = httpx.post(
+        f"{url}{API_PREFIX}/workers/0/{path}", json=body, headers=worker_auth(coord, 0)
+    )
+    assert resp.status_code == 422, resp.text
+    strict_json(resp.text)
+    assert coord.step == 0 and coord.outcome is None
+    with coord.lock:
+        coord.flush()  # what killed the coordinator before: SQLite could not hold the step
+
+
+def test_a_completion_report_ends_the_job_only_at_its_length_from_a_member(served):
+    coord, url = served
+    add_workers(coord, 0, 1, 2)
+    clients = {w: worker_client(coord, url, w) for w in (0, 1, 2)}
+    try:
+        for wid, c in clients.items():
+            c.register(wid, RegisterRequest(pid=100 + wid, host="h", max_steps=10_000_000))
+        with coord.lock:
+            coord._open([0, 1], "test")  # worker 2 stays outside
+        clients[0].report_done(0, DoneReport(step=1704, completed=True))
+        assert coord.outcome is None
+        clients[2].report_done(2, DoneReport(step=10_000_000, completed=True))
+        assert coord.outcome is None
+        clients[1].report_done(1, DoneReport(step=10_000_000, completed=True))
+        assert coord.outcome == JobState.SUCCEEDED
+    finally:
+        for c in clients.values():
+            c.close()
+    ignored = [m for m in events(coord, "worker") if "ignored" in m]
+    assert ignored == [
+        "worker 0 reported completion at step 1704; ignored: the job has 10000000 steps",
+        "worker 2 reported completion at step 10000000; ignored: "
+        "it is not a member of the current generation",
+    ]
+
+
+def test_completion_is_refused_while_the_jobs_length_is_unknown(served):
+    coord, url = served
+    add_workers(coord, 0)
+    client = worker_client(coord, url, 0)
+    try:
+        client.register(0, RegisterRequest(pid=100, host="h"))  # no max_steps
+        with coord.lock:
+            coord._open([0], "test")
+        client.report_done(0, DoneReport(step=5, completed=True))
+    finally:
+        client.close()
+    assert coord.outcome is None
+    assert any("the job's length is unknown" in m for m in events(coord, "worker"))
+
+
+def test_each_worker_speaks_only_with_its_own_credential(served):
+    coord, url = served
+    add_workers(coord, 0, 1)
+    base = url + API_PREFIX
+    hb = {"step": 1}
+    assert httpx.post(
+        f"{base}/workers/0/heartbeat", json=hb, headers=worker_auth(coord, 0)
+    ).is_success
+    # worker 0 cannot speak for worker 1, nor scale or stop the job
+    assert (
+        httpx.post(
+            f"{base}/workers/1/heartbeat", json=hb, headers=worker_auth(coord, 0)
+        ).status_code
+        == 401
+    )
+    assert (
+        httpx.post(
+            f"{base}/workers/1/done",
+            json={"step": 1, "completed": True},
+            headers=worker_auth(coord, 0),
+        ).status_code
+        == 401
+    )
+    assert (
+        httpx.post(f"{base}/scale", json={"workers": 2}, headers=worker_auth(coord, 0)).status_code
+        == 401
+    )
+    assert httpx.post(f"{base}/stop", headers=worker_auth(coord, 0)).status_code == 401
+    # the job's token is for the CLI: not a worker's credential
+    assert (
+        httpx.post(f"{base}/workers/0/heartbeat", json=hb, headers=job_auth(coord)).status_code
+        == 401
+    )
+    assert coord.workers[1].last_heartbeat is None and coord.stop_requested_at is None
+
+
+def test_workers_are_started_with_their_own_credential_not_the_jobs_token(served):
+    coord, _ = served
+    envs: dict[int, dict[str, str]] = {}
+
+    def start(wid: int, env: dict[str, str]) -> int:
+        envs[wid] = env
+        return 4_000_000 + wid  # no process: only the environment is under test
+
+    coord.backend.start = start
+    with coord.lock:
+        coord._start_worker()
+        coord._start_worker()
+        coord.workers.clear()
+    assert envs[0]["TIDAL_TOKEN"] == worker_token(coord.token, 0)
+    assert envs[1]["TIDAL_TOKEN"] == worker_token(coord.token, 1)
+    assert coord.token not in {e["TIDAL_TOKEN"] for e in envs.values()}
+
+
+# -- finding 14: every bad input is a 4xx ------------------------------------------------------
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"workers": NaN}',
+        b'{"workers": Infinity}',
+        b'{"workers": -Infinity}',
+        b'{"workers": 1e400}',
+        b'{"workers": 2.0}',
+        b'{"workers": "2"}',
+        b'{"workers": true}',
+        b'{"workers": 100000000000000000000000000000}',
+        b'{"workers": -1}',
+        b'{"workers": null}',
+        b"{}",
+        b'{"workers": ',
+        b"[]",
+    ],
+)
+def test_scale_with_a_bad_body_is_a_4xx(served, raw):
+    coord, url = served
+    headers = {**job_auth(coord), "Content-Type": "application/json"}
+    resp = httpx.post(url + API_PREFIX + "/scale", content=raw, headers=headers)
+    assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text)
+    strict_json(resp.text)
+    assert coord.target == 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"step": NaN}',
+        b'{"step": 1e400}',
+        b'{"metrics": {"loss": "not a number"}}',
+        b'{"reports": [{"generation": 1, "start_step": 0, "first_step_time": NaN}]}',
+    ],
+)
+def test_a_worker_call_with_a_bad_body_is_a_4xx(served, raw):
+    coord, url = served
+    add_workers(coord, 0)
+    headers = {**worker_auth(coord, 0), "Content-Type": "application/json"}
+    resp = httpx.post(url + API_PREFIX + "/workers/0/heartbeat", content=raw, headers=headers)
+    assert resp.status_code == 422, resp.text
+    strict_json(resp.text)
+
+
+def test_a_nan_metric_in_a_raw_body_is_carried(served):
+    coord, url = served
+    add_workers(coord, 0)
+    headers = {**worker_auth(coord, 0), "Content-Type": "application/json"}
+    for raw in (b'{"metrics": {"loss": NaN}}', b'{"metrics": {"loss": "NaN"}}'):
+        resp = httpx.post(url + API_PREFIX + "/workers/0/heartbeat", content=raw, headers=headers)
+        assert resp.status_code == 200 and math.isnan(coord.metrics["loss"])
+
+
+@pytest.mark.parametrize("after", [str(2**77), "-1", "1e400", "NaN", "x"])
+def test_dashboard_after_out_of_range_is_a_422(served, after):
+    _, url = served
+    resp = httpx.get(f"{url}/dashboard/jobs/served", params={"after": after})
+    assert resp.status_code == 422, resp.text
+
+
+def test_dashboard_after_at_the_bound_answers(served):
+    _, url = served
+    resp = httpx.get(f"{url}/dashboard/jobs/served", params={"after": str(MAX_STEP)})
+    assert resp.status_code == 200 and resp.json()["history"]["t"] == []
+
+
+def test_worker_ids_out_of_range_are_a_4xx(served):
+    coord, url = served
+    for wid in (2**77, -1):
+        resp = httpx.post(
+            f"{url}{API_PREFIX}/workers/{wid}/heartbeat", json={}, headers=job_auth(coord)
+        )
+        assert 400 <= resp.status_code < 500
+
+
+def test_client_errors_are_one_line(served):
+    coord, url = served
+    add_workers(coord, 0)
+    client = worker_client(coord, url, 0)
+    try:
+        with pytest.raises(CoordinatorError) as info:
+            client.report_done(0, DoneReport.model_construct(step=-3, completed=True))
+    finally:
+        client.close()
+    assert info.value.status == 422 and str(info.value).startswith("step: ")
+    assert coord.workers[0].state == WorkerState.STARTING
+
+
+# -- end to end: a real worker logs NaN, the job completes ------------------------------------
+SCRIPT = """
+import torch
+from torch.utils.data import TensorDataset
+
+import tidal
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+trainer = tidal.Trainer(model, opt, data, global_batch_size=8)
+for step in trainer.run(max_steps=30):
+    for x, y in step.micro_batches():
+        step.backward(torch.nn.functional.mse_loss(trainer.model(x), y))
+    tidal.log(loss=float("nan"), best=float("inf"))
+"""
+
+
+def test_a_job_whose_script_logs_nan_runs_to_success(tidal_home, tmp_path):
+    script = tmp_path / "nan_loss.py"
+    script.write_text(SCRIPT)
+    proc, job = tidal_home.run("nan", "--workers", "1", script=script, timeout=90)
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    proc = tidal_home.cli("status", "nan", "--json", timeout=60)
+    status = strict_json(proc.stdout)
+    assert status["state"] == "succeeded" and status["step"] == 30
+    assert status["metrics"]["loss"] == "NaN" and status["metrics"]["best"] == "Infinity"
+    assert "refused" not in job.worker_log(0)
