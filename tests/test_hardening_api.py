@@ -1,6 +1,6 @@
 """Hardening of what the coordinator accepts (issue 19): non-finite metrics are carried, bad
 input is a 4xx (never a 500 nor a crash), completion is decided from the job's length, each
-worker holds its own credential.
+worker holds its own credential, and no backend starts more workers than the machine holds.
 
 In-process against a real coordinator and its real HTTP server (``served_coordinator``),
 except one short real job (NaN metrics and completion end to end) and the CLI checks.
@@ -14,9 +14,14 @@ import time
 
 import httpx
 import pytest
+from e2e_helpers import DIGITS
 
+from tidal.backends import local as local_backend
+from tidal.backends.local import LocalBackend
 from tidal.cli import main as cli_main
+from tidal.config import JobSpec
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
+from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.records import WorkerRecord
 from tidal.protocol import (
     API_PREFIX,
@@ -368,6 +373,72 @@ def test_client_errors_are_one_line(served):
         client.close()
     assert info.value.status == 422 and str(info.value).startswith("step: ")
     assert coord.workers[0].state == WorkerState.STARTING
+
+
+# -- finding 16: no more workers than the machine holds, a few starting at a time ------------
+def _spec(**kw) -> JobSpec:
+    base = dict(name="cap", script="/x.py", workers=1, max_workers=1)
+    base.update(kw)
+    return JobSpec(**base)
+
+
+def test_run_with_more_workers_than_the_machine_holds_is_one_line_and_starts_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(local_backend.subprocess, "Popen", no_process)
+    monkeypatch.setattr("tidal.cli.subprocess.Popen", no_process)
+    home = tmp_path / "home"
+    for opts in (["--workers", "100000"], ["--workers", "2", "--max-workers", "100000"]):
+        code = cli_main(["run", "--home", str(home), *opts, str(DIGITS)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1, err
+        assert err[0].startswith("tidal: error: 100000 workers is more than this machine holds")
+    assert not (home / "tidal.db").exists() and not (home / "jobs").exists()
+
+
+def test_the_local_limit_is_per_core_unless_oversubscribed_and_memory_always(monkeypatch):
+    monkeypatch.setattr(local_backend, "_cores", lambda: 2)
+    monkeypatch.setattr(local_backend, "_available_memory", lambda: 64 * 2**30)
+    LocalBackend.check_capacity(_spec(workers=4, max_workers=8))  # 4 per core on 2 cores
+    with pytest.raises(ValueError, match=r"at most 8 local workers .*--oversubscribe") as info:
+        LocalBackend.check_capacity(_spec(workers=4, max_workers=9))
+    assert "\n" not in str(info.value)
+    LocalBackend.check_capacity(_spec(workers=4, max_workers=64, oversubscribe=True))
+    monkeypatch.setattr(local_backend, "_available_memory", lambda: 2**30)  # 4 workers' worth
+    with pytest.raises(ValueError, match=r"at most 4 local workers \(1.0 GiB of memory") as info:
+        LocalBackend.check_capacity(_spec(workers=4, max_workers=5, oversubscribe=True))
+    assert "--oversubscribe" not in str(info.value)
+
+
+def test_the_default_limit_holds_the_test_suites_4_workers_on_this_machine():
+    LocalBackend.check_capacity(_spec(workers=4, max_workers=4))
+
+
+def test_the_coordinator_starts_at_most_max_starting_workers_at_once(tmp_path):
+    coord = Coordinator(_spec(workers=8, max_workers=8), tmp_path)
+    started: list[int] = []
+
+    def start(wid: int, env: dict[str, str]) -> int:
+        started.append(wid)
+        return 4_000_000 + wid  # no process
+
+    try:
+        coord.backend.start = start
+        coord.backend.max_starting = 3
+        with coord.lock:
+            coord._reconcile()
+            assert started == [0, 1, 2]
+            coord._reconcile()
+            assert started == [0, 1, 2]  # still starting: no more
+            coord.workers[0].state = coord.workers[1].state = WorkerState.STANDBY
+            coord._reconcile()
+            assert started == [0, 1, 2, 3, 4]
+    finally:
+        coord.workers.clear()
+        coord.close()
 
 
 # -- end to end: a real worker logs NaN, the job completes ------------------------------------

@@ -125,11 +125,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         deadline_s=parse_duration(args.deadline) if args.deadline else None,
         budget=args.budget,
         decision_interval_s=args.decision_interval,
+        oversubscribe=args.oversubscribe,
     )
-    from tidal.backends import get_backend
+    from tidal.backends import check_capacity
     from tidal.policy import get_policy
 
-    get_backend(spec.backend)
+    check_capacity(spec)  # an unknown backend, or more workers than it holds: one line
     if spec.backend == "ray":
         from tidal.backends.ray import import_ray
 
@@ -391,6 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--budget", type=float, help="cost policy: dollars for the whole job")
     run.add_argument(
         "--decision-interval", type=float, default=30.0, help="seconds between policy changes"
+    )
+    run.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="local backend: allow more than 4 workers per core (memory still limits them)",
     )
     run.add_argument("--detach", action="store_true", help="print the job name and return")
     run.add_argument("--quiet", action="store_true", help="no progress output")

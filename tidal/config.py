@@ -124,6 +124,8 @@ class JobSpec:
     deadline_s: float | None = None
     budget: float | None = None
     decision_interval_s: float = 30.0
+    # Local backend: allow more workers per core than ``backends.local.WORKERS_PER_CORE``.
+    oversubscribe: bool = False
     python: str = sys.executable
 
     def __post_init__(self) -> None:

@@ -16,4 +16,14 @@ def _ray_backend(**kwargs: object) -> Backend:
 
 register_backend("ray", _ray_backend)
 
-__all__ = ["Backend", "Exit", "get_backend", "known_backends"]
+
+def check_capacity(spec: object) -> None:
+    """Refuse (``ValueError``, one line) a job whose backend cannot hold its
+    ``--max-workers``: before anything is recorded or started."""
+    factory = get_backend(spec.backend)
+    check = getattr(factory, "check_capacity", None)
+    if check is not None:
+        check(spec)
+
+
+__all__ = ["Backend", "Exit", "check_capacity", "get_backend", "known_backends"]

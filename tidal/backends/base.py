@@ -42,6 +42,14 @@ class Backend(ABC):
     #: The address workers use to reach the coordinator's API and rendezvous store: the
     #: coordinator binds it. Loopback when every worker runs on this machine.
     host: str = "127.0.0.1"
+    #: The most workers the coordinator has starting (launched, not registered) at once;
+    #: it starts the next ones as these register.
+    max_starting: int = 8
+
+    @classmethod
+    def check_capacity(cls, spec: object) -> None:
+        """Refuse (``ValueError``, one line) a job this backend can never hold."""
+        return None
 
     @abstractmethod
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:

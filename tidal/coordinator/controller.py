@@ -221,7 +221,10 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self._retire(self.workers[wid])
         if plan.members is not None:
             self._open(plan.members, plan.reason, to_standby=plan.to_standby)
-        for _ in range(plan.start):
+        # No more workers starting (launched, not registered) at once than the backend can
+        # bring up; the rest start on later passes, as these register.
+        starting = sum(1 for w in self.workers.values() if w.state in NOT_STARTED)
+        for _ in range(max(0, min(plan.start, self.backend.max_starting - starting))):
             self._start_worker()
         self._settle_schedule()
 
