@@ -56,6 +56,19 @@ def test_unknown_names_list_the_known_ones():
         get_policy("magic")
 
 
+def test_faults_may_name_a_generation_and_leave_the_step_open():
+    from tidal.worker.faults import FaultInjector
+
+    fault = parse_faults("sigkill@worker=2,phase=rendezvous,gen=2,step=0")[0]
+    assert fault == Fault(kind="sigkill", worker=2, step=0, phase="rendezvous", gen=2)
+    injector = FaultInjector(2, [Fault(kind="raise", worker=2, phase="join", gen=3)])
+    injector.maybe_fire(7, "join", 2)  # another generation: nothing happens
+    injector.maybe_fire(7, "heal", 3)  # another phase: nothing happens
+    with pytest.raises(RuntimeError, match="injected fault"):
+        injector.maybe_fire(9, "join", 3)  # any step, that generation
+    injector.maybe_fire(9, "join", 3)  # each fault fires once
+
+
 def test_faults_parse_and_reject_unknown_kinds():
     assert parse_faults("sigkill@worker=1,step=60,phase=allreduce; sigstop@worker=2,step=5") == [
         Fault(kind="sigkill", worker=1, step=60, phase="allreduce"),

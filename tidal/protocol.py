@@ -105,6 +105,28 @@ class Role(str, Enum):
     EXIT = "exit"  # leave the training loop and exit 0
 
 
+# -- the rendezvous store's keys ----------------------------------------------------------
+# Every key a job uses lives under a random namespace the coordinator hands only to
+# authenticated workers (``WorkerConfig.store_namespace``): whoever can reach the store's
+# port but holds no worker credential cannot name a key of the job, so a forged key cannot
+# complete, abandon or stall a rendezvous.
+GEN_OPEN, GEN_GO, GEN_ABANDONED = b"open", b"go", b"abandoned"
+
+
+def generation_prefix(namespace: str, gen_id: int) -> str:
+    """The store prefix of generation ``gen_id``: its state, arrivals and process group."""
+    return f"{namespace}/gen{gen_id}"
+
+
+def state_key(prefix: str) -> str:
+    """``open`` (the coordinator opened it), ``go`` (every member arrived) or ``abandoned``."""
+    return f"{prefix}/state"
+
+
+def arrived_key(prefix: str) -> str:
+    return f"{prefix}/arrived"
+
+
 class GenerationInfo(BaseModel):
     """One membership epoch: its members in rank order and the store prefix they meet on.
 
@@ -118,6 +140,15 @@ class GenerationInfo(BaseModel):
     members: list[int]
     store_prefix: str
     reason: str
+    # The highest step the coordinator knows a worker committed when it opened the
+    # generation (a lower bound: heartbeats lag). Members are at most one step apart, so a
+    # generation whose most advanced member is more than one step behind it holds nobody
+    # with the job's state: healing refuses to train it from scratch (``heal.StateLost``).
+    committed_step: int = 0
+    # Set when no live worker held the job's state: every member loads this verified
+    # checkpoint (of step ``resume_step``) before healing, and the steps after it are redone.
+    resume_from: str | None = None
+    resume_step: int | None = None
 
 
 class WorkerConfig(BaseModel):
@@ -132,6 +163,7 @@ class WorkerConfig(BaseModel):
     collective_timeout_s: float
     store_host: str
     store_port: int
+    store_namespace: str  # every store key of the job lives under it (see generation_prefix)
     hold_steps: list[int] = Field(default_factory=list)
     checkpoint_dir: str | None = None  # None: no durable checkpoints
     checkpoint_every: int | None = None
@@ -203,10 +235,18 @@ class HeartbeatResponse(BaseModel):
     settled_step: int = -1
 
 
+class FailureKind(str, Enum):
+    """Why a member left a generation it was forming or training in."""
+
+    COLLECTIVE = "collective"  # a collective (or the forming) failed: a peer died or hung
+    STATE_LOST = "state_lost"  # healing found no member holding the job's committed state
+
+
 class FailureReport(BaseModel):
     generation: Id
     step: Step
     error: str = Field(max_length=2000)
+    kind: FailureKind = FailureKind.COLLECTIVE
 
 
 class DoneReport(BaseModel):

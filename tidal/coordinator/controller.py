@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -31,9 +32,12 @@ from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.registry import get_policy
 from tidal.policy.schedule import future_peak
 from tidal.protocol import (
+    GEN_ABANDONED,
+    GEN_OPEN,
     EventView,
     JobState,
     WorkerState,
+    state_key,
 )
 from tidal.sim.trace import load_trace
 
@@ -71,7 +75,10 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = self.db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
-        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        self.store, self._store_socket = _bound_store(self.host)
+        # Every store key of the job lives under this secret (``protocol.generation_prefix``):
+        # only workers, which get it through the authenticated API, can name a key.
+        self.store_namespace = secrets.token_hex(16)
         self.lock = threading.RLock()
         # Set by API calls that need a decision (a registration, a failure report, a
         # scale, a stop, members holding at a scheduled step): the loop ticks at once
@@ -103,7 +110,10 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.stop_requested_at: float | None = None
         # (when, generation, why): a member's collective failed in that generation
         self.reform_requested: tuple[float, int, str] | None = None
+        # (generation, why): healing found no member of that generation holding the state
+        self.state_lost: tuple[int, str] | None = None
         self.created = time.time()
+        self._last_check = time.monotonic()  # the last heartbeat check (lifecycle)
         # A resumed job has passed the schedule's earlier steps already.
         passed = [at for at, _ in spec.schedule if at <= self.step]
         self._schedule_done = len(passed)
@@ -175,6 +185,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                 self._on_exit(ex)
             self._track_placement()
             self._check_heartbeats()
+            self._answer_state_lost()
             if self.outcome is None:
                 self._observe(now)
                 self._release_leavers()
@@ -240,17 +251,30 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         ):
             self.settled_step = at
 
-    def _open(self, members: list[int], reason: str, *, to_standby: list[int] = ()) -> None:
+    def _open(
+        self,
+        members: list[int],
+        reason: str,
+        *,
+        to_standby: list[int] = (),
+        resume: tuple[str, int] | None = None,
+    ) -> None:
+        """Open the next generation with ``members``; ``resume`` (a checkpoint's path and
+        step): no live worker holds the job's state, every member loads it first."""
         prev = self.latest
         gen = GenerationRecord(
             id=self._gen_base + len(self.generations) + 1,
             members=members,
             reason=reason,
             opened_at=time.time(),
+            namespace=self.store_namespace,
+            committed_step=self.step,
+            resume_from=resume[0] if resume else None,
+            resume_step=resume[1] if resume else None,
         )
-        self.store.set(f"{gen.store_prefix}/state", "open")
+        self.store.set(state_key(gen.store_prefix), GEN_OPEN)
         if prev is not None:
-            self.store.compare_set(f"{prev.store_prefix}/state", "open", "abandoned")
+            self.store.compare_set(state_key(prev.store_prefix), GEN_OPEN, GEN_ABANDONED)
         self.generations.append(gen)
         for w in self.workers.values():
             if w.id in members:
@@ -285,7 +309,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         if self._wind_down_since is None:
             self._wind_down_since = now
             if self.latest is not None:
-                self.store.compare_set(f"{self.latest.store_prefix}/state", "open", "abandoned")
+                self.store.compare_set(state_key(self.latest.store_prefix), GEN_OPEN, GEN_ABANDONED)
             for w in self.workers.values():
                 if w.live and w.id not in self.members:
                     self._retire(w)
@@ -332,7 +356,27 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.backend.signal(wid, signal.SIGKILL)
         self.backend.close()
         self.db.close()
+        self._store_socket.close()
         try:
             os.remove(self.jobdir.coordinator_file)
         except OSError:
             pass
+
+
+def _bound_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
+    """The rendezvous store, listening on ``host`` only (loopback for local workers).
+
+    ``TCPStore`` itself would listen on every interface; it serves a socket bound here
+    instead (``master_listen_fd``), on a port the OS picks."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    return store, sock

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from tidal.protocol import (
     CheckpointView,
     DoneReport,
+    FailureKind,
     FailureReport,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -83,6 +84,7 @@ class Handlers:
                     collective_timeout_s=self.spec.collective_timeout_s,
                     store_host=self.host,
                     store_port=self.store.port,
+                    store_namespace=self.store_namespace,
                     hold_steps=[at for at, _ in self.spec.schedule],
                     checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
                     checkpoint_every=self.spec.checkpoint_every,
@@ -151,6 +153,11 @@ class Handlers:
             latest = self.latest
             if latest is None or r.generation != latest.id or self.outcome is not None:
                 return  # a newer generation already answers it
+            if r.kind == FailureKind.STATE_LOST:  # the control loop rolls back or fails
+                if self.state_lost is None:
+                    self.state_lost = (latest.id, f"worker {wid}: {r.error}")
+                    self.wake.set()
+                return
             self.event(
                 "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
             )

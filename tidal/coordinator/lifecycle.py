@@ -12,11 +12,15 @@ import signal
 import time
 
 from tidal.backends import Exit
+from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.records import WorkerRecord
 from tidal.protocol import JobState, WorkerState, worker_token
 from tidal.worker.agent import WorkerEnv
 
 STOP_GRACE_S = 30.0
+# A longer gap between two passes of the control loop means the coordinator did not run
+# (the loop passes every 20 ms, and at once on API calls that need a decision).
+NOT_RUNNING_S = 2.0
 NOT_STARTED = (WorkerState.PENDING, WorkerState.STARTING)  # not registered yet
 
 
@@ -73,8 +77,25 @@ class Lifecycle:
                     self.event("worker", f"worker {w.id} placed on {w.node}")
 
     def _check_heartbeats(self) -> None:
-        """Kill hung workers (no heartbeat) and workers that do not leave when asked."""
-        now = time.time()
+        """Kill hung workers (no heartbeat) and workers that do not leave when asked.
+
+        Silence is judged only over time the coordinator itself ran: after a gap between
+        two passes longer than ``NOT_RUNNING_S`` (the process was stopped, the machine
+        starved it, its VM was suspended), heartbeats could not be read meanwhile, so every
+        clock restarts at once instead of condemning workers that trained on."""
+        now, mono = time.time(), time.monotonic()
+        gap, self._last_check = mono - self._last_check, mono
+        if gap > NOT_RUNNING_S:
+            self.event(
+                "coordinator",
+                f"the coordinator did not run for {gap:.1f} s (stopped or starved); "
+                "heartbeat clocks restart",
+            )
+            for w in self.workers.values():
+                if w.last_heartbeat is not None:
+                    w.last_heartbeat = max(w.last_heartbeat, now)
+                if w.stopping_since is not None:
+                    w.stopping_since += gap
         for w in self.workers.values():
             if (
                 w.state == WorkerState.STOPPING
@@ -97,6 +118,43 @@ class Lifecycle:
                 w.kill_reason = f"missed heartbeats for {now - w.last_heartbeat:.1f} s"
                 self.event("failure", f"worker {w.id} {w.kill_reason}; killing it")
                 self.backend.signal(w.id, signal.SIGKILL)
+
+    def _answer_state_lost(self) -> None:
+        """No member of the latest generation holds the job's state (every holder was lost
+        before the state reached anyone else; ``heal.StateLost``). Never train on from
+        scratch: roll every member back to the newest verified checkpoint, or fail the job
+        saying why."""
+        if self.state_lost is None or self.outcome is not None:
+            return
+        gen_id, why = self.state_lost
+        self.state_lost = None
+        latest = self.latest
+        if latest is None or latest.id != gen_id:  # already superseded
+            return
+        self.event("failure", why)
+        lost = latest.committed_step
+        path, warnings = newest_good(self.checkpoint_dir) if self.checkpoint_dir else (None, [])
+        for line in warnings:
+            self.event("checkpoint", line)
+        if path is None:
+            self._decide(
+                JobState.FAILED,
+                f"no live worker holds the training state of step {lost} (its holders were "
+                "lost) and there is no checkpoint to roll back to; run with --checkpoint-every",
+            )
+            return
+        step = int(NAME_RE.match(path.name).group(1))
+        self.event(
+            "checkpoint",
+            f"no live worker holds step {lost}: rolling back to the checkpoint of step {step} "
+            f"({max(0, lost - step)} steps redone)",
+        )
+        self.step = step
+        self._open(
+            latest.members,
+            f"rolled back to the checkpoint of step {step}: the state's holders were lost",
+            resume=(str(path), step),
+        )
 
     def _stopping(self, w: WorkerRecord) -> None:
         w.state, w.rank = WorkerState.STOPPING, None

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidal.protocol import GenerationInfo, GenerationView, WorkerState, WorkerView
+from tidal.protocol import (
+    GenerationInfo,
+    GenerationView,
+    WorkerState,
+    WorkerView,
+    generation_prefix,
+)
 
 
 @dataclass(kw_only=True)
@@ -46,6 +52,10 @@ class GenerationRecord:
     members: list[int]
     reason: str
     opened_at: float
+    namespace: str  # the job's secret store namespace (``protocol.generation_prefix``)
+    committed_step: int = 0  # see ``GenerationInfo.committed_step``
+    resume_from: str | None = None  # a checkpoint every member loads first (state lost)
+    resume_step: int | None = None
     start_step: int | None = None
     pause_s: float | None = None
     pause_phases: dict[str, float] | None = None
@@ -53,7 +63,7 @@ class GenerationRecord:
 
     @property
     def store_prefix(self) -> str:
-        return f"gen{self.id}"
+        return generation_prefix(self.namespace, self.id)
 
     @property
     def formed(self) -> bool:
@@ -62,7 +72,13 @@ class GenerationRecord:
 
     def info(self) -> GenerationInfo:
         return GenerationInfo(
-            id=self.id, members=self.members, store_prefix=self.store_prefix, reason=self.reason
+            id=self.id,
+            members=self.members,
+            store_prefix=self.store_prefix,
+            reason=self.reason,
+            committed_step=self.committed_step,
+            resume_from=self.resume_from,
+            resume_step=self.resume_step,
         )
 
     def view(self) -> GenerationView:

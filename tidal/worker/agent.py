@@ -20,6 +20,7 @@ from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.protocol import (
     CheckpointView,
     DoneReport,
+    FailureKind,
     FailureReport,
     HeartbeatRequest,
     HeartbeatResponse,
@@ -198,9 +199,12 @@ class Agent:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
-    def report_failure(self, generation: int, step: int, error: str) -> None:
+    def report_failure(
+        self, generation: int, step: int, error: str, *, kind: FailureKind = FailureKind.COLLECTIVE
+    ) -> None:
         self._client.report_failure(
-            self.worker_id, FailureReport(generation=generation, step=step, error=error[:500])
+            self.worker_id,
+            FailureReport(generation=generation, step=step, error=error[:500], kind=kind),
         )
 
     def report_done(self, *, step: int, completed: bool) -> None:

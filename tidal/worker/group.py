@@ -1,13 +1,19 @@
 """Forming the process group of one generation, and the control word that rides with it.
 
-Rendezvous contract (see ``GenerationInfo``): the coordinator writes
+Rendezvous contract (see ``GenerationInfo``; keys in ``protocol``): the coordinator writes
 ``{prefix}/state = open`` before it announces a generation. Each member adds itself to
 ``{prefix}/arrived`` once; the member whose arrival completes the count swaps ``open`` for
 ``go``; the coordinator swaps ``open`` for ``abandoned`` when it supersedes the generation.
 Both swaps are compare-and-set on the store, so every member sees the same outcome: all
 form the group, or all move on to a newer generation. Nobody forms a group with a member
-that never arrived, so a dead member can only stall ``init_process_group`` if it dies in the
-few milliseconds between arriving and connecting (then the collective timeout ends it).
+that never arrived.
+
+A member can still die (or hang) between arriving and connecting. Its peers then wait in
+``init_process_group`` for an address it will never publish; they stop waiting as soon as
+the coordinator opens a newer generation (it does so when it sees the death, or kills the
+hung member after its missed heartbeats): ``form_group`` reads the store through
+``_Superseded``, which gives up on any wait once ``{namespace}/gen{N+1}/state`` exists.
+Without it the survivors would wait for the whole collective timeout.
 """
 
 from __future__ import annotations
@@ -20,47 +26,129 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
 
-from tidal.protocol import GenerationInfo
+from tidal.protocol import (
+    GEN_ABANDONED,
+    GEN_GO,
+    GEN_OPEN,
+    GenerationInfo,
+    arrived_key,
+    generation_prefix,
+    state_key,
+)
 
-OPEN, GO, ABANDONED = b"open", b"go", b"abandoned"
+POLL_S = 0.002  # store polls while waiting (check() never blocks, so c10d logs nothing)
+
+
+class Superseded(RuntimeError):
+    """A newer generation was opened while this one was forming: give up on it."""
 
 
 def rendezvous(
     store: dist.Store, info: GenerationInfo, *, timeout_s: float, poll_s: float = 0.001
 ) -> bool:
     """Arrive at generation ``info``; True if it formed (``go``), False if it was abandoned."""
-    state_key = f"{info.store_prefix}/state"
-    if store.add(f"{info.store_prefix}/arrived", 1) == len(info.members):
-        store.compare_set(state_key, OPEN, GO)
+    key = state_key(info.store_prefix)
+    if store.add(arrived_key(info.store_prefix), 1) == len(info.members):
+        store.compare_set(key, GEN_OPEN, GEN_GO)
     deadline = time.monotonic() + timeout_s
     while True:
-        state = store.get(state_key)
-        if state == GO:
+        state = store.get(key)
+        if state == GEN_GO:
             return True
-        if state == ABANDONED or time.monotonic() > deadline:
+        if state == GEN_ABANDONED or time.monotonic() > deadline:
             return False
         time.sleep(poll_s)
 
 
-def wait_for_generation(store: dist.Store, gen_id: int, *, timeout_s: float) -> None:
-    """Return as soon as generation ``gen_id`` is opened, or after ``timeout_s``."""
-    try:
-        store.wait([f"gen{gen_id}/state"], datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistStoreError):  # timed out: the caller asks again
-        pass
+def wait_for_generation(
+    store: dist.Store, namespace: str, gen_id: int, *, timeout_s: float
+) -> None:
+    """Return as soon as generation ``gen_id`` is opened, or after ``timeout_s``.
+
+    Polls with ``check`` rather than ``store.wait``: a timed-out wait makes c10d log two
+    warning lines, hundreds per second-long wait."""
+    keys = [state_key(generation_prefix(namespace, gen_id))]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
 
 
-def form_group(store: dist.Store, info: GenerationInfo, rank: int, *, timeout_s: float) -> None:
-    """Make the default process group this generation's (gloo; the old one must be gone)."""
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"{info.store_prefix}/pg", store),
-        rank=rank,
-        world_size=len(info.members),
-        timeout=datetime.timedelta(seconds=timeout_s),
+class _Superseded(dist.Store):
+    """The generation's process-group store, read so that every wait gives up with
+    ``Superseded`` once the coordinator has opened the next generation (``abort_key``)."""
+
+    def __init__(self, inner: dist.Store, outer: dist.Store, abort_key: str) -> None:
+        super().__init__()
+        self._inner, self._outer, self._abort = inner, outer, [abort_key]
+
+    def set(self, key: str, value: bytes) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (
+            timeout.total_seconds() if timeout is not None else self._inner.timeout.total_seconds()
+        )
+        deadline = time.monotonic() + limit
+        while not self._inner.check(keys):
+            if self._outer.check(self._abort):
+                raise Superseded("a newer generation was opened while this one formed")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timed out after {limit:.0f} s for {keys}")
+            time.sleep(POLL_S)
+
+
+def form_group(
+    store: dist.Store, info: GenerationInfo, rank: int, *, namespace: str, timeout_s: float
+) -> None:
+    """Make the default process group this generation's (gloo; the old one must be gone).
+
+    Raises ``Superseded`` if the coordinator opens a newer generation before every member
+    connected. A failed attempt leaves nothing behind: c10d names the default group after a
+    counter that only a successful group's destruction resets, and a counter left advanced
+    would make this worker look for keys its peers never write in the next generation."""
+    watched = _Superseded(
+        dist.PrefixStore(f"{info.store_prefix}/pg", store),
+        store,
+        state_key(generation_prefix(namespace, info.id + 1)),
     )
+    try:
+        dist.init_process_group(
+            "gloo",
+            store=watched,
+            rank=rank,
+            world_size=len(info.members),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        c10d._world.group_count = 0
+        raise
 
 
 def destroy_group() -> None:

@@ -23,6 +23,21 @@ import torch.distributed as dist
 NO_STATE = -1
 
 
+class StateLost(RuntimeError):
+    """No member of the generation holds the job's committed state (its holders were lost):
+    training on would silently start over from an older step. Every member raises it at the
+    same point (they all see the same gathered steps)."""
+
+    def __init__(self, best: int, committed: int) -> None:
+        held = (
+            "no member holds any state"
+            if best == NO_STATE
+            else f"the most advanced member is at step {best}"
+        )
+        super().__init__(f"{held}, but the job had committed step {committed}")
+        self.best, self.committed = best, committed
+
+
 @dataclass(frozen=True, kw_only=True)
 class HealResult:
     source: int
@@ -87,16 +102,25 @@ def _send_tensors(tensors: list[torch.Tensor], src: int, receivers: list[int]) -
 
 
 def heal(
-    *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int | None
+    *,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int | None,
+    committed_step: int = 0,
 ) -> HealResult:
     """Make this member's state equal to the most advanced member's. ``step`` is this
-    member's committed step, or None if it holds no trained state yet."""
+    member's committed step, or None if it holds no trained state yet; ``committed_step``
+    a lower bound of the job's committed step (``GenerationInfo.committed_step``). Raises
+    ``StateLost`` when the most advanced member is more than one step behind it (members
+    are at most one step apart, so a member with the state is never further behind)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64)
     steps = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(steps, mine)
     values = [int(t.item()) for t in steps]
     best = max(values)
+    if best < committed_step - 1:
+        raise StateLost(best, committed_step)
     source = values.index(best)
     if best == NO_STATE:  # a fresh job: everybody adopts rank 0's initialisation
         best, source = 0, 0

@@ -27,19 +27,21 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-from tidal.protocol import PAUSE_PHASES, GenerationInfo, Role, StepReport
+from tidal.checkpoint import store as checkpoints
+from tidal.protocol import PAUSE_PHASES, FailureKind, GenerationInfo, Role, StepReport
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.faults import FaultInjector
-from tidal.worker.heal import heal
+from tidal.worker.heal import StateLost, heal
 from tidal.worker.step import Step, _one_line
 
 _current: Trainer | None = None
@@ -100,6 +102,10 @@ class Trainer:
         self._gen_prev_gen: int | None = None
         self._gen_prev_time: float | None = None
         self._gen_first_pending = False
+        # DDP broadcasts its rebuilt bucket order inside the first forward after its first
+        # backward: a peer lost right then would raise in the user's forward. The trainer
+        # makes that collective itself, at the step boundary (``_settle_buckets``).
+        self._buckets_pending = False
         # When this worker began joining, met its peers, formed the group, and healed: the
         # phases of its pause, reported with its first step in the generation.
         self._t_join = self._t_rendezvous = self._t_formed = self._t_healed = 0.0
@@ -165,13 +171,16 @@ class Trainer:
         try:
             member = self._join()
             while member and self.step < max_steps and not self._stopping:
+                if self._buckets_pending and not self._settle_buckets():
+                    member = self._join()
+                    continue
                 index = self.step
-                self._faults.maybe_fire(index, "step")
+                self._faults.maybe_fire(index, "step", self.generation)
                 step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
                 yield step
                 if step._failed is not None:
                     self._leave_group()
-                    self._report_failure(step._failed)
+                    self._report_failure(self.generation, step._failed)
                     member = self._join()
                     continue
                 self._time_split(step)
@@ -219,8 +228,8 @@ class Trainer:
         )
         stop = latest is not None and latest.stop
         self._control.set(switch=newer, stop=stop)
-        index = step.index
-        self._control.before_allreduce = lambda: self._faults.maybe_fire(index, "allreduce")
+        index, gen = step.index, self.generation
+        self._control.before_allreduce = lambda: self._faults.maybe_fire(index, "allreduce", gen)
 
     def _commit(self) -> None:
         if self._durable is not None:
@@ -236,6 +245,8 @@ class Trainer:
         if self._gen_first_pending and self._agent is not None:
             self._debug(f"first step {self.step} in gen {self.generation}")
             self._gen_first_pending = False
+            self._buckets_pending = True
+            self._faults.maybe_fire(self.step - 1, "first", self.generation)
             self._agent.post_report(
                 StepReport(
                     generation=self.generation,
@@ -297,18 +308,36 @@ class Trainer:
             return tuple(t[piece] for t in self._tensors)
         return default_collate([self.dataset[int(i)] for i in piece])
 
-    def _report_failure(self, exc: Exception) -> None:
+    def _report_failure(
+        self, generation: int, exc: Exception, kind: FailureKind = FailureKind.COLLECTIVE
+    ) -> None:
+        """Tell the coordinator this member left ``generation`` (the one it was training or
+        forming in: a report naming an older one would be ignored as already answered)."""
+        what = "healing" if kind == FailureKind.STATE_LOST else "collective"
         print(
-            f"tidal: worker {self.worker_id}: collective failed in generation "
-            f"{self.generation} at step {self.step}: {type(exc).__name__}: {exc}",
+            f"tidal: worker {self.worker_id}: {what} failed in generation "
+            f"{generation} at step {self.step}: {type(exc).__name__}: {exc}",
             file=sys.stderr,
             flush=True,
         )
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            self._agent.report_failure(self.generation, self.step, _one_line(exc))
+            self._agent.report_failure(generation, self.step, _one_line(exc), kind=kind)
         except Exception:  # noqa: BLE001 - the coordinator also sees the failure itself
             pass
+
+    def _settle_buckets(self) -> bool:
+        """Make DDP's one-time bucket rebuild (a broadcast) now, between steps, where a
+        failure is a membership change like any other; False if it failed (the member has
+        left the group and reported it)."""
+        self._buckets_pending = False
+        try:
+            self._ddp.reducer._rebuild_buckets()
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
+            self._leave_group()
+            self._report_failure(self.generation, exc)
+            return False
 
     def _leave_group(self) -> None:
         self._ddp = None
@@ -349,33 +378,53 @@ class Trainer:
             info = resp.generation
             if resp.role != Role.MEMBER or info is None or info.id <= tried:
                 newest = max(tried, info.id if info else 0)
-                grp.wait_for_generation(self._store, newest + 1, timeout_s=0.05)
+                grp.wait_for_generation(
+                    self._store, self._cfg.store_namespace, newest + 1, timeout_s=0.05
+                )
                 continue
             tried = info.id
             self._debug(f"join gen {info.id}")
             # Fatal, not a failure to heal from: every member would refuse the same way.
             self.sampler.check_world_size(len(info.members))
+            self._faults.maybe_fire(self.step, "join", info.id)
             if not grp.rendezvous(self._store, info, timeout_s=self._cfg.collective_timeout_s):
                 continue
             self._t_rendezvous = time.time()
             self._debug(f"rendezvous gen {info.id} done")
+            self._faults.maybe_fire(self.step, "rendezvous", info.id)
             try:
                 self._form(info)
                 return True
+            except grp.Superseded:  # the coordinator already opened the next one
+                self._debug(f"gen {info.id} superseded while forming")
+                self._leave_group()
+            except StateLost as exc:
+                self._leave_group()
+                self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
                 self._leave_group()
-                self._report_failure(exc)
+                self._report_failure(info.id, exc)
 
     def _form(self, info: GenerationInfo) -> None:
         rank = info.members.index(self._env.worker_id)
         self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
-        grp.form_group(self._store, info, rank, timeout_s=self._cfg.collective_timeout_s)
+        if info.resume_from is not None and self.step != info.resume_step:
+            self._roll_back(info)
+        grp.form_group(
+            self._store,
+            info,
+            rank,
+            namespace=self._cfg.store_namespace,
+            timeout_s=self._cfg.collective_timeout_s,
+        )
         self._t_formed = time.time()
         self._debug("group formed")
+        self._faults.maybe_fire(self.step, "heal", info.id)
         result = heal(
             module=self.module,
             optimizer=self.optimizer,
             step=self.step if self._has_state else None,
+            committed_step=info.committed_step,
         )
         self.step = result.step
         self._has_state = True
@@ -394,6 +443,14 @@ class Trainer:
             f"formed gen {info.id} rank {rank}/{self.world_size} step {self.step} "
             f"heal src={result.source} sent={result.sent}"
         )
+
+    def _roll_back(self, info: GenerationInfo) -> None:
+        """Load the checkpoint the coordinator chose because no live worker held the job's
+        state; every member of ``info`` does the same, so all continue from its step."""
+        meta = checkpoints.load(Path(info.resume_from), self.module, self.optimizer)
+        checkpoints.restore_rng(meta)
+        self.step, self._has_state = int(meta["step"]), True
+        self._debug(f"rolled back to checkpoint step {self.step}")
 
     def _debug(self, msg: str) -> None:
         if self._debug_on:
