@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -153,3 +154,122 @@ def test_manifest_lists_every_file_with_its_hash(tmp_path):
     files = sorted(p.name for p in Path(written.path).iterdir() if p.name != store.MANIFEST)
     assert sorted(manifest["files"]) == files
     assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+
+
+# -- consistent but bad checkpoints: hashes that match contents that are not a checkpoint ----
+def rewrite(path: Path, name: str, data: bytes | None) -> None:
+    """Replace (or, with None, remove) ``name`` and recompute the manifest's hashes, as a
+    buggy writer or a hand-made folder would leave it: every hash matches."""
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    if data is None:
+        (path / name).unlink()
+        manifest["files"].pop(name, None)
+    else:
+        (path / name).write_bytes(data)
+    for f in manifest["files"]:
+        manifest["files"][f] = {
+            "sha256": store._sha256(path / f),
+            "bytes": (path / f).stat().st_size,
+        }
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+
+
+def meta_without(key: str, path: Path) -> bytes:
+    meta = json.loads((path / "meta.json").read_text())
+    del meta[key]
+    return json.dumps(meta).encode()
+
+
+BAD_CASES = {
+    "pickle as the model": (
+        lambda p: rewrite(p, "model.safetensors", pickle.dumps({"w": [1.0, 2.0]})),
+        "model.safetensors is not a safetensors file",
+    ),
+    "empty table of files": (
+        lambda p: (p / store.MANIFEST).write_text('{"files": {}, "step": 20}'),
+        "does not list model.safetensors",
+    ),
+    "manifest without step": (
+        lambda p: (p / store.MANIFEST).write_text(
+            json.dumps({k: v for k, v in json.loads((p / store.MANIFEST).read_text()).items()
+                        if k != "step"})
+        ),
+        "no integer step",
+    ),
+    "meta.json without step": (
+        lambda p: rewrite(p, "meta.json", meta_without("step", p)),
+        "meta.json has no integer step",
+    ),
+    "meta.json of another step": (
+        lambda p: rewrite(p, "meta.json", json.dumps({"step": 7}).encode()),
+        "meta.json says step 7",
+    ),
+    "an extra file": (
+        lambda p: add_extra_file(p),
+        "unexpected files: x.bin",
+    ),
+    "optimizer.json missing": (
+        lambda p: rewrite(p, "optimizer.json", None),
+        "does not list optimizer.json",
+    ),
+    "odd optimizer tensor name": (
+        lambda p: rewrite(p, "optimizer.safetensors", safetensors_bytes({"weird": [1.0]})),
+        "tensor named 'weird'",
+    ),
+}
+
+
+def add_extra_file(path: Path) -> None:
+    (path / "x.bin").write_bytes(b"x")
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    manifest["files"]["x.bin"] = {"sha256": store._sha256(path / "x.bin"), "bytes": 1}
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+
+
+def safetensors_bytes(tensors: dict[str, list[float]]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: torch.tensor(v) for k, v in tensors.items()})
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_consistent_but_malformed_checkpoint_is_refused_before_it_is_chosen(tmp_path, case):
+    damage, reason = BAD_CASES[case]
+    save(tmp_path, 10)
+    newest = Path(save(tmp_path, 20, seed=1).path)
+    damage(newest)
+    path, warnings = store.newest_good(tmp_path)
+    assert path is not None and path.name == "step-00000010", (case, warnings)
+    assert len(warnings) == 1 and "step-00000020" in warnings[0], warnings
+    assert reason in warnings[0], warnings[0]
+    assert "\n" not in warnings[0]
+
+
+def test_checkpoint_of_another_model_fails_to_load_and_is_marked_bad(tmp_path):
+    save(tmp_path, 10)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    opt = torch.optim.Adam(other.parameters())
+    newest = Path(
+        store.write(store.take_snapshot(step=20, module=other, optimizer=opt, meta={}), tmp_path)
+        .path
+    )
+    assert store.newest_good(tmp_path)[0] == newest  # it is a well-formed checkpoint
+
+    m, o = model_and_opt()
+    before = [p.clone() for p in m.parameters()]
+    with pytest.raises(store.CheckpointError, match="step-00000020 refused: 0.weight is"):
+        store.load(newest, m, o)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    store.mark_bad(newest, "0.weight has another shape")  # what Durable.resume does
+    path, warnings = store.newest_good(tmp_path)
+    assert path is not None and path.name == "step-00000010"
+    assert "failed to load before: 0.weight has another shape" in warnings[0]
+
+
+def test_checkpoint_of_another_dtype_is_refused(tmp_path):
+    m, o = model_and_opt()
+    written = store.write(store.take_snapshot(step=3, module=m, optimizer=o, meta={}), tmp_path)
+    m64, o64 = model_and_opt()
+    m64.double()
+    with pytest.raises(store.CheckpointError, match="torch.float32 .* the model's torch.float64"):
+        store.load(Path(written.path), m64, o64)

@@ -9,19 +9,19 @@ of every other file). Contracts:
   manifest written last and fsynced, then renamed into place and the parent folder fsynced.
   A crash at any point leaves either no ``step-*`` folder or a complete one; temporary
   folders are never taken for checkpoints.
-- **Verified.** ``verify`` recomputes every file's sha256 against the manifest; a truncated,
-  bit-flipped or half-written checkpoint is refused with the reason, and
-  ``newest_good`` falls back to the previous one.
+- **Verified.** ``verify`` (``layout``) recomputes every file's sha256 against the manifest
+  and checks the structure of what the files hold; a truncated, bit-flipped, half-written or
+  malformed checkpoint is refused with the reason, and ``newest_good`` falls back to the
+  previous one. ``load`` also checks the tensors against the model (names, shapes, dtypes); a
+  checkpoint that fails to load is refused (``Durable.resume`` marks it bad).
 - **Safe.** Tensors are read by safetensors and metadata by ``json``: no pickle anywhere.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -31,13 +31,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-MANIFEST = "MANIFEST.json"
-NAME_RE = re.compile(r"^step-(\d{8,})$")
-CHUNK = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that must not be used; the message names it and says why."""
+from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's names
+    BAD,
+    CHUNK,
+    MANIFEST,
+    NAME_RE,
+    REQUIRED,
+    CheckpointError,
+    checkpoint_name,
+    list_checkpoints,
+    mark_bad,
+    newest_good,
+    verify,
+)
+from tidal.checkpoint.layout import sha256 as _sha256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,10 +64,6 @@ class Written:
     path: str
     bytes: int
     seconds_to_write: float
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 # -- taking a snapshot ---------------------------------------------------------------------
@@ -154,14 +157,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
@@ -207,63 +202,59 @@ def prune(directory: Path, keep: int) -> list[Path]:
 
 
 # -- reading -----------------------------------------------------------------------------
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete-looking checkpoint folders, newest first (temporary folders never count)."""
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.iterdir() if p.is_dir() and NAME_RE.match(p.name)]
-    return sorted(found, key=lambda p: int(NAME_RE.match(p.name).group(1)), reverse=True)
-
-
-def verify(path: Path) -> dict:
-    """The manifest of a good checkpoint; raises CheckpointError naming what is wrong."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path} refused: unreadable manifest ({exc})") from None
-    for name, want in files.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} refused: {name} is missing")
-        if f.stat().st_size != want["bytes"]:
+def _check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+    """Refuse tensors that are not the model's: names, shapes and dtypes (``load_state_dict``
+    would cast a float32 checkpoint into a float64 model without a word)."""
+    want = module.state_dict()
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {path} refused: its model tensors are not the model's"
+            + (f"; missing {', '.join(missing[:3])}" if missing else "")
+            + (f"; unexpected {', '.join(extra[:3])}" if extra else "")
+        )
+    for name, t in want.items():
+        got = tensors[name]
+        if got.shape != t.shape or got.dtype != t.dtype:
             raise CheckpointError(
-                f"checkpoint {path} refused: {name} has {f.stat().st_size} bytes, "
-                f"the manifest says {want['bytes']}"
+                f"checkpoint {path} refused: {name} is {got.dtype} {list(got.shape)}, "
+                f"the model's {t.dtype} {list(t.shape)}"
             )
-        if _sha256(f) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {path} refused: sha256 mismatch in {name}")
-    return manifest
-
-
-def newest_good(directory: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and a warning line for each newer one refused."""
-    warnings = []
-    for path in list_checkpoints(directory):
-        try:
-            verify(path)
-            return path, warnings
-        except CheckpointError as exc:
-            warnings.append(str(exc))
-    return None, warnings
 
 
 def load(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Verify, then load ``path`` into ``module`` and ``optimizer``; returns its meta
-    (RNG restored by ``restore_rng``)."""
+    (RNG restored by ``restore_rng``). Raises ``CheckpointError`` (one line) for a checkpoint
+    that does not fit the model or optimizer (the worker must not train on after that)."""
     verify(path)
-    module.load_state_dict(load_file(str(path / "model.safetensors")))
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    opt_meta = json.loads((path / "optimizer.json").read_text())
-    state: dict[int, dict] = {}
-    for pid, entries in opt_meta["state"].items():
-        state.setdefault(int(pid), {}).update(entries)
-    for key, value in tensors.items():
-        _, pid, name = key.split(".", 2)
-        state.setdefault(int(pid), {})[name] = value
-    groups = [  # JSON made the tuples (Adam's betas) lists
-        {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
-        for g in opt_meta["param_groups"]
-    ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    return json.loads((path / "meta.json").read_text())
+    try:
+        model = load_file(str(path / "model.safetensors"))
+        _check_model(path, model, module)
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        opt_meta = json.loads((path / "optimizer.json").read_text())
+        state: dict[int, dict] = {}
+        for pid, entries in opt_meta["state"].items():
+            state.setdefault(int(pid), {}).update(entries)
+        for key, value in tensors.items():
+            _, pid, name = key.split(".", 2)
+            state.setdefault(int(pid), {})[name] = value
+        n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+        if any(not 0 <= pid < n_params for pid in state):
+            raise CheckpointError(
+                f"checkpoint {path} refused: optimizer state for parameters the model lacks"
+            )
+        groups = [  # JSON made the tuples (Adam's betas) lists
+            {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+            for g in opt_meta["param_groups"]
+        ]
+        module.load_state_dict(model)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return json.loads((path / "meta.json").read_text())
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever does not fit: one line, not a traceback
+        msg = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"checkpoint {path} refused: it does not load ({type(exc).__name__}: {msg})"
+        ) from None

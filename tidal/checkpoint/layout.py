@@ -1,0 +1,205 @@
+"""A checkpoint folder on disk: its names, and whether it may be used. No torch here, so that
+``tidal status`` and ``tidal resume`` choose checkpoints without importing it.
+
+``verify`` refuses, with the reason in one line, a folder that is not a complete checkpoint:
+
+- the manifest must list exactly the required files (``REQUIRED``), with their sizes and
+  sha256, and its ``step`` must be the folder's;
+- each file must match its size and hash (a truncated, bit-flipped or half-written file);
+- the contents must have the expected structure, since hashes only prove that nothing changed
+  after the manifest was written, not that what was written is a checkpoint (a pickle with
+  its hash recomputed, a manifest of ``{"files": {}}``): both ``.safetensors`` headers must
+  parse (safetensors validates names, dtypes, shapes and offsets against the file's size),
+  the model must hold tensors, optimizer tensors must be named ``state.PARAM.KEY``,
+  ``optimizer.json`` must hold ``param_groups`` and ``state``, and ``meta.json`` must hold an
+  integer ``step`` equal to the manifest's;
+- it must not be marked bad: a checkpoint that verified but failed to load into the model
+  (names, shapes or dtypes that are not the model's) gets a ``BAD`` file with the reason
+  (``mark_bad``), so the next resume skips it instead of choosing it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+MANIFEST = "MANIFEST.json"
+BAD = "BAD"
+NAME_RE = re.compile(r"^step-(\d{8,})$")
+CHUNK = 1 << 20
+TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+REQUIRED = (*TENSOR_FILES, "optimizer.json", "meta.json")
+OPTIMIZER_KEY_RE = re.compile(r"^state\.\d+\..+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be used; the message names it and says why."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete-looking checkpoint folders, newest first (temporary folders never count)."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and NAME_RE.match(p.name)]
+    return sorted(found, key=lambda p: int(NAME_RE.match(p.name).group(1)), reverse=True)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path.name} is not readable JSON ({_one_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return data
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The tensor names of a safetensors file whose header (names, dtypes, shapes, offsets
+    against the file's size) parses; reads no tensor data."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return list(f.keys())
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{path.name} is not a safetensors file ({_one_line(exc)})") from None
+
+
+def bad_reason(path: Path) -> str | None:
+    """Why the checkpoint was marked bad, or None."""
+    try:
+        return (path / BAD).read_text().strip() or "marked bad"
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"marked bad ({_one_line(exc)})"
+
+
+def mark_bad(path: Path, reason: str) -> bool:
+    """Record that ``path`` failed to load (``BAD``, written atomically); False if the folder
+    cannot be written (it is then refused again by the same load, as before)."""
+    tmp = path / f".{BAD}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(" ".join(reason.split()) + "\n")
+        os.replace(tmp, path / BAD)
+        return True
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+
+
+def verify(path: Path, *, hashes: bool = True) -> dict:
+    """The manifest of a good checkpoint; raises CheckpointError naming what is wrong (see the
+    module doc). ``hashes=False`` skips the sha256 of the files (sizes are still checked):
+    the cheap check ``tidal status`` uses to list checkpoints found on disk."""
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} refused: {why}")
+
+    reason = bad_reason(path)
+    if reason is not None:
+        raise refuse(f"it failed to load before: {reason}")
+    try:
+        manifest = _json_object(path / MANIFEST)
+    except ValueError as exc:
+        raise refuse(f"unreadable manifest ({exc})") from None
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise refuse("the manifest has no table of files")
+    missing = [n for n in REQUIRED if n not in files]
+    if missing:
+        raise refuse(f"the manifest does not list {', '.join(missing)}")
+    extra = sorted(set(files) - set(REQUIRED))
+    if extra:
+        raise refuse(f"the manifest lists unexpected files: {', '.join(extra)}")
+    step = manifest.get("step")
+    if not _is_int(step):
+        raise refuse("the manifest has no integer step")
+    named = NAME_RE.match(path.name)
+    if named and int(named.group(1)) != step:
+        raise refuse(f"the manifest says step {step}, the folder's name another")
+    for name in REQUIRED:
+        want, f = files[name], path / name
+        if not (isinstance(want, dict) and _is_int(want.get("bytes"))):
+            raise refuse(f"the manifest's entry for {name} is malformed")
+        if not f.is_file():
+            raise refuse(f"{name} is missing")
+        if f.stat().st_size != want["bytes"]:
+            raise refuse(
+                f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+            )
+        if hashes and sha256(f) != want.get("sha256"):
+            raise refuse(f"sha256 mismatch in {name}")
+    try:
+        meta = _json_object(path / "meta.json")
+        if not _is_int(meta.get("step")):
+            raise ValueError("meta.json has no integer step")
+        if meta["step"] != step:
+            raise ValueError(f"meta.json says step {meta['step']}, the manifest {step}")
+        opt = _json_object(path / "optimizer.json")
+        if not isinstance(opt.get("param_groups"), list) or not isinstance(opt.get("state"), dict):
+            raise ValueError("optimizer.json has no param_groups list and state table")
+        if not _tensor_names(path / "model.safetensors"):
+            raise ValueError("model.safetensors holds no tensors")
+        odd = [
+            k for k in _tensor_names(path / "optimizer.safetensors") if not OPTIMIZER_KEY_RE.match(k)
+        ]
+        if odd:
+            raise ValueError(f"optimizer.safetensors holds a tensor named {odd[0]!r}")
+    except ValueError as exc:
+        raise refuse(str(exc)) from None
+    return manifest
+
+
+def newest_good(directory: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and a warning line for each newer one refused."""
+    warnings = []
+    for path in list_checkpoints(directory):
+        try:
+            verify(path)
+            return path, warnings
+        except CheckpointError as exc:
+            warnings.append(str(exc))
+    return None, warnings
+
+
+def found_on_disk(directory: Path) -> list[tuple[int, Path, int]]:
+    """``(step, path, bytes)`` of the checkpoints in ``directory`` that pass the cheap check
+    (``verify(hashes=False)``), oldest first."""
+    found = []
+    for path in list_checkpoints(directory):
+        try:
+            manifest = verify(path, hashes=False)
+        except CheckpointError:
+            continue
+        size = sum(f["bytes"] for f in manifest["files"].values())
+        found.append((manifest["step"], path, size))
+    return found[::-1]
