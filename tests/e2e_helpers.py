@@ -72,6 +72,23 @@ def marked_pids(marker: str) -> list[int]:
     return sorted(found)
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (``T``: stopped by a signal); "" if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def wait_stopped(pid: int, timeout: float) -> None:
+    """Wait until ``pid`` is stopped (SIGSTOP, e.g. by a ``TIDAL_FAULTS`` sigstop)."""
+    deadline = time.monotonic() + timeout
+    while process_state(pid) != "T":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
 def kill_pid(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -266,6 +283,20 @@ class Home:
             capture_output=True,
             text=True,
             timeout=timeout,
+        )
+
+    def popen(self, *args: str, faults: str | None = None) -> subprocess.Popen:
+        """``python -m tidal.cli CMD --home H ARGS...`` started, not waited for (text pipes
+        for stdout and stderr)."""
+        cmd, *rest = args
+        return subprocess.Popen(
+            [sys.executable, "-m", "tidal.cli", cmd, "--home", str(self.path), *rest],
+            cwd=ROOT,
+            env=self.env(faults),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
 
     def job(self, name: str) -> Job:

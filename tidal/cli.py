@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -14,10 +16,17 @@ from pathlib import Path
 
 from tidal.config import ClusterSpec, JobSpec, parse_schedule
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
-from tidal.coordinator.home import db_path, job_dir, resolve_home
+from tidal.coordinator.home import (
+    JobBusy,
+    check_home,
+    db_path,
+    job_dir,
+    os_error_line,
+    resolve_home,
+)
 from tidal.coordinator.records import Resume
 from tidal.policy.inputs import parse_duration
-from tidal.protocol import JobState, JobStatus
+from tidal.protocol import CheckpointView, JobState, JobStatus, WorkerState
 
 
 class CliError(Exception):
@@ -26,11 +35,13 @@ class CliError(Exception):
 
 # -- finding jobs ----------------------------------------------------------------------
 def _database(home: Path):
+    """The home's records, for reading (a read-only home still reads)."""
     from tidal.coordinator.db import Database
 
+    check_home(home)
     if not db_path(home).exists():
         raise CliError(f"no jobs in {home} (set --home or $TIDAL_HOME)")
-    return Database(db_path(home))
+    return Database(db_path(home), readonly=True)
 
 
 def _client(home: Path, name: str) -> CoordinatorClient | None:
@@ -50,6 +61,7 @@ def _client(home: Path, name: str) -> CoordinatorClient | None:
 def get_status(home: Path, name: str) -> JobStatus:
     from tidal.coordinator.db import UnknownJob
 
+    check_home(home)
     client = _client(home, name)
     if client is not None:
         try:
@@ -66,10 +78,50 @@ def get_status(home: Path, name: str) -> JobStatus:
     finally:
         db.close()
     if status.state in (JobState.PENDING, JobState.RUNNING):
-        status.state = JobState.INTERRUPTED  # its coordinator died without finishing it
-        status.world_size = 0
-        status.dashboard_url = status.metrics_url = None  # nothing serves them
+        if job_dir(home, name).locked():
+            # Its coordinator is alive (it holds the job's lock) but did not answer: stopped
+            # (SIGSTOP), swapped out, or too busy. The job is not interrupted.
+            status.coordinator_unresponsive = True
+        else:
+            status.state = JobState.INTERRUPTED  # its coordinator died without finishing it
+            status.world_size = 0
+            status.dashboard_url = status.metrics_url = None  # nothing serves them
+            _mark_lost_workers(status)
+    _add_checkpoints_on_disk(home, status)
     return status
+
+
+def _mark_lost_workers(status: JobStatus) -> None:
+    """Workers an interrupted job's records show live, whose process is gone: ``failed``
+    (their coordinator died before it could record their end)."""
+    here = socket.gethostname()
+    for w in status.workers:
+        if w.state in (WorkerState.EXITED, WorkerState.FAILED):
+            continue
+        alive = w.host == here and w.pid is not None and _pid_alive(w.pid)
+        if not alive:
+            w.state, w.rank = WorkerState.FAILED, None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _add_checkpoints_on_disk(home: Path, status: JobStatus) -> None:
+    """The checkpoints on disk, whether or not their report reached the records (a report
+    lost with its coordinator); records whose folder is gone are left out."""
+    from tidal.checkpoint.layout import found_on_disk
+
+    listed = {c.step: c for c in status.checkpoints if Path(c.path).is_dir()}
+    for step, path, size in found_on_disk(job_dir(home, status.name).path / "checkpoints"):
+        listed.setdefault(step, CheckpointView(step=step, path=str(path), bytes=size))
+    status.checkpoints = [listed[s] for s in sorted(listed)]
 
 
 def _newest_job(home: Path) -> str:
@@ -86,9 +138,43 @@ def _newest_job(home: Path) -> str:
 def _running_client(home: Path, name: str) -> CoordinatorClient:
     client = _client(home, name)
     if client is None:
-        state = get_status(home, name).state.value  # raises for an unknown job
-        raise CliError(f"job {name!r} is not running (state: {state})")
+        status = get_status(home, name)  # raises for an unknown job
+        if status.coordinator_unresponsive:
+            raise CliError(
+                f"job {name!r} is {status.state.value}, but its coordinator does not answer"
+            )
+        raise CliError(f"job {name!r} is not running (state: {status.state.value})")
     return client
+
+
+def _claim(home: Path, name: str) -> int:
+    """For ``tidal run --name NAME``: take the job's lock, then check under it that no job of
+    that name exists, so that of two runs of one name (even at once) exactly one goes on.
+    Returns the lock's descriptor, for the coordinator to hold for its life."""
+    from tidal.coordinator.db import Database
+
+    check_home(home)
+    jd = job_dir(home, name)
+    try:
+        fd = jd.lock()
+    except JobBusy as exc:
+        raise CliError(
+            f"a job named {name!r} is running in {home} ({exc}): pick another --name"
+        ) from None
+    try:
+        db = Database(db_path(home))
+        try:
+            db.check_writable()
+            if db.has_job(name):
+                raise CliError(
+                    f"a job named {name!r} already exists in {home}: pick another --name"
+                )
+        finally:
+            db.close()
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -149,57 +235,100 @@ def _capacity(path: str | None) -> str | None:
     return str(Path(path).resolve())
 
 
-def _launch(spec: JobSpec, home: Path, args: argparse.Namespace, resume: Resume | None) -> int:
-    tensorboard = None
-    if args.tensorboard:
-        from tidal.tensorboard import check_available
+def _launch(
+    spec: JobSpec,
+    home: Path,
+    args: argparse.Namespace,
+    resume: Resume | None,
+    lock: int | None = None,
+) -> int:
+    """Host the job here, or in a detached process. ``lock``: the job's lock (``_claim``;
+    ``cmd_resume`` takes it itself), handed to the coordinator's process."""
+    try:
+        tensorboard = None
+        if args.tensorboard:
+            from tidal.tensorboard import check_available
 
-        check_available()
-        tensorboard = str(Path(args.tensorboard).resolve())
+            check_available()
+            tensorboard = str(Path(args.tensorboard).resolve())
+        if lock is None:
+            lock = _claim(home, spec.name)
+        # We hold the lock: a coordinator.json left there is a dead coordinator's.
+        job_dir(home, spec.name).coordinator_file.unlink(missing_ok=True)
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        raise
     if args.detach:
-        return _detach(spec, home, resume, tensorboard=tensorboard)
+        try:
+            return _detach(spec, home, resume, tensorboard=tensorboard, lock=lock)
+        finally:
+            os.close(lock)  # the coordinator's process holds it now
     from tidal.coordinator.runner import run_job
 
-    return run_job(spec, home, quiet=args.quiet, resume=resume, tensorboard=tensorboard)
+    return run_job(
+        spec, home, quiet=args.quiet, resume=resume, tensorboard=tensorboard, lock_fd=lock
+    )
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from tidal.checkpoint.store import newest_good
+    from tidal.checkpoint.layout import newest_good, verify
 
     home = resolve_home(args.home)
-    status = get_status(home, args.job)  # one line for an unknown job
-    if status.state in (JobState.PENDING, JobState.RUNNING):
-        raise CliError(f"job {args.job!r} is running; `tidal stop` it before resuming")
-    if status.state == JobState.SUCCEEDED:
-        raise CliError(f"job {args.job!r} already succeeded; nothing to resume")
+    check_home(home)
+    if not db_path(home).exists():
+        raise CliError(f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
     db = _database(home)
     try:
-        spec_dict = db.job_spec(args.job)
+        if not db.has_job(args.job):
+            raise CliError(f"unknown job {args.job!r} in {home} (`tidal jobs` lists them)")
+        try:  # held from here until the new coordinator ends: no other can start meanwhile
+            lock = job_dir(home, args.job).lock()
+        except JobBusy as exc:
+            raise CliError(
+                f"job {args.job!r} is running ({exc}); `tidal stop` it before resuming"
+            ) from None
+        try:
+            state = db.load_status(args.job).state  # no coordinator: what it last recorded
+            spec_dict = db.job_spec(args.job)
+        except BaseException:
+            os.close(lock)
+            raise
     finally:
         db.close()
-    path, warnings = newest_good(job_dir(home, args.job).path / "checkpoints")
-    for line in warnings:
-        print(f"tidal: warning: {line}", file=sys.stderr)
-    if path is None:
-        raise CliError(f"job {args.job!r} has no good checkpoint to resume from")
+    try:
+        if state == JobState.SUCCEEDED:
+            raise CliError(f"job {args.job!r} already succeeded; nothing to resume")
+        path, warnings = newest_good(job_dir(home, args.job).path / "checkpoints")
+        for line in warnings:
+            print(f"tidal: warning: {line}", file=sys.stderr)
+        if path is None:
+            raise CliError(f"job {args.job!r} has no good checkpoint to resume from")
+        step = verify(path, hashes=False)["step"]  # verified just now, with the hashes
+    except BaseException:
+        os.close(lock)
+        raise
     workers = args.workers if args.workers is not None else spec_dict["workers"]
     spec_dict.update(
         workers=workers,
         max_workers=max(workers, args.max_workers or spec_dict["max_workers"]),
         min_workers=min(spec_dict["min_workers"], workers),
     )
-    spec = JobSpec.from_dict(spec_dict)
-    step = int(json.loads((path / "meta.json").read_text())["step"])
+    try:
+        spec = JobSpec.from_dict(spec_dict)
+    except BaseException:
+        os.close(lock)
+        raise
     resume = Resume(path=str(path), step=step, warnings=warnings)
     print(
         f"{spec.name}: resuming from {path.name} (step {step}) with {workers} workers",
         file=sys.stderr,
     )
-    return _launch(spec, home, args, resume)
+    return _launch(spec, home, args, resume, lock)
 
 
 def _detach(
-    spec: JobSpec, home: Path, resume: Resume | None, *, tensorboard: str | None = None
+    spec: JobSpec, home: Path, resume: Resume | None, *, tensorboard: str | None, lock: int
 ) -> int:
     jd = job_dir(home, spec.name)
     jd.path.mkdir(parents=True, exist_ok=True)
@@ -213,11 +342,13 @@ def _detach(
                 json.dumps(spec.to_dict()),
                 *([json.dumps(vars(resume))] if resume else []),
                 *(["--tensorboard", tensorboard] if tensorboard else []),
+                *["--lock-fd", str(lock)],
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            pass_fds=(lock,),
         )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -226,7 +357,8 @@ def _detach(
             return 0
         if proc.poll() is not None:
             lines = (jd.path / "coordinator.log").read_text(errors="replace").strip().splitlines()
-            raise CliError(lines[-1] if lines else f"the coordinator exited with {proc.returncode}")
+            last = lines[-1].removeprefix("tidal: error: ") if lines else ""
+            raise CliError(last or f"the coordinator exited with {proc.returncode}")
         time.sleep(0.05)
     raise CliError(f"the coordinator of {spec.name} did not start within 60 s")
 
@@ -268,7 +400,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
-    if not db_path(home).exists():
+    check_home(home)
+    if not db_path(home).exists():  # a home that does not exist (yet) has no jobs
         rows: list[JobStatus] = []
     else:
         db = _database(home)
@@ -468,8 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (CliError, ValueError) as exc:
+    except (CliError, ValueError) as exc:  # HomeError and JobBusy too
         print(f"tidal: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a home or file the command cannot use: one line, no traceback
+        print(f"tidal: error: {os_error_line('use', exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from tidal.protocol import JobStatus
+from tidal.protocol import JobState, JobStatus
 
 if TYPE_CHECKING:
     from tidal.coordinator.controller import Coordinator
@@ -61,10 +62,47 @@ class Progress:
         return events
 
 
+def print_outcome(coord: Coordinator) -> int:
+    """How a job that ``tidal run`` hosted ended, in one line on stderr (``--quiet`` too: a
+    failure is never silent); returns the exit code (0 only if it succeeded)."""
+    name, state = coord.spec.name, coord.state
+    if state == JobState.SUCCEEDED:
+        failed = coord.checkpoint_failed or {}
+        if failed:
+            steps = ", ".join(str(s) for s in sorted(failed))
+            last = failed[max(failed)]
+            print(
+                f"tidal: warning: job {name} succeeded, but {len(failed)} checkpoint(s) could "
+                f"not be written (steps {steps}; last: {last})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 0
+    prefix = f"job {state.value}: "
+    try:
+        reasons = [
+            e.message.removeprefix(prefix)
+            for e in coord.db.load_events(name)
+            if e.kind == "job" and e.message.startswith(prefix)
+        ]
+    except Exception:  # noqa: BLE001 - the records may be unreadable; say what is known
+        reasons = []
+    if state == JobState.FAILED:
+        why = reasons[-1] if reasons else f"at step {coord.step}; see `tidal status {name}`"
+        line = f"tidal: error: job {name} failed: {why}"
+    else:
+        line = f"tidal: job {name} {state.value} at step {coord.step}"
+    print(line, file=sys.stderr, flush=True)
+    return 1
+
+
 def print_status(s: JobStatus) -> None:
     console = Console(highlight=False)
     summary = Table.grid(padding=(0, 2))
-    summary.add_row("job", f"[bold]{s.name}[/bold]", "state", s.state.value)
+    state = s.state.value
+    if s.coordinator_unresponsive:
+        state += " (its coordinator is alive but does not answer)"
+    summary.add_row("job", f"[bold]{s.name}[/bold]", "state", state)
     summary.add_row(
         "step",
         str(s.step),
@@ -78,6 +116,13 @@ def print_status(s: JobStatus) -> None:
     summary.add_row("cost", f"${s.cost:.2f}{per_1k}{projected}", "", "")
     if s.dashboard_url:
         summary.add_row("dashboard", s.dashboard_url, "metrics", s.metrics_url or "-")
+    if s.checkpoint_failures:
+        summary.add_row(
+            "checkpoints",
+            f"{s.checkpoint_failures} could not be written; last: {s.last_checkpoint_error}",
+            "",
+            "",
+        )
     if s.metrics:
         summary.add_row(
             "metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", ""

@@ -216,6 +216,13 @@ class CheckpointView(BaseModel):
     seconds_to_write: Seconds | None = None
 
 
+class CheckpointFailure(BaseModel):
+    """A checkpoint a worker could not write (the step, and the error in one line)."""
+
+    step: Step
+    error: str = Field(max_length=2000)
+
+
 class HeartbeatRequest(BaseModel):
     """``leaving``: the worker got a preemption notice (SIGTERM) and asks to leave at the
     next step boundary, a planned leave rather than a failure."""
@@ -226,6 +233,7 @@ class HeartbeatRequest(BaseModel):
     metrics: dict[MetricName, MetricValue] = Field(default_factory=dict, max_length=MAX_METRICS)
     reports: list[StepReport] = Field(default_factory=list, max_length=1000)
     checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)
+    checkpoint_failures: list[CheckpointFailure] = Field(default_factory=list, max_length=1000)
 
 
 class HeartbeatResponse(BaseModel):
@@ -310,6 +318,12 @@ class JobStatus(BaseModel):
     events: list[EventView] = Field(default_factory=list)
     metrics: dict[str, MetricValue] = Field(default_factory=dict)  # NaN etc.: see wire_float
     checkpoints: list[CheckpointView] = Field(default_factory=list)
+    # Checkpoints of this job that could not be written, and the last one's error.
+    checkpoint_failures: int = 0
+    last_checkpoint_error: str | None = None
+    # The job's coordinator is alive (it holds the job's lock) but did not answer: ``state`` is
+    # then what it last recorded (pending or running), never ``interrupted``.
+    coordinator_unresponsive: bool = False
     cost: float = 0.0  # dollars spent so far (price per worker-hour x live workers x time)
     cost_per_1k_samples: float | None = None
     projected_cost: float | None = None  # at the current rate, when the job's length is known

@@ -8,6 +8,9 @@ calls ``quiesce`` before anything modifies the state (the optimizer step, a heal
 the only wait, and it lasts only as long as the copy outlives the step's compute. At most
 one write is in flight: a new ``save`` first waits for the previous write, so a slow disk
 delays training by at most one write and never queues snapshots in memory.
+
+A write that fails does not stop training: ``on_failed(step, error)`` reports it (the worker
+sends it to the coordinator, which records an event and decides the job's outcome).
 """
 
 from __future__ import annotations
@@ -25,13 +28,19 @@ from tidal.checkpoint import store
 
 class AsyncCheckpointer:
     def __init__(
-        self, directory: Path, *, keep: int, on_written: Callable[[store.Written], None]
+        self,
+        directory: Path,
+        *,
+        keep: int,
+        on_written: Callable[[store.Written], None],
+        on_failed: Callable[[int, str], None] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"--keep-checkpoints must be at least 1, got {keep}")
         self.directory = directory
         self.keep = keep
         self.on_written = on_written
+        self.on_failed = on_failed
         self._thread: threading.Thread | None = None
         self._copied: threading.Event | None = None
         self.last_stall_s = 0.0  # what the last checkpoint cost the training thread
@@ -77,9 +86,11 @@ class AsyncCheckpointer:
             written = store.write(snap, self.directory)
             store.prune(self.directory, self.keep)
         except Exception as exc:  # noqa: BLE001 - a failed write must not kill training
-            print(
-                f"tidal: checkpoint of step {snap.step} failed: {exc}", file=sys.stderr, flush=True
-            )
+            error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+            line = f"tidal: checkpoint of step {snap.step} failed: {error}"
+            print(line, file=sys.stderr, flush=True)
+            if self.on_failed is not None:
+                self.on_failed(snap.step, error)
             return
         self.on_written(written)
 

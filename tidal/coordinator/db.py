@@ -3,6 +3,12 @@
 The coordinator writes through on every membership change and flushes the fast-moving
 values (step, metrics, heartbeats) a few times a second; ``tidal status`` reads the same
 rows when no coordinator answers, so a dead coordinator's job stays inspectable.
+
+Storage failures (disk full, read-only file, I/O error) never escape as tracebacks: opening
+raises ``HomeError`` (one line); a write that fails marks the database ``broken`` (the
+reason, one line) and later writes are dropped, so the coordinator can go on stopping the
+job in memory while ``runner.run_job`` notices and ends it (``tidal: error: cannot write
+HOME/tidal.db: database or disk is full``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from tidal.coordinator.home import HomeError, os_error_line
 from tidal.protocol import (
     CheckpointView,
     EventView,
@@ -27,7 +34,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     name TEXT PRIMARY KEY, state TEXT NOT NULL, spec TEXT NOT NULL, created REAL NOT NULL,
     step INTEGER NOT NULL DEFAULT 0, world_size INTEGER NOT NULL DEFAULT 0,
-    target_workers INTEGER NOT NULL, url TEXT, metrics TEXT NOT NULL DEFAULT '{}'
+    target_workers INTEGER NOT NULL, url TEXT, metrics TEXT NOT NULL DEFAULT '{}',
+    checkpoint_failures INTEGER NOT NULL DEFAULT 0, last_checkpoint_error TEXT
 );
 CREATE TABLE IF NOT EXISTS workers (
     job TEXT NOT NULL, id INTEGER NOT NULL, pid INTEGER, host TEXT, state TEXT NOT NULL,
@@ -49,44 +57,153 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 """
 
 
+# Columns added after the first release: (table, column, declaration).
+MIGRATIONS = (
+    ("workers", "node", "TEXT"),  # a home written before workers had a node
+    ("generations", "pause_phases", "TEXT"),  # written before pauses had phases
+    ("jobs", "checkpoint_failures", "INTEGER NOT NULL DEFAULT 0"),
+    ("jobs", "last_checkpoint_error", "TEXT"),
+)
+
+
 class UnknownJob(LookupError):
     pass
 
 
-class Database:
-    """One connection, serialised by a lock (the coordinator writes from two threads)."""
+def _storage_error(exc: sqlite3.Error) -> bool:
+    """The storage failed (full, read-only, I/O, corrupt), as opposed to a bug in a query."""
+    return isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+
+class Database:
+    """One connection, serialised by a lock (the coordinator writes from two threads).
+
+    ``readonly``: the caller only reads (``tidal status``, ``tidal jobs``). If the file or
+    its folder cannot be written, it is opened read-only, or, when the folder cannot even
+    hold SQLite's shared-memory file, read as it is on disk (``immutable``: nobody can be
+    writing to a folder that nobody can write)."""
+
+    def __init__(self, path: Path, *, readonly: bool = False) -> None:
+        self.path = path
+        self.broken: str | None = None  # why writes stopped (one line), once one failed
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(SCHEMA)
-        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(workers)")}
-        if "node" not in columns:  # a home written before workers had a node
-            self._conn.execute("ALTER TABLE workers ADD COLUMN node TEXT")
-        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(generations)")}
-        if "pause_phases" not in columns:  # written before pauses had phases
-            self._conn.execute("ALTER TABLE generations ADD COLUMN pause_phases TEXT")
-        self._conn.commit()
+        try:
+            if not readonly:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = self._open_for_reading(path) if readonly else self._open(path)
+        except OSError as exc:
+            raise HomeError(os_error_line("write", exc)) from None
+        except sqlite3.Error as exc:
+            raise HomeError(f"cannot open {path}: {exc}") from None
+        self._columns = {
+            table: {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            for table in ("jobs", "workers", "generations")
+        }
+
+    @staticmethod
+    def _open(path: Path) -> sqlite3.Connection:
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(SCHEMA)
+            for table, column, decl in MIGRATIONS:
+                if column not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @classmethod
+    def _open_for_reading(cls, path: Path) -> sqlite3.Connection:
+        try:
+            return cls._open(path)
+        except sqlite3.Error as exc:
+            error = exc
+        for mode in ("mode=ro", "immutable=1"):
+            conn = sqlite3.connect(
+                f"file:{quote(str(path))}?{mode}", uri=True, check_same_thread=False
+            )
+            try:
+                conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
+                return conn
+            except sqlite3.Error as exc:
+                conn.close()
+                error = exc
+        raise error
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
     def _write(self, sql: str, args: tuple) -> None:
+        """Commit one statement; once a write has failed, drop it (see the module doc)."""
         with self._lock:
-            self._conn.execute(sql, args)
-            self._conn.commit()
+            if self.broken is not None:
+                return
+            try:
+                self._conn.execute(sql, args)
+                self._conn.commit()
+            except sqlite3.Error as exc:
+                if not _storage_error(exc):
+                    raise
+                self.broken = f"cannot write {self.path}: {exc}"
+                self._rollback()
+
+    def _rollback(self) -> None:
+        try:
+            self._conn.rollback()
+        except sqlite3.Error:
+            pass
+
+    def check_writable(self) -> None:
+        """One line (``HomeError``) if a write is refused (a read-only file or folder); writes
+        nothing."""
+        with self._lock:
+            try:
+                self._conn.execute(
+                    "INSERT INTO events (job, time, kind, message) VALUES ('', 0, '', '')"
+                )
+            except sqlite3.Error as exc:
+                raise HomeError(f"cannot write {self.path}: {exc}") from None
+            finally:
+                self._rollback()
+
+    def record_end(self, name: str, state: JobState, message: str) -> bool:
+        """Try, even after writes failed, to record a job's end state and why; True if it is
+        recorded (the storage may have recovered: space freed)."""
+        with self._lock:
+            try:
+                self._conn.execute(
+                    "UPDATE jobs SET state = ?, world_size = 0 WHERE name = ?", (state.value, name)
+                )
+                self._conn.execute(
+                    "INSERT INTO events (job, time, kind, message) VALUES (?, ?, ?, ?)",
+                    (name, time.time(), "job", message),
+                )
+                self._conn.commit()
+                return True
+            except sqlite3.Error:
+                self._rollback()
+                return False
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
-            return self._conn.execute(sql, args).fetchall()
+            try:
+                return self._conn.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                if not _storage_error(exc):
+                    raise
+                raise HomeError(f"cannot read {self.path}: {exc}") from None
+
+    def has_job(self, name: str) -> bool:
+        return bool(self._read("SELECT 1 FROM jobs WHERE name = ?", (name,)))
 
     # -- writes ------------------------------------------------------------------------
     def create_job(self, *, name: str, spec: dict, target: int) -> None:
-        if self._read("SELECT 1 FROM jobs WHERE name = ?", (name,)):
+        if self.has_job(name):
             raise ValueError(
                 f"a job named {name!r} already exists in this home: pick another --name"
             )
@@ -158,6 +275,13 @@ class Database:
             (job, c.step, c.path, c.bytes, c.seconds_to_write),
         )
 
+    def add_checkpoint_failure(self, job: str, error: str) -> None:
+        self._write(
+            "UPDATE jobs SET checkpoint_failures = checkpoint_failures + 1, "
+            "last_checkpoint_error = ? WHERE name = ?",
+            (error, job),
+        )
+
     def drop_checkpoint(self, job: str, step: int) -> None:
         self._write("DELETE FROM checkpoints WHERE job = ? AND step = ?", (job, step))
 
@@ -198,14 +322,19 @@ class Database:
         ]
 
     def load_status(self, name: str) -> JobStatus:
+        failures = (
+            "checkpoint_failures, last_checkpoint_error"
+            if "last_checkpoint_error" in self._columns["jobs"]
+            else "0, NULL"  # a read-only home written before checkpoint failures were kept
+        )
         rows = self._read(
-            "SELECT state, spec, created, step, world_size, target_workers, url, metrics "
-            "FROM jobs WHERE name = ?",
+            "SELECT state, spec, created, step, world_size, target_workers, url, metrics, "
+            f"{failures} FROM jobs WHERE name = ?",
             (name,),
         )
         if not rows:
             raise UnknownJob(name)
-        state, spec, created, step, world, target, url, metrics = rows[0]
+        state, spec, created, step, world, target, url, metrics, ck_failures, ck_error = rows[0]
         metrics = json.loads(metrics)
         spec = json.loads(spec)
         workers = [
@@ -263,6 +392,8 @@ class Database:
             checkpoints=self.checkpoints(name),
             cost=metrics.get("cost", 0.0),
             cost_per_1k_samples=metrics.get("cost_per_1k_samples"),
+            checkpoint_failures=ck_failures,
+            last_checkpoint_error=ck_error,
             projected_cost=metrics.get("projected_cost"),
             **_observability_urls(url, name, state),
         )

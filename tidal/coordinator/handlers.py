@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.protocol import (
+    CheckpointFailure,
     CheckpointView,
     DoneReport,
     FailureKind,
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 class RequestError(ValueError):
     """A client asked for something the job cannot do; the message says why."""
+
+
+def final_checkpoint_failed(step: int, error: str) -> str:
+    return f"the checkpoint of its last step ({step}) could not be written: {error}"
 
 
 class Handlers:
@@ -103,6 +108,8 @@ class Handlers:
             self.metrics.update(req.metrics)
             for c in req.checkpoints:
                 self._on_checkpoint(c)
+            for f in req.checkpoint_failures:
+                self._on_checkpoint_failure(f)
             if req.leaving and wid not in self.leaving and not w.retired:
                 self.leaving.append(wid)
             for report in req.reports:
@@ -121,6 +128,20 @@ class Handlers:
             f"checkpoint of step {c.step}: {c.path} ({c.bytes} bytes, "
             f"{c.seconds_to_write:.2f} s to write)",
         )
+
+    #: Checkpoints of this run that could not be written: step -> the error (one line).
+    checkpoint_failed: dict[int, str] | None = None
+
+    def _on_checkpoint_failure(self, f: CheckpointFailure) -> None:
+        """An event and the status fields; the job fails if it is its last step's checkpoint
+        (the done report may come first: the job's end is recorded only once every worker,
+        the writer included, has exited, so either order ends the same)."""
+        self.checkpoint_failed = {**(self.checkpoint_failed or {}), f.step: f.error}
+        self.db.add_checkpoint_failure(self.spec.name, f.error)
+        self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
+        if self.outcome == JobState.SUCCEEDED and f.step >= self.step:
+            self.outcome = None
+            self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
 
     def on_role(self, wid: int) -> HeartbeatResponse:
         with self.lock:
@@ -178,6 +199,9 @@ class Handlers:
                         "worker",
                         f"worker {wid} reported completion at step {r.step}; ignored: {refused}",
                     )
+                elif r.step in (self.checkpoint_failed or {}):
+                    error = self.checkpoint_failed[r.step]
+                    self._decide(JobState.FAILED, final_checkpoint_failed(r.step, error))
                 else:
                     self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
             self.db.upsert_worker(self.spec.name, w.view())

@@ -2,12 +2,21 @@
 
 The CLI finds a running job's coordinator through ``HOME/jobs/NAME/coordinator.json``
 (its URL, pid and the job's token; readable by the owner only).
+
+``HOME/jobs/NAME/lock`` says whether a coordinator holds the job: the process that hosts it
+keeps an exclusive ``flock`` on it for its whole life (the kernel releases it when that
+process dies, however it dies). ``tidal run --name`` and ``tidal resume`` take it before they
+look at the job's record, so two coordinators can never host one job, and a coordinator that
+is alive but does not answer (stopped, swapped out) is told apart from a dead one.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +27,29 @@ DEFAULT_HOME = ".tidal"
 def resolve_home(home: str | None) -> Path:
     """``--home`` if given, else ``$TIDAL_HOME``, else ``./.tidal`` (an argument wins)."""
     return Path(home or os.environ.get(ENV_HOME) or DEFAULT_HOME).resolve()
+
+
+class HomeError(ValueError):
+    """The home (or its database) cannot be used; the message is one line that says why."""
+
+
+def os_error_line(action: str, exc: OSError) -> str:
+    """``cannot write /h/jobs/x: Permission denied`` (no errno, no traceback)."""
+    where = f" {exc.filename}" if exc.filename is not None else ""
+    return f"cannot {action}{where}: {exc.strerror or exc}"
+
+
+def check_home(home: Path) -> None:
+    """One line if ``home`` exists but is not a folder."""
+    if home.exists() and not home.is_dir():
+        raise HomeError(f"--home {home} is not a folder")
+
+
+class JobBusy(ValueError):
+    """Another process (a coordinator) holds the job's lock."""
+
+
+LOCK_RETRY_S = 0.2  # a status check holds a shared lock for microseconds; wait those out
 
 
 @dataclass(frozen=True)
@@ -47,6 +79,49 @@ class JobDir:
             return json.loads(self.coordinator_file.read_text())
         except (OSError, ValueError):
             return None
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / "lock"
+
+    def lock(self) -> int:
+        """Take the job's lock: the open descriptor that holds it (close it to release; it is
+        not inherited by child processes unless passed on). Raises ``JobBusy`` if another
+        process holds it, ``HomeError`` if the folder cannot be written."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise HomeError(os_error_line("write", exc)) from None
+        deadline = time.monotonic() + LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise HomeError(os_error_line("lock", exc)) from None
+            if time.monotonic() > deadline:
+                os.close(fd)
+                info = self.read_coordinator() or {}
+                pid = f" (pid {info['pid']})" if info.get("pid") else ""
+                raise JobBusy(f"its coordinator{pid} holds {self.lock_file}")
+            time.sleep(0.01)
+
+    def locked(self) -> bool:
+        """True while a process (the job's coordinator) holds the job's lock."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        finally:
+            os.close(fd)  # releases the shared lock, if taken
+        return False
 
 
 def job_dir(home: Path, name: str) -> JobDir:

@@ -2,8 +2,18 @@
 
 ``tidal run`` calls ``run_job`` in the foreground; ``tidal run --detach`` starts this module
 as a background process (``python -m tidal.coordinator.runner HOME SPEC_JSON [RESUME_JSON]
-[--tensorboard DIR]``). The loop also feeds the dashboard's history (``Recorder``), which
-writes the TensorBoard events of ``--tensorboard``.
+[--tensorboard DIR] [--lock-fd FD]``). The loop also feeds the dashboard's history
+(``Recorder``), which writes the TensorBoard events of ``--tensorboard``.
+
+The hosting process holds the job's lock (``HOME/jobs/NAME/lock``, see ``home``) for its
+whole life: ``tidal run``/``tidal resume`` take it before they check the job's record and hand
+it to this process (``--lock-fd``), so no second coordinator can host the job meanwhile.
+
+How a job ends, in one line on stderr (with ``--quiet`` too): nothing when it succeeded;
+``tidal: error: job NAME failed: WHY`` (or ``stopped at step N``) otherwise;
+``tidal: error: cannot write HOME/tidal.db: ...`` when the job's records cannot be written (the
+members are stopped first, so they write their final checkpoint if they can); and a warning
+line when some checkpoints of a job that succeeded could not be written.
 """
 
 from __future__ import annotations
@@ -11,12 +21,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import sys
 import time
 from pathlib import Path
 
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records import Resume
 from tidal.coordinator.server import ApiServer
 from tidal.dashboard.history import Recorder
@@ -36,20 +48,49 @@ def run_job(
     quiet: bool = False,
     resume: Resume | None = None,
     tensorboard: str | Path | None = None,
+    lock_fd: int | None = None,
 ) -> int:
     """Run the job to its end; 0 if it succeeded. Must run on the main thread: workers are
     tied to the thread that launched them (they die with it). ``tensorboard``: a folder for
-    TensorBoard event files (``DIR/NAME``)."""
-    from tidal.display import Progress
+    TensorBoard event files (``DIR/NAME``). ``lock_fd``: the job's lock, taken by the caller
+    (``JobDir.lock``) and handed over (closed here); taken here if None."""
+    if lock_fd is None:
+        try:
+            lock_fd = job_dir(home, spec.name).lock()
+        except JobBusy as exc:
+            raise ValueError(f"job {spec.name!r} is running: {exc}") from None
+    try:
+        return _host(spec, home, quiet=quiet, resume=resume, tensorboard=tensorboard)
+    finally:
+        os.close(lock_fd)  # after the coordinator has recorded the end and closed
+
+
+def _host(
+    spec: JobSpec,
+    home: Path,
+    *,
+    quiet: bool,
+    resume: Resume | None,
+    tensorboard: str | Path | None,
+) -> int:
+    from tidal.display import Progress, print_outcome
 
     coord = Coordinator(spec, home, resume=resume)
+    if coord.db.broken:  # the job's record could not be written: nothing was started
+        coord.close()
+        print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
+        return 1
     try:
         sink = None
         if tensorboard is not None:
             from tidal.tensorboard import TensorBoardSink
 
             sink = TensorBoardSink(tensorboard, spec.name)
-        recorder = Recorder(coord, home, tensorboard=sink)
+        try:
+            recorder = Recorder(coord, home, tensorboard=sink)
+        except sqlite3.Error as exc:
+            raise HomeError(f"cannot write {db_path(home)}: {exc}") from None
+        _history_failures_break(recorder, coord)
     except BaseException:
         coord.close()
         raise
@@ -73,30 +114,78 @@ def run_job(
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(coord, enabled=not quiet)
+    stopping_for_db = ended = False
     try:
         while True:
             coord.wake.clear()  # before the tick: a call during it wakes the next one
+            if coord.db.broken and not stopping_for_db:
+                # The job's records cannot be written: say so at once (the one line), then
+                # end the job cleanly. The stop rides the control word as `tidal stop` does,
+                # so rank 0 writes a final checkpoint if it can.
+                stopping_for_db = True
+                print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
+                coord.on_stop()
             if not coord.tick():
                 break
             progress.update()
-            recorder.tick()
+            if not coord.db.broken:
+                recorder.tick()
             coord.wake.wait(TICK_S)
-        progress.update(final=True)
+        try:
+            progress.update(final=True)
+        except HomeError:
+            pass  # the records cannot be read either; the line below says why
+        ended = True
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         recorder.close()
         server.stop()
+        broken = coord.db.broken
+        if broken:  # recorded if the storage came back (space freed), else `interrupted`
+            coord.db.record_end(spec.name, JobState.FAILED, f"job failed: {broken}")
+        elif ended:
+            code = print_outcome(coord)  # it reads the job's events: before the close
         coord.close()
-    return 0 if coord.state == JobState.SUCCEEDED else 1
+    if broken:
+        if not stopping_for_db:  # it broke during the job's last tick
+            print(f"tidal: error: {broken}", file=sys.stderr, flush=True)
+        return 1
+    return code
+
+
+def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:
+    """A failed write of the dashboard's history (same file) is a failure of the job's records
+    (it ends the job, in one line), not a second warning line."""
+    append = recorder.store.append
+
+    def append_or_break(job: str, points: list) -> None:
+        try:
+            append(job, points)
+        except sqlite3.Error as exc:
+            coord.db.broken = coord.db.broken or f"cannot write {coord.db.path}: {exc}"
+
+    recorder.store.append = append_or_break
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """Take ``name VALUE`` out of ``argv``; the value, or None if absent."""
+    if name not in argv:
+        return None
+    i = argv.index(name)
+    value = argv[i + 1]
+    del argv[i : i + 2]
+    return value
 
 
 def main() -> int:
-    argv, tensorboard = sys.argv[1:], None
-    if "--tensorboard" in argv:
-        i = argv.index("--tensorboard")
-        tensorboard = argv[i + 1]
-        del argv[i : i + 2]
+    argv = sys.argv[1:]
+    tensorboard = _option(argv, "--tensorboard")
+    lock = _option(argv, "--lock-fd")
+    extra = {}
+    if lock is not None:  # the job's lock, taken by `tidal run`; not for our own children
+        extra["lock_fd"] = int(lock)
+        os.set_inheritable(extra["lock_fd"], False)
     home, spec_json = argv[0], argv[1]
     resume = Resume(**json.loads(argv[2])) if len(argv) > 2 else None
     try:
@@ -106,6 +195,7 @@ def main() -> int:
             quiet=True,
             resume=resume,
             tensorboard=tensorboard,
+            **extra,
         )
     except ValueError as exc:  # bad input: the last line of the log is what --detach shows
         print(f"tidal: error: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.protocol import (
+    CheckpointFailure,
     CheckpointView,
     DoneReport,
     FailureKind,
@@ -74,6 +75,7 @@ class Agent:
         self._metrics: dict[str, float] = {}
         self._reports: list[StepReport] = []
         self._checkpoints: list[CheckpointView] = []
+        self._checkpoint_failures: list[CheckpointFailure] = []
         self.leaving = False  # a preemption notice arrived: leave at the next step boundary
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -104,8 +106,10 @@ class Agent:
                 metrics=self._metrics,
                 reports=self._reports,
                 checkpoints=self._checkpoints,
+                checkpoint_failures=self._checkpoint_failures,
             )
             self._metrics, self._reports, self._checkpoints = {}, [], []
+            self._checkpoint_failures = []
         return req
 
     def _beat_loop(self) -> None:
@@ -147,6 +151,7 @@ class Agent:
             self._metrics = {**req.metrics, **self._metrics}
             self._reports = req.reports + self._reports
             self._checkpoints = req.checkpoints + self._checkpoints
+            self._checkpoint_failures = req.checkpoint_failures + self._checkpoint_failures
 
     def _set_latest(self, resp: HeartbeatResponse) -> None:
         with self._changed:
@@ -187,6 +192,11 @@ class Agent:
     def post_checkpoint(self, checkpoint: CheckpointView) -> None:
         with self._lock:
             self._checkpoints.append(checkpoint)
+        self._wake.set()
+
+    def post_checkpoint_failure(self, step: int, error: str) -> None:
+        with self._lock:
+            self._checkpoint_failures.append(CheckpointFailure(step=step, error=error[:2000]))
         self._wake.set()
 
     def install_preemption_handler(self) -> None:

@@ -34,13 +34,20 @@ class Durable:
                         step=w.step, path=w.path, bytes=w.bytes, seconds_to_write=w.seconds_to_write
                     )
                 ),
+                on_failed=agent.post_checkpoint_failure,
             )
 
     def resume(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
-        """Load the checkpoint the coordinator chose, if any; returns its step."""
+        """Load the checkpoint the coordinator chose, if any; returns its step. One that does
+        not load is marked bad (``layout.mark_bad``), so the next resume skips it."""
         if self.cfg.resume_from is None:
             return None
-        meta = store.load(Path(self.cfg.resume_from), module, optimizer)
+        path = Path(self.cfg.resume_from)
+        try:
+            meta = store.load(path, module, optimizer)
+        except store.CheckpointError as exc:
+            store.mark_bad(path, str(exc))
+            raise
         store.restore_rng(meta)
         return int(meta["step"])
 
