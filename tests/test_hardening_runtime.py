@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from e2e_helpers import Home, event_messages, relative_l2, summarize, workers_by_id
+from ranks import run_ranks
 
 STEPS = 60
 EXACT = 1e-12  # float64, a different micro-batch split (DESIGN.md section 4)
@@ -51,8 +52,10 @@ def _no_store_warnings(job, worker_ids) -> None:
 def test_joiner_lost_mid_rendezvous_costs_no_timeout(
     tidal_home: Home, tmp_path: Path, reference_params, phase: str
 ) -> None:
-    """Scale 2 -> 3 at step 20; the joiner (worker 2) is SIGKILLed as it joins the new
-    generation, before arriving or after every member arrived but before it connects."""
+    """Scale 2 -> 3 at step 20; the joiner is SIGKILLed as it joins the new generation,
+    before arriving or after every member arrived but before it connects. The members hold
+    at step 40 until a replacement joined: a fresh process forms a group with survivors
+    whose forming failed (c10d's group names must still agree)."""
     proc, job, out = _run_exact(
         tidal_home,
         f"joiner-{phase}",
@@ -61,7 +64,7 @@ def test_joiner_lost_mid_rendezvous_costs_no_timeout(
         "--max-workers",
         "3",
         "--schedule",
-        "20:3",
+        "20:3,40:3",
         "--collective-timeout",
         "100",
         # Whichever worker joins generation 2 without state (the spare may have been in
@@ -81,10 +84,52 @@ def test_joiner_lost_mid_rendezvous_costs_no_timeout(
     lost = [g for g in status["generations"] if f"worker {joiner} failed" in g["reason"]]
     assert lost, summarize(status)
     formed = [g for g in status["generations"] if g["start_step"] is not None]
-    assert joiner not in formed[-1]["members"], summarize(status)
+    last = formed[-1]
+    assert last["world_size"] == 3 and joiner not in last["members"], summarize(status)
+    assert max(last["members"]) == 3, f"the replacement did not join\n{summarize(status)}"
     pauses = [g["pause_s"] for g in formed if g["pause_s"] is not None]
     assert pauses and max(pauses) < NO_TIMEOUT_PAUSE_S, summarize(status)
     _no_store_warnings(job, workers)
+
+
+FORM_AFTER_FAILED_FORM = r"""
+import json, sys, time, datetime, threading, torch, torch.distributed as dist
+from tidal.worker import group as grp
+from tidal.protocol import GenerationInfo, generation_prefix
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+def info(g, members):
+    return GenerationInfo(id=g, members=members, store_prefix=generation_prefix("ns", g), reason="")
+out = {}
+if rank == 0:  # generation 1 waits for member 9, which never comes; generation 2 opens
+    threading.Timer(0.5, lambda: store.set("ns/gen2/state", "open")).start()
+    t = time.monotonic()
+    try:
+        grp.form_group(store, info(1, [0, 9]), 0, namespace="ns", timeout_s=60)
+    except grp.Superseded:
+        out["gave_up_after_s"] = time.monotonic() - t
+    store.set("go", "1")
+else:  # a fresh process: it never tried generation 1
+    store.wait(["go"])
+try:
+    grp.form_group(store, info(3, [0, 1]), rank, namespace="ns", timeout_s=10)
+    x = torch.ones(2); dist.all_reduce(x); out["sum"] = x.tolist()
+    dist.destroy_process_group()
+except Exception as exc:
+    out["error"] = str(exc)[:200]
+print(json.dumps(out))
+"""
+
+
+def test_forming_gives_up_when_superseded_and_leaves_nothing_behind() -> None:
+    """Finding 1 below the CLI: a member waiting for a peer that died between arriving and
+    connecting gives up as soon as the next generation opens (not after the 60 s timeout),
+    and then forms a group with a fresh process (a failed ``init_process_group`` advanced
+    c10d's group counter, which names the group's store keys)."""
+    first, fresh = run_ranks(FORM_AFTER_FAILED_FORM, 2, timeout=60)
+    assert first.get("gave_up_after_s", 99) < 10, first
+    assert first.get("sum") == fresh.get("sum") == [2.0, 2.0], (first, fresh)
 
 
 # -- finding 2 ---------------------------------------------------------------------------
