@@ -24,25 +24,22 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-from tidal.checkpoint import store as checkpoints
-from tidal.protocol import PAUSE_PHASES, FailureKind, GenerationInfo, Role, StepReport
+from tidal.protocol import PAUSE_PHASES, Role, StepReport
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.faults import FaultInjector
-from tidal.worker.heal import StateLost, heal
-from tidal.worker.step import Step, _one_line
+from tidal.worker.membership import Membership
+from tidal.worker.step import Step
 
 _current: Trainer | None = None
 
@@ -54,7 +51,7 @@ def log(**metrics: float) -> None:
         _current._log(values)
 
 
-class Trainer:
+class Trainer(Membership):
     """Elastic data-parallel training of ``model`` with ``optimizer`` over ``dataset``.
 
     Under ``tidal run`` it joins the job's coordinator; run as a plain script it trains
@@ -307,150 +304,6 @@ class Trainer:
         if self._tensors is not None:
             return tuple(t[piece] for t in self._tensors)
         return default_collate([self.dataset[int(i)] for i in piece])
-
-    def _report_failure(
-        self, generation: int, exc: Exception, kind: FailureKind = FailureKind.COLLECTIVE
-    ) -> None:
-        """Tell the coordinator this member left ``generation`` (the one it was training or
-        forming in: a report naming an older one would be ignored as already answered)."""
-        what = "healing" if kind == FailureKind.STATE_LOST else "collective"
-        print(
-            f"tidal: worker {self.worker_id}: {what} failed in generation "
-            f"{generation} at step {self.step}: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.optimizer.zero_grad(set_to_none=True)
-        try:
-            self._agent.report_failure(generation, self.step, _one_line(exc), kind=kind)
-        except Exception:  # noqa: BLE001 - the coordinator also sees the failure itself
-            pass
-
-    def _settle_buckets(self) -> bool:
-        """Make DDP's one-time bucket rebuild (a broadcast) now, between steps, where a
-        failure is a membership change like any other; False if it failed (the member has
-        left the group and reported it)."""
-        self._buckets_pending = False
-        try:
-            self._ddp.reducer._rebuild_buckets()
-            return True
-        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            self._leave_group()
-            self._report_failure(self.generation, exc)
-            return False
-
-    def _leave_group(self) -> None:
-        self._ddp = None
-        grp.destroy_group()
-
-    def _hold(self, step: int) -> bool:
-        """Wait at a scheduled step until the coordinator has settled its membership;
-        True if this member must switch generation (every member holds at the same step,
-        so all see the same answer without a control word)."""
-        assert self._agent is not None
-        self._debug(f"hold at {step}")
-        while True:
-            resp = self._agent.beat_now()
-            if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
-                break
-            self._agent.wait_change(0.005)
-        newer = resp.generation is not None and resp.generation.id > self.generation
-        self._debug(f"hold released (newer={newer})")
-        return resp.stop or resp.role != Role.MEMBER or newer
-
-    def _join(self) -> bool:
-        """Wait for, and form, the newest generation that has this worker as a member.
-
-        Returns False when the coordinator wants this worker to exit or the job to stop.
-        """
-        assert self._agent is not None and self._store is not None
-        tried = self.generation
-        self._t_join = time.time()
-        while True:
-            resp = self._agent.fetch()
-            if resp.stop:
-                self._stopping = True
-                return False
-            if resp.role != Role.MEMBER:
-                self._last_rank = None  # removed: no longer speaks for the job's state
-            if resp.role == Role.EXIT:
-                return False
-            info = resp.generation
-            if resp.role != Role.MEMBER or info is None or info.id <= tried:
-                newest = max(tried, info.id if info else 0)
-                grp.wait_for_generation(
-                    self._store, self._cfg.store_namespace, newest + 1, timeout_s=0.05
-                )
-                continue
-            tried = info.id
-            self._debug(f"join gen {info.id}")
-            # Fatal, not a failure to heal from: every member would refuse the same way.
-            self.sampler.check_world_size(len(info.members))
-            self._faults.maybe_fire(self.step, "join", info.id)
-            if not grp.rendezvous(self._store, info, timeout_s=self._cfg.collective_timeout_s):
-                continue
-            self._t_rendezvous = time.time()
-            self._debug(f"rendezvous gen {info.id} done")
-            self._faults.maybe_fire(self.step, "rendezvous", info.id)
-            try:
-                self._form(info)
-                return True
-            except grp.Superseded:  # the coordinator already opened the next one
-                self._debug(f"gen {info.id} superseded while forming")
-                self._leave_group()
-            except StateLost as exc:
-                self._leave_group()
-                self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
-            except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
-                self._leave_group()
-                self._report_failure(info.id, exc)
-
-    def _form(self, info: GenerationInfo) -> None:
-        rank = info.members.index(self._env.worker_id)
-        self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
-        if info.resume_from is not None and self.step != info.resume_step:
-            self._roll_back(info)
-        grp.form_group(
-            self._store,
-            info,
-            rank,
-            namespace=self._cfg.store_namespace,
-            timeout_s=self._cfg.collective_timeout_s,
-        )
-        self._t_formed = time.time()
-        self._debug("group formed")
-        self._faults.maybe_fire(self.step, "heal", info.id)
-        result = heal(
-            module=self.module,
-            optimizer=self.optimizer,
-            step=self.step if self._has_state else None,
-            committed_step=info.committed_step,
-        )
-        self.step = result.step
-        self._has_state = True
-        self._ddp = grp.wrap(self.module, self._control)
-        self._t_healed = time.time()
-        self.rank, self.world_size, self.generation = rank, len(info.members), info.id
-        self._last_rank = rank
-        self._agent.generation = info.id
-        self._agent.step = self.step
-        self._gen_prev_time = self._last_step_time
-        self._gen_prev_gen = self._last_step_gen
-        self._gen_first_pending = True
-        self._rate_mark = (time.monotonic(), self.step)
-        self._split = [0.0, 0.0]
-        self._debug(
-            f"formed gen {info.id} rank {rank}/{self.world_size} step {self.step} "
-            f"heal src={result.source} sent={result.sent}"
-        )
-
-    def _roll_back(self, info: GenerationInfo) -> None:
-        """Load the checkpoint the coordinator chose because no live worker held the job's
-        state; every member of ``info`` does the same, so all continue from its step."""
-        meta = checkpoints.load(Path(info.resume_from), self.module, self.optimizer)
-        checkpoints.restore_rng(meta)
-        self.step, self._has_state = int(meta["step"]), True
-        self._debug(f"rolled back to checkpoint step {self.step}")
 
     def _debug(self, msg: str) -> None:
         if self._debug_on:
