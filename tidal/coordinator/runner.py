@@ -123,8 +123,8 @@ def _host(
                 # end the job cleanly. The stop rides the control word as `tidal stop` does,
                 # so rank 0 writes a final checkpoint if it can.
                 stopping_for_db = True
-                print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
                 coord.on_stop()
+                print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
             if not coord.tick():
                 break
             progress.update()
