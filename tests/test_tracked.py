@@ -1,0 +1,147 @@
+"""Tracked state without processes: what is carried, what is refused, what a failed step
+rewinds (``tidal.worker.tracked``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from tidal.worker.tracked import TrackedState, UnsupportedState, flatten, unflatten
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+        self.history: list[float] = []
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n, self.history = state["n"], list(state["history"])
+
+
+def _objects(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    counter = Counter()
+    return model, opt, {"lr_scheduler": sched, "grad_scaler": scaler, "ema": ema, "c": counter}
+
+
+def _advance(model, opt, objs, steps: int) -> None:
+    for _ in range(steps):
+        objs["grad_scaler"].scale(model(torch.randn(2, 4).double()).sum()).backward()
+        objs["grad_scaler"].step(opt)
+        objs["grad_scaler"].update()
+        opt.zero_grad()
+        objs["lr_scheduler"].step()
+        objs["ema"].update_parameters(model)
+        objs["c"].n += 1
+        objs["c"].history.append(float("nan") if objs["c"].n == 2 else 0.5 * objs["c"].n)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        3,
+        -2.5,
+        "s",
+        [1, (2, 3), {"a": [4.0]}],
+        {0: "int key", 1: (None,)},
+        {"__tensor__": 1, "x": 2},  # looks like a tag: written as pairs
+        {"f": [float("inf"), float("-inf")]},
+        (torch.arange(3.0), {"t": torch.ones(2, 2, dtype=torch.float64)}),
+    ],
+)
+def test_flatten_round_trips_through_json(value) -> None:
+    tensors: list[torch.Tensor] = []
+    skeleton = json.loads(json.dumps(flatten(value, tensors)))
+    back = unflatten(skeleton, tensors)
+    assert repr(back) == repr(value)
+
+
+def test_nan_round_trips() -> None:
+    tensors: list[torch.Tensor] = []
+    back = unflatten(json.loads(json.dumps(flatten([float("nan")], tensors))), tensors)
+    assert math.isnan(back[0])
+
+
+@pytest.mark.parametrize("bad", [lambda: 1, object(), {1.5: "float key ok"}, {"x": {"y": set()}}])
+def test_values_that_need_pickle_are_refused_naming_the_path(bad) -> None:
+    if isinstance(bad, dict) and 1.5 in bad:  # float keys are plain values: allowed
+        assert unflatten(flatten(bad, []), []) == bad
+        return
+    with pytest.raises(UnsupportedState, match="cannot be saved without pickle"):
+        flatten(bad, [], "obj")
+
+
+def test_a_tracked_object_whose_state_needs_pickle_is_refused_at_once() -> None:
+    class Bad:
+        def state_dict(self):
+            return {"fn": print}
+
+        def load_state_dict(self, s):
+            pass
+
+    with pytest.raises(UnsupportedState, match=r"tracked state bad\['fn'\] is a builtin"):
+        TrackedState({"bad": Bad()}).check()
+    with pytest.raises(ValueError, match="has no state_dict"):
+        TrackedState({"x": object()})
+
+
+def test_capture_and_restore_carry_every_object_exactly() -> None:
+    model_a, opt_a, a = _objects(0)
+    _advance(model_a, opt_a, a, 5)
+    model_b, opt_b, b = _objects(1)
+    cap = TrackedState(a).capture()
+    wire = json.loads(cap.to_json())  # what travels in a heal blob
+    # A receiver allocates from the layout alone, then the tensors arrive into it.
+    received = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in wire["tensors"]]
+    for dst, src in zip(received, cap.tensors, strict=True):
+        dst.copy_(src)
+    assert len(received) == 3  # the EMA's n_averaged, weight and bias; the rest is JSON
+    TrackedState(b).restore(wire["skeleton"], received)
+    assert b["lr_scheduler"].state_dict() == a["lr_scheduler"].state_dict()
+    assert b["grad_scaler"].state_dict() == a["grad_scaler"].state_dict()
+    for x, y in zip(b["ema"].state_dict().values(), a["ema"].state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+    assert b["c"].n == 5 and repr(b["c"].history) == repr(a["c"].history)
+
+
+def test_restore_refuses_other_names() -> None:
+    _, _, a = _objects(0)
+    cap = TrackedState({"c": a["c"]}).capture()
+    with pytest.raises(ValueError, match="holds \\['c'\\] but this Trainer tracks"):
+        TrackedState({"c": a["c"], "ema": a["ema"]}).restore(cap.skeleton, cap.tensors)
+
+
+def test_rewind_undoes_what_a_failed_step_did() -> None:
+    model, opt, objs = _objects(0)
+    _advance(model, opt, objs, 3)
+    tracked = TrackedState(objs)
+    before = {k: repr(v.state_dict()) for k, v in objs.items() if k != "ema"}
+    mark = tracked.mark()
+    objs["c"].n += 10  # the user's counter moved inside the step
+    objs["lr_scheduler"].step()  # and a scheduler stepped
+    assert sorted(tracked.rewind(mark)) == ["c", "lr_scheduler"]
+    assert {k: repr(v.state_dict()) for k, v in objs.items() if k != "ema"} == before
+    assert tracked.rewind(tracked.mark()) == []  # nothing moved: nothing rewound
+
+
+def test_rewind_refuses_a_tensor_changed_in_place() -> None:
+    model, opt, objs = _objects(0)
+    tracked = TrackedState(objs)
+    mark = tracked.mark()
+    objs["ema"].update_parameters(model)  # in place, inside the step
+    with pytest.raises(RuntimeError, match="changed a tensor in place"):
+        tracked.rewind(mark)
