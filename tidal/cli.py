@@ -162,6 +162,9 @@ def _claim(home: Path, name: str) -> int:
             f"a job named {name!r} is running in {home} ({exc}): pick another --name"
         ) from None
     try:
+        if not db_path(home).exists():  # no job yet: nothing to check, and nothing recorded
+            _check_writable_folder(home)  # until the job really starts (its backend too)
+            return fd
         db = Database(db_path(home))
         try:
             db.check_writable()
@@ -175,6 +178,19 @@ def _claim(home: Path, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _check_writable_folder(home: Path) -> None:
+    """One line if ``home`` cannot hold the job's database (probed with a file removed at
+    once: ``os.access`` says yes to root on a read-only mount)."""
+    from tidal.coordinator.home import HomeError, os_error_line
+
+    probe = home / f".tidal-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise HomeError(os_error_line("write", exc)) from None
 
 
 # -- commands -----------------------------------------------------------------------------

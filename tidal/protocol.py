@@ -41,7 +41,7 @@ def wire_float(value: float) -> float | str:
     """JSON has no NaN or infinity: they travel as the strings ``"NaN"``, ``"Infinity"``,
     ``"-Infinity"`` (what Python's ``float()`` and JavaScript's ``Number()`` read back)."""
     if math.isfinite(value):
-        return value
+        return float(value)  # an int logged as a metric: a float, as the field says
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
