@@ -48,17 +48,17 @@ def _no_store_warnings(job, worker_ids) -> None:
 # -- finding 1 ---------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("phase", ["join", "rendezvous"])
 def test_joiner_lost_mid_rendezvous_costs_no_timeout(
-    tidal_home: Home, tmp_path: Path, reference_params, phase: str
+    tidal_home: Home, tmp_path: Path, reference_params
 ) -> None:
-    """Scale 2 -> 3 at step 20; the joiner is SIGKILLed as it joins the new generation,
-    before arriving or after every member arrived but before it connects. The members hold
+    """Scale 2 -> 3 at step 20; the joiner is SIGKILLed after every member arrived at the
+    new generation's rendezvous, before it connects (a joiner lost before arriving is the
+    easy case: nobody waits for it to connect; 29d3f20 survived it). The members hold
     at step 40 until a replacement joined: a fresh process forms a group with survivors
     whose forming failed (c10d's group names must still agree)."""
     proc, job, out = _run_exact(
         tidal_home,
-        f"joiner-{phase}",
+        "joiner",
         "--workers",
         "2",
         "--max-workers",
@@ -69,7 +69,7 @@ def test_joiner_lost_mid_rendezvous_costs_no_timeout(
         "100",
         # Whichever worker joins generation 2 without state (the spare may have been in
         # generation 1: the first two to register start the job).
-        faults=";".join(f"sigkill@worker={w},phase={phase},gen=2,step=0" for w in range(3)),
+        faults=";".join(f"sigkill@worker={w},phase=rendezvous,gen=2,step=0" for w in range(3)),
         tmp_path=tmp_path,
         steps=STEPS,
     )
@@ -165,7 +165,7 @@ def test_member_lost_right_after_a_join_is_survived(
 def test_a_paused_coordinator_does_not_kill_its_workers(
     tidal_home: Home, tmp_path: Path, reference_params
 ) -> None:
-    steps = 1500
+    steps = 1000
     out = tmp_path / "paused.safetensors"
     job = tidal_home.start(
         "paused",
@@ -181,7 +181,7 @@ def test_a_paused_coordinator_does_not_kill_its_workers(
     pid = job.coordinator_info()["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(4.0)  # well past the heartbeat timeout
+        time.sleep(3.5)  # more than twice the heartbeat timeout
     finally:
         os.kill(pid, signal.SIGCONT)
     status = job.wait_state("succeeded", "failed", timeout=150)
