@@ -7,10 +7,14 @@ loss of predicting each byte by its frequency in the training files; ``val_loss`
 ``unigram_loss`` are measured on the same held-out tokens.
 
 The lines marked ``# tidal`` are the ones that differ from a plain PyTorch loop. The learning
-rate is set from ``step.index`` at each step rather than by a scheduler object, so that it is
-a function of the step alone (a worker that joins mid-run gets it right without any state).
-``--compile`` compiles the model with ``torch.compile`` (``nn.Module.compile``: in place, so
-the parameter names and DDP's wrapping are unchanged).
+rate follows a standard ``torch.optim.lr_scheduler`` (linear warm-up, then cosine decay),
+handed to the Trainer, which steps it once per committed step and carries its state to
+joiners, checkpoints and resumes; an EMA of the weights (``AveragedModel``, updated in an
+``after_step`` hook) is carried the same way through ``state=``, and the held-out loss is
+measured with it too. ``--clip`` clips the synchronised gradients' norm. ``--autocast bf16``
+runs forward passes under ``torch.autocast`` in bfloat16 (CPU included); the loss and the
+weights stay float32. ``--compile`` compiles the model with ``torch.compile``
+(``nn.Module.compile``: in place, so the parameter names and DDP's wrapping are unchanged).
 
 Run alone (``python examples/gpt.py``) it trains on one process with the same mathematics.
 """
@@ -26,6 +30,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import TensorDataset
 
 import tidal
@@ -119,12 +124,16 @@ def evaluate(model: nn.Module, val: torch.Tensor, batch: int = 32) -> float:
     return total.item() / val[:, 1:].numel()
 
 
-def lr_at(step: int, *, peak: float, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth of ``peak``: a function of the step."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+def warmup_cosine(warmup: int, total: int):
+    """The LR factor of step ``e``: linear warm-up, then cosine decay to a tenth."""
+
+    def factor(e: int) -> float:
+        if e < warmup:
+            return (e + 1) / warmup
+        progress = min(1.0, (e - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 def main() -> None:
@@ -144,6 +153,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", metavar="PATH", help="write the final parameters here")
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights")
+    parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
+    parser.add_argument(
+        "--autocast", choices=["off", "bf16"], default="off", help="forward in bfloat16"
+    )
     args = parser.parse_args()
 
     train_tokens, held_out = load_text(args.files)
@@ -167,6 +181,10 @@ def main() -> None:
         flush=True,
     )
 
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(args.warmup, args.max_steps)
+    )
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema))
     trainer = tidal.Trainer(  # tidal
         model,
         optimizer,
@@ -174,30 +192,39 @@ def main() -> None:
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         seed=args.seed,
+        lr_scheduler=scheduler,  # tidal: stepped once per committed step, and carried
+        clip_grad_norm=args.clip,  # tidal: on the synchronised gradients
+        state={"ema": ema},  # tidal: carried to joiners, checkpoints, resumes
     )
+
+    @trainer.after_step  # tidal: once per committed step, after the optimizer step
+    def update_ema(index: int) -> None:
+        ema.update_parameters(model)
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16")
     for step in trainer.run(max_steps=args.max_steps):  # tidal
-        lr = lr_at(step.index, peak=args.lr, warmup=args.warmup, total=args.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         for (chunk,) in step.micro_batches():  # tidal
-            logits = trainer.model(chunk[:, :-1])  # tidal: trainer.model
-            loss = F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
+            with autocast:
+                logits = trainer.model(chunk[:, :-1])  # tidal: trainer.model
+            loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
             step.backward(loss)  # tidal
         if step.index % args.eval_every == 0 and trainer.rank == 0:
             val_loss = evaluate(model, val)
             tidal.log(loss=loss.item(), val_loss=val_loss, unigram_loss=baseline)  # tidal
             print(
                 f"step {step.index}: loss {loss.item():.4f}, val_loss {val_loss:.4f} "
-                f"({val_loss / baseline:.1%} of unigram {baseline:.4f})",
+                f"({val_loss / baseline:.1%} of unigram {baseline:.4f}), "
+                f"lr {scheduler.get_last_lr()[0]:.2e}",
                 flush=True,
             )
 
     if trainer.completed and trainer.rank == 0:
         val_loss = evaluate(model, val)
-        tidal.log(val_loss=val_loss, unigram_loss=baseline)  # tidal
+        ema_loss = evaluate(ema.module, val)
+        tidal.log(val_loss=val_loss, ema_val_loss=ema_loss, unigram_loss=baseline)  # tidal
         print(
-            f"done after {trainer.step} steps: val_loss {val_loss:.4f}, unigram_loss "
-            f"{baseline:.4f} ({val_loss / baseline:.1%})",
+            f"done after {trainer.step} steps: val_loss {val_loss:.4f}, ema_val_loss "
+            f"{ema_loss:.4f}, unigram_loss {baseline:.4f} ({val_loss / baseline:.1%})",
             flush=True,
         )
         if args.save:

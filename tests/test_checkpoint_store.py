@@ -191,8 +191,13 @@ BAD_CASES = {
     ),
     "manifest without step": (
         lambda p: (p / store.MANIFEST).write_text(
-            json.dumps({k: v for k, v in json.loads((p / store.MANIFEST).read_text()).items()
-                        if k != "step"})
+            json.dumps(
+                {
+                    k: v
+                    for k, v in json.loads((p / store.MANIFEST).read_text()).items()
+                    if k != "step"
+                }
+            )
         ),
         "no integer step",
     ),
@@ -250,8 +255,9 @@ def test_checkpoint_of_another_model_fails_to_load_and_is_marked_bad(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
     opt = torch.optim.Adam(other.parameters())
     newest = Path(
-        store.write(store.take_snapshot(step=20, module=other, optimizer=opt, meta={}), tmp_path)
-        .path
+        store.write(
+            store.take_snapshot(step=20, module=other, optimizer=opt, meta={}), tmp_path
+        ).path
     )
     assert store.newest_good(tmp_path)[0] == newest  # it is a well-formed checkpoint
 

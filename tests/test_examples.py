@@ -59,10 +59,12 @@ def test_gpt_short_elastic(tidal_home: Home, tmp_path: Path) -> None:
     args = ["--files", "30", "--dim", "64", "--layers", "2", "--heads", "2", "--context", "64"]
     args += ["--global-batch-size", "12", "--lr", "5e-3", "--warmup", "5", "--max-steps", "60"]
     args += ["--val-windows", "32", "--eval-every", "20", "--save", str(out)]
+    args += ["--autocast", "bf16", "--ema", "0.9"]  # bf16 forward passes on the CPU
     status = run_elastic(tidal_home, "gpt", "gpt.py", (15, 40), args)
     metrics = status["metrics"]
     # At initialisation val_loss is about ln(256) = 5.5 nats, far above the unigram baseline.
     assert metrics["val_loss"] < metrics["unigram_loss"], summarize(status)
+    assert metrics["ema_val_loss"] < metrics["unigram_loss"], summarize(status)
     assert out.is_file()
 
 

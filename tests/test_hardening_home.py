@@ -38,7 +38,10 @@ def reference64(tmp_path_factory: pytest.TempPathFactory):
     out = root / "ref.safetensors"
     try:
         proc, job = home.run(
-            "ref", "--workers", "1", script_args=["--max-steps", STEPS, "--double", "--save", str(out)]
+            "ref",
+            "--workers",
+            "1",
+            script_args=["--max-steps", STEPS, "--double", "--save", str(out)],
         )
         assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
         yield out

@@ -1,5 +1,5 @@
 """Tracked state without processes: what is carried, what is refused, what a failed step
-rewinds (``tidal.worker.tracked``)."""
+rewinds (``tidal.tracked``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from tidal.worker.tracked import TrackedState, UnsupportedState, flatten, unflatten
+from tidal.tracked import TrackedState, UnsupportedState, flatten, unflatten
 
 
 class Counter:
@@ -145,3 +145,70 @@ def test_rewind_refuses_a_tensor_changed_in_place() -> None:
     objs["ema"].update_parameters(model)  # in place, inside the step
     with pytest.raises(RuntimeError, match="changed a tensor in place"):
         tracked.rewind(mark)
+
+
+def _trainer(**kw):
+    import tidal
+
+    model, opt, _ = _objects(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4).double())
+    return tidal.Trainer(model, opt, data, global_batch_size=4, **kw)
+
+
+class _Unsaveable:
+    def state_dict(self):
+        return {"callback": print}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"state": {"x": _Unsaveable()}}, UnsupportedState, r"x\['callback'\]"),
+        ({"state": {"lr_scheduler": Counter()}}, ValueError, "lr_scheduler= and grad_scaler="),
+        ({"state": {"": Counter()}}, ValueError, "non-empty"),
+        ({"clip_grad_norm": -1.0}, ValueError, "clip_grad_norm"),
+        ({"clip_grad_norm": float("nan")}, ValueError, "clip_grad_norm"),
+        ({"grad_scaler": object()}, ValueError, "GradScaler"),
+        ({"lr_scheduler": 3}, ValueError, "step()"),
+    ],
+)
+def test_the_trainer_refuses_what_it_cannot_carry_when_it_is_made(kw, error, match) -> None:
+    with pytest.raises(error, match=match):
+        _trainer(**kw)
+
+
+def test_a_trainer_alone_applies_scaler_clip_scheduler_and_hooks_once_per_step() -> None:
+    model, opt, objs = _objects(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4).double())
+    import tidal
+
+    trainer = tidal.Trainer(
+        model,
+        opt,
+        data,
+        global_batch_size=8,
+        micro_batch_size=4,
+        lr_scheduler=objs["lr_scheduler"],
+        grad_scaler=objs["grad_scaler"],
+        clip_grad_norm=1e-3,
+        state={"c": objs["c"]},
+    )
+    seen = []
+    trainer.after_step(seen.append)
+    norms = []
+    for step in trainer.run(max_steps=3):
+        for (x,) in step.micro_batches():
+            step.backward(trainer.model(x).pow(2).sum())
+        norms.append([p.detach().clone() for p in model.parameters()])
+    assert seen == [0, 1, 2]
+    assert objs["lr_scheduler"].last_epoch == 3
+    assert objs["grad_scaler"].state_dict()["_growth_tracker"] == 3
+    # The last step: gradients clipped to norm 1e-3, lr 0.1 / (1 + 2): the update is at most
+    # 1e-3 * 0.1 / 3 (unclipped, these gradients are of order 1).
+    moved = torch.cat(
+        [(a - b).flatten() for a, b in zip(model.parameters(), norms[-1], strict=True)]
+    )
+    assert 0 < moved.norm() <= 1e-3 * 0.1 / 3 * (1 + 1e-9)

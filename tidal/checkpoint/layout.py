@@ -33,6 +33,12 @@ NAME_RE = re.compile(r"^step-(\d{8,})$")
 CHUNK = 1 << 20
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
 REQUIRED = (*TENSOR_FILES, "optimizer.json", "meta.json")
+# The tracked objects' state (``tidal.tracked``): both or neither (a checkpoint written before
+# Tidal carried tracked state has neither; loading it into a Trainer that tracks something is
+# refused then).
+TRACKED_TENSORS, TRACKED_JSON = "tracked.safetensors", "tracked.json"
+OPTIONAL = (TRACKED_TENSORS, TRACKED_JSON)
+TRACKED_KEY_RE = re.compile(r"^t\.\d+$")
 OPTIMIZER_KEY_RE = re.compile(r"^state\.\d+\..+$")
 
 
@@ -137,25 +143,26 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
     missing = [n for n in REQUIRED if n not in files]
     if missing:
         raise refuse(f"the manifest does not list {', '.join(missing)}")
-    extra = sorted(set(files) - set(REQUIRED))
+    extra = sorted(set(files) - set(REQUIRED) - set(OPTIONAL))
     if extra:
         raise refuse(f"the manifest lists unexpected files: {', '.join(extra)}")
+    present = [n for n in OPTIONAL if n in files]
+    if present and len(present) != len(OPTIONAL):
+        raise refuse(f"the manifest lists {present[0]} without its pair")
     step = manifest.get("step")
     if not _is_int(step):
         raise refuse("the manifest has no integer step")
     named = NAME_RE.match(path.name)
     if named and int(named.group(1)) != step:
         raise refuse(f"the manifest says step {step}, the folder's name another")
-    for name in REQUIRED:
+    for name in (*REQUIRED, *present):
         want, f = files[name], path / name
         if not (isinstance(want, dict) and _is_int(want.get("bytes"))):
             raise refuse(f"the manifest's entry for {name} is malformed")
         if not f.is_file():
             raise refuse(f"{name} is missing")
         if f.stat().st_size != want["bytes"]:
-            raise refuse(
-                f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
-            )
+            raise refuse(f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}")
         if hashes and sha256(f) != want.get("sha256"):
             raise refuse(f"sha256 mismatch in {name}")
     try:
@@ -170,13 +177,27 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
         if not _tensor_names(path / "model.safetensors"):
             raise ValueError("model.safetensors holds no tensors")
         odd = [
-            k for k in _tensor_names(path / "optimizer.safetensors") if not OPTIMIZER_KEY_RE.match(k)
+            k
+            for k in _tensor_names(path / "optimizer.safetensors")
+            if not OPTIMIZER_KEY_RE.match(k)
         ]
         if odd:
             raise ValueError(f"optimizer.safetensors holds a tensor named {odd[0]!r}")
+        if present:
+            _check_tracked(path)
     except ValueError as exc:
         raise refuse(str(exc)) from None
     return manifest
+
+
+def _check_tracked(path: Path) -> None:
+    tracked = _json_object(path / TRACKED_JSON)
+    layout = tracked.get("tensors")
+    if not isinstance(tracked.get("skeleton"), dict) or not isinstance(layout, list):
+        raise ValueError(f"{TRACKED_JSON} has no skeleton table and tensors list")
+    names = _tensor_names(path / TRACKED_TENSORS)
+    if sorted(names) != sorted(f"t.{i}" for i in range(len(layout))):
+        raise ValueError(f"{TRACKED_TENSORS} does not hold the tensors {TRACKED_JSON} lists")
 
 
 def newest_good(directory: Path) -> tuple[Path | None, list[str]]:

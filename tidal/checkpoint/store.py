@@ -37,6 +37,8 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     MANIFEST,
     NAME_RE,
     REQUIRED,
+    TRACKED_JSON,
+    TRACKED_TENSORS,
     CheckpointError,
     checkpoint_name,
     list_checkpoints,
@@ -45,6 +47,7 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     verify,
 )
 from tidal.checkpoint.layout import sha256 as _sha256
+from tidal.tracked import Captured, TrackedState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,8 @@ class Snapshot:
     optimizer_tensors: dict[str, torch.Tensor]
     optimizer_meta: dict
     meta: dict
+    tracked_tensors: dict[str, torch.Tensor]  # ``t.I``: the tracked skeleton's tensor I
+    tracked_meta: dict  # {"skeleton": ..., "tensors": [[shape, dtype], ...]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +105,7 @@ class PendingSnapshot:
     step: int
     buffers: dict[str, torch.Tensor]
     meta: dict
+    tracked: Captured  # skeleton by value; tensors by reference, copied by ``complete``
 
     @torch.no_grad()
     def complete(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
@@ -122,25 +128,41 @@ class PendingSnapshot:
             optimizer_tensors=tensors,
             optimizer_meta={"param_groups": opt["param_groups"], "state": state_meta},
             meta=self.meta,
+            tracked_tensors={f"t.{i}": _copy(t) for i, t in enumerate(self.tracked.tensors)},
+            tracked_meta={"skeleton": self.tracked.skeleton, "tensors": self.tracked.layout()},
         )
 
 
 @torch.no_grad()
-def begin_snapshot(*, step: int, module: torch.nn.Module, meta: dict) -> PendingSnapshot:
+def begin_snapshot(
+    *, step: int, module: torch.nn.Module, meta: dict, tracked: TrackedState | None = None
+) -> PendingSnapshot:
+    """``tracked`` objects' non-tensor state is taken now; their tensors, like parameters,
+    change only after the next optimizer step (``Trainer.after_step``) and are copied by
+    ``complete``."""
     params = {id(p) for p in module.parameters()}
     buffers = {
         k: _copy(v) for k, v in module.state_dict(keep_vars=True).items() if id(v) not in params
     }
     return PendingSnapshot(
-        step=step, buffers=buffers, meta={**meta, "step": step, "time": time.time(), **_rng_meta()}
+        step=step,
+        buffers=buffers,
+        meta={**meta, "step": step, "time": time.time(), **_rng_meta()},
+        tracked=tracked.capture() if tracked else Captured(skeleton={}, tensors=[]),
     )
 
 
 def take_snapshot(
-    *, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict
+    *,
+    step: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict,
+    tracked: TrackedState | None = None,
 ) -> Snapshot:
     """The whole snapshot at once (what a synchronous save pays for)."""
-    return begin_snapshot(step=step, module=module, meta=meta).complete(module, optimizer)
+    pending = begin_snapshot(step=step, module=module, meta=meta, tracked=tracked)
+    return pending.complete(module, optimizer)
 
 
 # -- writing -----------------------------------------------------------------------------
@@ -173,6 +195,8 @@ def write(snapshot: Snapshot, directory: Path) -> Written:
         save_file(snapshot.optimizer_tensors, str(tmp / "optimizer.safetensors"))
         _write_json(tmp / "optimizer.json", snapshot.optimizer_meta)
         _write_json(tmp / "meta.json", snapshot.meta)
+        save_file(snapshot.tracked_tensors, str(tmp / TRACKED_TENSORS))
+        _write_json(tmp / TRACKED_JSON, snapshot.tracked_meta)
         files = {}
         for path in sorted(tmp.iterdir()):
             _fsync_file(path)
@@ -202,6 +226,16 @@ def prune(directory: Path, keep: int) -> list[Path]:
 
 
 # -- reading -----------------------------------------------------------------------------
+def _read_tracked(path: Path) -> tuple[dict, list[torch.Tensor]]:
+    """The tracked objects' saved state: skeleton and tensors (none in a checkpoint written
+    before Tidal carried tracked state)."""
+    if not (path / TRACKED_JSON).is_file():
+        return {}, []
+    saved = json.loads((path / TRACKED_JSON).read_text())
+    tensors = load_file(str(path / TRACKED_TENSORS))
+    return saved["skeleton"], [tensors[f"t.{i}"] for i in range(len(saved["tensors"]))]
+
+
 def _check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
     """Refuse tensors that are not the model's: names, shapes and dtypes (``load_state_dict``
     would cast a float32 checkpoint into a float64 model without a word)."""
@@ -223,10 +257,17 @@ def _check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.
             )
 
 
-def load(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Verify, then load ``path`` into ``module`` and ``optimizer``; returns its meta
-    (RNG restored by ``restore_rng``). Raises ``CheckpointError`` (one line) for a checkpoint
-    that does not fit the model or optimizer (the worker must not train on after that)."""
+def load(
+    path: Path,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    tracked: TrackedState | None = None,
+) -> dict:
+    """Verify, then load ``path`` into ``module``, ``optimizer`` and the ``tracked`` objects;
+    returns its meta (RNG restored by ``restore_rng``). Raises ``CheckpointError`` (one line)
+    for a checkpoint that does not fit the model, optimizer or tracked state (the worker must
+    not train on after that: a scheduler left at step 0 would silently diverge)."""
     verify(path)
     try:
         model = load_file(str(path / "model.safetensors"))
@@ -248,8 +289,11 @@ def load(path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
             {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
             for g in opt_meta["param_groups"]
         ]
+        saved_tracked = _read_tracked(path)
         module.load_state_dict(model)
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if tracked or saved_tracked[0]:
+            (tracked or TrackedState({})).restore(*saved_tracked)
         return json.loads((path / "meta.json").read_text())
     except CheckpointError:
         raise

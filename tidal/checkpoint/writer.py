@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tidal.checkpoint import store
+from tidal.tracked import TrackedState
 
 
 class AsyncCheckpointer:
@@ -47,13 +48,19 @@ class AsyncCheckpointer:
         self.last_step: int | None = None
 
     def save(
-        self, *, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict
+        self,
+        *,
+        step: int,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        meta: dict,
+        tracked: TrackedState | None = None,
     ) -> None:
         """Begin a checkpoint of the current state; returns before it is copied. The caller
         must ``quiesce`` before changing parameters or optimizer state."""
         start = time.monotonic()
         self.wait()
-        pending = store.begin_snapshot(step=step, module=module, meta=meta)
+        pending = store.begin_snapshot(step=step, module=module, meta=meta, tracked=tracked)
         copied = threading.Event()
         self._copied = copied
         self.last_step = step

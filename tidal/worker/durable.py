@@ -17,6 +17,7 @@ import torch
 from tidal.checkpoint import store
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.protocol import CheckpointView, WorkerConfig
+from tidal.tracked import TrackedState
 from tidal.worker.agent import Agent
 
 
@@ -37,14 +38,19 @@ class Durable:
                 on_failed=agent.post_checkpoint_failure,
             )
 
-    def resume(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
+    def resume(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tracked: TrackedState | None = None,
+    ) -> int | None:
         """Load the checkpoint the coordinator chose, if any; returns its step. One that does
         not load is marked bad (``layout.mark_bad``), so the next resume skips it."""
         if self.cfg.resume_from is None:
             return None
         path = Path(self.cfg.resume_from)
         try:
-            meta = store.load(path, module, optimizer)
+            meta = store.load(path, module, optimizer, tracked=tracked)
         except store.CheckpointError as exc:
             store.mark_bad(path, str(exc))
             raise
@@ -64,12 +70,13 @@ class Durable:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         meta: dict,
+        tracked: TrackedState | None = None,
     ) -> None:
         """Begin a checkpoint of ``step`` (unless it is the one last written)."""
         if self._writer is None or self._writer.last_step == step:
             return
         self._last_time = time.monotonic()
-        self._writer.save(step=step, module=module, optimizer=optimizer, meta=meta)
+        self._writer.save(step=step, module=module, optimizer=optimizer, meta=meta, tracked=tracked)
 
     def quiesce(self) -> None:
         """Call before changing parameters or optimizer state (a snapshot may be copying)."""

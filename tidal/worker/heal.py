@@ -7,18 +7,22 @@ keeps them equal), so a scale-up sends to the joiners alone and a scale-down sen
 Joiners (no state yet) and laggards (a peer died mid all-reduce, leaving one survivor past
 the step and another before it) take the same path, so a join and a failure share one code
 path. The optimizer's structure travels as a ``torch.save`` blob loaded with
-``weights_only=True`` (tensors and plain containers only, never arbitrary pickles); its
-tensors travel raw, into tensors the receivers allocate from that structure.
+``weights_only=True`` (tensors and plain containers only, never arbitrary pickles), the
+tracked objects' as JSON text inside it; their tensors travel raw, into tensors the
+receivers allocate from that structure.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import random
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from tidal.tracked import Captured, TrackedState
 
 NO_STATE = -1
 
@@ -107,9 +111,11 @@ def heal(
     optimizer: torch.optim.Optimizer,
     step: int | None,
     committed_step: int = 0,
+    tracked: TrackedState | None = None,
 ) -> HealResult:
-    """Make this member's state equal to the most advanced member's. ``step`` is this
-    member's committed step, or None if it holds no trained state yet; ``committed_step``
+    """Make this member's state equal to the most advanced member's: model, optimizer, RNG
+    and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
+    no trained state yet; ``committed_step``
     a lower bound of the job's committed step (``GenerationInfo.committed_step``). Raises
     ``StateLost`` when the most advanced member is more than one step behind it (members
     are at most one step apart, so a member with the state is never further behind)."""
@@ -136,24 +142,36 @@ def heal(
     blob = None
     if rank == source:
         layout, tensors = _split_state(optimizer.state_dict())
+        captured = tracked.capture() if tracked else Captured(skeleton={}, tensors=[])
+        extra = captured.tensors
         buf = io.BytesIO()
         torch.save(
-            {"layout": layout, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
+            {
+                "layout": layout,
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+                "tracked": captured.to_json(),  # JSON text: no pickle of user objects
+            },
             buf,
         )
         blob = buf.getvalue()
     meta = torch.load(io.BytesIO(_send_blob(blob, source, receivers)), weights_only=True)
+    shipped = json.loads(meta["tracked"])
     if rank != source:
-        tensors = [
-            torch.empty(shape, dtype=getattr(torch, dtype))
-            for shape, dtype in meta["layout"]["tensors"]
-        ]
-    _send_tensors(tensors, source, receivers)
+        tensors = [_empty(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
+        extra = [_empty(shape, dtype) for shape, dtype in shipped["tensors"]]
+    _send_tensors(tensors + extra, source, receivers)
     if rank != source:
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])
         random.setstate(meta["python_rng"])
+        if tracked is not None or shipped["skeleton"]:
+            (tracked or TrackedState({})).restore(shipped["skeleton"], extra)
     return HealResult(source=source, step=best, sent=True)
+
+
+def _empty(shape: list[int], dtype: str) -> torch.Tensor:
+    return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
 def _split_state(state_dict: dict) -> tuple[dict, list[torch.Tensor]]:

@@ -144,6 +144,7 @@ class Membership:
             optimizer=self.optimizer,
             step=self.step if self._has_state else None,
             committed_step=info.committed_step,
+            tracked=self._tracked,
         )
         self.step = result.step
         self._has_state = True
@@ -166,7 +167,9 @@ class Membership:
     def _roll_back(self, info: GenerationInfo) -> None:
         """Load the checkpoint the coordinator chose because no live worker held the job's
         state; every member of ``info`` does the same, so all continue from its step."""
-        meta = checkpoints.load(Path(info.resume_from), self.module, self.optimizer)
+        meta = checkpoints.load(
+            Path(info.resume_from), self.module, self.optimizer, tracked=self._tracked
+        )
         checkpoints.restore_rng(meta)
         self.step, self._has_state = int(meta["step"]), True
         self._debug(f"rolled back to checkpoint step {self.step}")

@@ -25,7 +25,7 @@ import atexit
 import datetime
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from tidal.protocol import PAUSE_PHASES, Role, StepReport
+from tidal.tracked import Stateful, TrackedState
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
@@ -40,6 +41,7 @@ from tidal.worker.durable import Durable
 from tidal.worker.faults import FaultInjector
 from tidal.worker.membership import Membership
 from tidal.worker.step import Step
+from tidal.worker.update import Update
 
 _current: Trainer | None = None
 
@@ -67,10 +69,30 @@ class Trainer(Membership):
         global_batch_size: int,
         micro_batch_size: int | None = None,
         seed: int = 0,
+        lr_scheduler: Any | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        clip_grad_norm: float | None = None,
+        state: Mapping[str, Stateful] | None = None,
     ) -> None:
+        """``lr_scheduler`` is stepped once after each committed step; ``grad_scaler`` scales
+        each micro-batch's loss in ``step.backward`` and unscales, checks and steps
+        (``update.Update``); ``clip_grad_norm`` clips the synchronised gradients to that
+        norm; ``state`` names more objects to carry (an EMA model, your own counters): see
+        ``tracked``. All of them are healed, checkpointed, resumed, and rewound when a step
+        fails."""
         self.module = model
         self.optimizer = optimizer
         self.dataset = dataset
+        self.lr_scheduler = lr_scheduler
+        self.grad_scaler = grad_scaler
+        self._update = Update(
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            grad_scaler=grad_scaler,
+            clip_grad_norm=clip_grad_norm,
+        )
+        self._tracked = TrackedState(self._update.tracked(state))
+        self._tracked.check()  # what cannot be carried is refused now, not at a checkpoint
         self.sampler = ElasticSampler(
             dataset_size=len(dataset),  # type: ignore[arg-type]
             global_batch_size=global_batch_size,
@@ -120,6 +142,14 @@ class Trainer(Membership):
     def worker_id(self) -> int | None:
         return self._env.worker_id if self._env else None
 
+    def after_step(self, fn: Callable[[int], None]) -> Callable[[int], None]:
+        """Register ``fn(index)`` to run once after each committed step's optimizer step (and
+        the scheduler's), the place for EMA updates and anything else that must happen once
+        per step; usable as a decorator. Whatever it changes must be tracked (``state=``)
+        to survive membership changes."""
+        self._update.hooks.append(fn)
+        return fn
+
     def run(self, max_steps: int) -> Iterator[Step]:
         """Yield a ``Step`` for each global step this worker takes part in, until the job
         has done ``max_steps`` steps (``completed`` is then True), the job is stopped, or
@@ -154,7 +184,7 @@ class Trainer(Membership):
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these
             {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
         )
-        resumed = self._durable.resume(self.module, self.optimizer)
+        resumed = self._durable.resume(self.module, self.optimizer, self._tracked)
         if resumed is not None:
             self.step, self._has_state = resumed, True
             self._agent.step = resumed
@@ -174,8 +204,11 @@ class Trainer(Membership):
                 index = self.step
                 self._faults.maybe_fire(index, "step", self.generation)
                 step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
+                mark = self._tracked.mark() if self._tracked else None
                 yield step
                 if step._failed is not None:
+                    if mark is not None:  # the step is redone: what it moved moves back
+                        self._tracked.rewind(mark)
                     self._leave_group()
                     self._report_failure(self.generation, step._failed)
                     member = self._join()
@@ -210,6 +243,7 @@ class Trainer(Membership):
             step=self.step,
             module=self.module,
             optimizer=self.optimizer,
+            tracked=self._tracked,
             meta={"world_size": self.world_size, **vars(self.sampler.position(self.step))},
         )
         self._stall_pending = True
@@ -234,8 +268,7 @@ class Trainer(Membership):
             if self._stall_pending and self._agent is not None:
                 self._stall_pending = False
                 self._agent.post_metrics({"checkpoint_stall_s": self._durable.last_stall_s})
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update.apply(self.step)
         self.step += 1
         self._has_state = True
         now = time.time()

@@ -54,7 +54,8 @@ class Step:
         """Backward of a micro-batch's mean loss, weighted by its share of the global batch."""
         if self._failed is not None:
             return
-        scaled = loss * (self._n_micro / self.trainer.sampler.global_batch_size)
+        share = self._n_micro / self.trainer.sampler.global_batch_size
+        scaled = self.trainer._update.scale(loss * share)
         try:
             scaled.backward()
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error

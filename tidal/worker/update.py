@@ -1,0 +1,85 @@
+"""What a committed step does to the state: the optimizer step and what hangs on it.
+
+Runs once per committed step, after this member's gradient all-reduce completed, so every
+member sees the same synchronised gradients and makes the same decisions:
+
+1. with a GradScaler: unscale the gradients (which also finds inf/NaN in them);
+2. with ``clip_grad_norm``: clip the optimizer's parameters' gradients to that total norm;
+3. the optimizer step (``scaler.step``: skipped on every member alike when a gradient is not
+   finite), then ``scaler.update()``;
+4. the LR scheduler's ``step()``, once per committed step (skipped optimizer steps
+   included, as in PyTorch's AMP recipe);
+5. the ``after_step`` hooks (EMA updates belong here), with the index of the step.
+
+Nothing here runs for a step whose collective failed: that step is redone, so nothing is
+applied twice. A 1-worker run applies the same sequence, so the mathematics do not depend
+on the world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+RESERVED = ("lr_scheduler", "grad_scaler")  # names the Trainer's own tracked objects take
+
+
+@dataclass(kw_only=True)
+class Update:
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any | None = None
+    grad_scaler: torch.amp.GradScaler | None = None
+    clip_grad_norm: float | None = None
+    hooks: list[Callable[[int], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        c = self.clip_grad_norm
+        if c is not None and not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+            raise ValueError(f"clip_grad_norm must be a positive finite number, got {c!r}")
+        s = self.grad_scaler
+        if s is not None and not all(
+            callable(getattr(s, m, None)) for m in ("scale", "unscale_", "step", "update")
+        ):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(s).__name__}")
+        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
+            raise ValueError(
+                f"lr_scheduler must have a step() method, got {type(self.lr_scheduler).__name__}"
+            )
+
+    def tracked(self, state: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The objects a Trainer tracks: the scheduler, the scaler and the user's ``state``."""
+        state = dict(state or {})
+        clash = [n for n in RESERVED if n in state]
+        if clash:
+            raise ValueError(
+                f"state= may not use the names {clash}: pass those objects as "
+                "lr_scheduler= and grad_scaler="
+            )
+        own = {"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler}
+        return {**{k: v for k, v in own.items() if v is not None}, **state}
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+
+    def apply(self, index: int) -> None:
+        """Apply committed step ``index``: see the module contract."""
+        opt, scaler = self.optimizer, self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if self.clip_grad_norm is not None:
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        for hook in self.hooks:
+            hook(index)
