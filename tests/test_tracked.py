@@ -212,3 +212,14 @@ def test_a_trainer_alone_applies_scaler_clip_scheduler_and_hooks_once_per_step()
         [(a - b).flatten() for a, b in zip(model.parameters(), norms[-1], strict=True)]
     )
     assert 0 < moved.norm() <= 1e-3 * 0.1 / 3 * (1 + 1e-9)
+
+
+def test_full_state_dict_is_a_copy_of_the_model_on_rank_0() -> None:
+    trainer = _trainer()
+    for step in trainer.run(max_steps=1):
+        for (x,) in step.micro_batches():
+            step.backward(trainer.model(x).sum())
+    full = trainer.full_state_dict()
+    assert full.keys() == trainer.module.state_dict().keys()
+    for name, t in trainer.module.state_dict().items():
+        assert torch.equal(full[name], t) and full[name].data_ptr() != t.data_ptr()

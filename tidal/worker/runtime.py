@@ -142,6 +142,13 @@ class Trainer(Membership):
     def worker_id(self) -> int | None:
         return self._env.worker_id if self._env else None
 
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """On rank 0, the whole model's state as plain tensors (copies), e.g. to save the
+        final model after ``run()``; None on the other ranks."""
+        if self.rank != 0:
+            return None
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def after_step(self, fn: Callable[[int], None]) -> Callable[[int], None]:
         """Register ``fn(index)`` to run once after each committed step's optimizer step (and
         the scheduler's), the place for EMA updates and anything else that must happen once
