@@ -20,6 +20,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     # Lazy: the CLI imports tidal.* modules that must not pull in torch (1.6 s a call).
+    if name == "data":  # tidal.data.TokenShards after a plain `import tidal`
+        import importlib
+
+        return importlib.import_module("tidal.data")
     if name in _SOURCES:
         from tidal.worker import sources
 
