@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import operator
 import os
-import tempfile
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -218,7 +218,8 @@ def write_tokens(path: PathLike, tokens: Any, dtype: Any = np.uint16) -> Path:
             )
     array = array.astype(np_dtype, copy=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions
     try:
         with os.fdopen(fd, "wb") as fh:
             if path.suffix == ".npy":
