@@ -8,6 +8,9 @@ sees: every sample of an epoch's used prefix is consumed exactly once whatever t
 The ``n mod G`` samples left over at an epoch's end are not used in that epoch (the next
 epoch's permutation differs), the ``drop_last`` of DistributedSampler: every step then has
 exactly ``G`` samples and the update is the same mean whatever the world size.
+
+A stream (``dataset_size=None``: it has no length) is read in its own order, without epochs:
+step ``s`` consumes positions ``[s * G, (s + 1) * G)``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class ElasticSampler:
     def __init__(
         self,
         *,
-        dataset_size: int,
+        dataset_size: int | None,
         global_batch_size: int,
         micro_batch_size: int | None = None,
         seed: int = 0,
@@ -43,7 +46,7 @@ class ElasticSampler:
                 f"micro_batch_size must be at least 1 (or None for one micro-batch per step), "
                 f"got {micro_batch_size}"
             )
-        if dataset_size < global_batch_size:
+        if dataset_size is not None and dataset_size < global_batch_size:
             raise ValueError(
                 f"the dataset has {dataset_size} samples, fewer than global_batch_size="
                 f"{global_batch_size}: lower the global batch size"
@@ -52,11 +55,14 @@ class ElasticSampler:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.seed = seed
-        self.steps_per_epoch = dataset_size // global_batch_size
+        # A stream's one "epoch" never ends.
+        self.steps_per_epoch = dataset_size // global_batch_size if dataset_size else None
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.long)
 
     def position(self, step: int) -> DataPosition:
+        if self.steps_per_epoch is None:
+            return DataPosition(epoch=0, index=step)
         epoch, index = divmod(step, self.steps_per_epoch)
         return DataPosition(epoch=epoch, index=index)
 
@@ -69,7 +75,11 @@ class ElasticSampler:
         return self._perm
 
     def global_batch(self, step: int) -> torch.Tensor:
-        """Dataset indices of every sample step ``step`` consumes, in global order."""
+        """Dataset indices (stream positions) of every sample step ``step`` consumes, in
+        global order."""
+        if self.dataset_size is None:
+            g = self.global_batch_size
+            return torch.arange(step * g, (step + 1) * g)
         pos = self.position(step)
         start = pos.index * self.global_batch_size
         return self.permutation(pos.epoch)[start : start + self.global_batch_size]

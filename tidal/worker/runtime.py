@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, default_collate
 
 from tidal.protocol import PAUSE_PHASES, Role, StepReport
 from tidal.tracked import Stateful, TrackedState
@@ -40,6 +39,7 @@ from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.faults import FaultInjector
 from tidal.worker.membership import Membership
+from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
 from tidal.worker.step import Step
 from tidal.worker.update import Update
 
@@ -64,7 +64,7 @@ class Trainer(Membership):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataset: Dataset,
+        data: Any,
         *,
         global_batch_size: int,
         micro_batch_size: int | None = None,
@@ -73,8 +73,17 @@ class Trainer(Membership):
         grad_scaler: torch.amp.GradScaler | None = None,
         clip_grad_norm: float | None = None,
         state: Mapping[str, Stateful] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
-        """``lr_scheduler`` is stepped once after each committed step; ``grad_scaler`` scales
+        """``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
+        ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
+        settings (``pipeline``). ``collate_fn`` ... ``worker_init_fn`` have DataLoader's
+        meanings; the samples each step consumes never depend on them. ``lr_scheduler`` is stepped once after each committed step; ``grad_scaler`` scales
         each micro-batch's loss in ``step.backward`` and unscales, checks and steps
         (``update.Update``); ``clip_grad_norm`` clips the synchronised gradients to that
         norm; ``state`` names more objects to carry (an EMA model, your own counters): see
@@ -82,7 +91,18 @@ class Trainer(Membership):
         fails."""
         self.module = model
         self.optimizer = optimizer
-        self.dataset = dataset
+        data, loading = unwrap(
+            data,
+            LoaderOptions(
+                collate_fn=collate_fn,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers,
+                worker_init_fn=worker_init_fn,
+            ),
+        )
+        self.dataset = data
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler
         self._update = Update(
@@ -94,7 +114,7 @@ class Trainer(Membership):
         self._tracked = TrackedState(self._update.tracked(state))
         self._tracked.check()  # what cannot be carried is refused now, not at a checkpoint
         self.sampler = ElasticSampler(
-            dataset_size=len(dataset),  # type: ignore[arg-type]
+            dataset_size=None if classify(data) == STREAM else len(data),
             global_batch_size=global_batch_size,
             micro_batch_size=micro_batch_size,
             seed=seed,
@@ -129,8 +149,7 @@ class Trainer(Membership):
         # phases of its pause, reported with its first step in the generation.
         self._t_join = self._t_rendezvous = self._t_formed = self._t_healed = 0.0
         self._rate_mark = (time.monotonic(), 0)
-        tensors = getattr(dataset, "tensors", None)
-        self._tensors: tuple[torch.Tensor, ...] | None = tensors
+        self._pipeline = Pipeline(data, self.sampler, loading)
 
     # -- user surface ----------------------------------------------------------------
     @property
@@ -165,10 +184,13 @@ class Trainer(Membership):
         if max_steps < 0:
             raise ValueError(f"max_steps must be at least 0, got {max_steps}")
         _current = self  # stays set after the loop: ``log`` after it still reports
-        if self._env is None:
-            yield from self._run_alone(max_steps)
-        else:
-            yield from self._run_elastic(max_steps)
+        try:
+            if self._env is None:
+                yield from self._run_alone(max_steps)
+            else:
+                yield from self._run_elastic(max_steps)
+        finally:
+            self._pipeline.close()  # the loader's worker processes, if any
 
     # -- standalone ------------------------------------------------------------------
     def _run_alone(self, max_steps: int) -> Iterator[Step]:
@@ -339,11 +361,6 @@ class Trainer(Membership):
     def _log(self, metrics: dict[str, float]) -> None:
         if self._agent is not None and self.rank == 0:
             self._agent.post_metrics(metrics)
-
-    def _collate(self, piece: torch.Tensor) -> Any:
-        if self._tensors is not None:
-            return tuple(t[piece] for t in self._tensors)
-        return default_collate([self.dataset[int(i)] for i in piece])
 
     def _debug(self, msg: str) -> None:
         if self._debug_on:

@@ -37,11 +37,11 @@ class Step:
         each inside the loop: all but the last accumulate without communication."""
         tr = self.trainer
         pieces = tr.sampler.micro_batches(self.indices)
-        for i, piece in enumerate(pieces):
+        batches = tr._pipeline.batches(self.index, tr.rank, tr.world_size, pieces)
+        for i, (piece, batch) in enumerate(zip(pieces, batches, strict=True)):
             if self._failed is not None:
                 return
             self._n_micro = len(piece)
-            batch = tr._collate(piece)
             if i < len(pieces) - 1 and tr._ddp is not None:
                 with tr._ddp.no_sync():
                     yield batch
