@@ -6,6 +6,13 @@ so the validation loss is measured on files the model never saw. The unigram bas
 loss of predicting each byte by its frequency in the training files; ``val_loss`` and
 ``unigram_loss`` are measured on the same held-out tokens.
 
+The example tokenizes once, as a language-model job would: it writes ``train.bin`` and
+``val.bin`` (flat uint16 token files, nanoGPT's layout) under ``--data-dir``, in a folder named
+after the text they hold, and trains on ``tidal.data.TokenShards`` over them: windows read from
+the memory-mapped files by global index, fetched by ``--num-workers`` DataLoader worker
+processes a step ahead. Every worker of the job finds the files or writes them itself; each
+write is atomic, so workers starting at once never read half a file.
+
 The lines marked ``# tidal`` are the ones that differ from a plain PyTorch loop. The learning
 rate follows a standard ``torch.optim.lr_scheduler`` (linear warm-up, then cosine decay),
 handed to the Trainer, which steps it once per committed step and carries its state to
@@ -22,18 +29,21 @@ Run alone (``python examples/gpt.py``) it trains on one process with the same ma
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
+import sys
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import TensorDataset
 
 import tidal
+from tidal.data import TokenShards, write_tokens
 
 torch.set_num_threads(1)  # several workers may share a few cores
 
@@ -48,20 +58,33 @@ def stdlib_files(limit: int | None = None) -> list[Path]:
     return files[:limit] if limit else files
 
 
-def load_text(limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) byte tokens; the split is by file."""
+def load_text(files: list[Path]) -> tuple[bytes, bytes]:
+    """(train, held-out) bytes; the split is by file."""
     train, held_out = bytearray(), bytearray()
-    for i, path in enumerate(stdlib_files(limit)):
+    for i, path in enumerate(files):
         (held_out if i % HELD_OUT_EVERY == 0 else train).extend(path.read_bytes())
     if not train or not held_out:
-        raise ValueError(f"--files {limit}: too few files for a training and a held-out part")
-    return tuple(torch.frombuffer(b, dtype=torch.uint8).long() for b in (train, held_out))
+        raise ValueError(f"{len(files)} files: too few for a training and a held-out part")
+    return bytes(train), bytes(held_out)
 
 
-def windows(tokens: torch.Tensor, context: int) -> torch.Tensor:
-    """Non-overlapping windows of ``context + 1`` tokens (inputs and their next tokens)."""
-    n = (len(tokens) - 1) // context
-    return tokens[: n * context + 1].unfold(0, context + 1, context)
+def token_files(data_dir: Path, limit: int | None = None) -> tuple[Path, Path]:
+    """``train.bin`` and ``val.bin`` for these files, written on first use.
+
+    The folder's name is a hash of the Python version and the files' names and sizes, so a
+    different ``--files`` or another Python's standard library gets its own token files.
+    """
+    files = stdlib_files(limit)
+    key = hashlib.sha256(sys.version.encode())
+    for path in files:
+        key.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    folder = data_dir / f"stdlib-{key.hexdigest()[:12]}"
+    train, val = folder / "train.bin", folder / "val.bin"
+    if not (train.is_file() and val.is_file()):
+        text = load_text(files)
+        for path, part in zip((train, val), text, strict=True):  # bytes are the tokens
+            write_tokens(path, np.frombuffer(part, dtype=np.uint8), dtype=np.uint16)
+    return train, val
 
 
 def unigram_loss(train: torch.Tensor, targets: torch.Tensor) -> float:
@@ -148,6 +171,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--files", type=int, default=None, help="use the first N files only")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(".tidal-data") / "gpt",
+        help="where the token files are written once (default: .tidal-data/gpt)",
+    )
+    parser.add_argument(
+        "--num-workers", type=int, default=2, help="DataLoader worker processes per worker"
+    )
     parser.add_argument("--val-windows", type=int, default=64)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--seed", type=int, default=0)
@@ -160,11 +192,12 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    train_tokens, held_out = load_text(args.files)
-    train_set = TensorDataset(windows(train_tokens, args.context))
-    val_all = windows(held_out, args.context)
+    train_path, val_path = token_files(args.data_dir, args.files)
+    train_set = TokenShards(train_path, args.context)  # tidal: windows by global index
+    val_all = TokenShards(val_path, args.context)
     pick = torch.linspace(0, len(val_all) - 1, min(args.val_windows, len(val_all))).long()
-    val = val_all[pick]  # spread over every held-out file, fixed whatever --seed is
+    val = torch.stack([val_all[i] for i in pick])  # spread over every held-out file
+    train_tokens = torch.from_numpy(np.fromfile(train_path, dtype=np.uint16).astype(np.int64))
     baseline = unigram_loss(train_tokens, val[:, 1:].flatten())
 
     torch.manual_seed(args.seed)
@@ -177,7 +210,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     print(
         f"{params / 1e6:.2f}M parameters; {len(train_tokens)} training bytes, "
-        f"{len(held_out)} held-out bytes; unigram loss {baseline:.4f}",
+        f"{val_all.tokens} held-out bytes; unigram loss {baseline:.4f}",
         flush=True,
     )
 
@@ -192,6 +225,8 @@ def main() -> None:
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         seed=args.seed,
+        num_workers=args.num_workers,  # tidal: DataLoader worker processes fetch the windows
+        persistent_workers=args.num_workers > 0,  # the same processes after a resize
         lr_scheduler=scheduler,  # tidal: stepped once per committed step, and carried
         clip_grad_norm=args.clip,  # tidal: on the synchronised gradients
         state={"ema": ema},  # tidal: carried to joiners, checkpoints, resumes
@@ -203,7 +238,7 @@ def main() -> None:
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16")
     for step in trainer.run(max_steps=args.max_steps):  # tidal
-        for (chunk,) in step.micro_batches():  # tidal
+        for chunk in step.micro_batches():  # tidal: windows of context + 1 tokens
             with autocast:
                 logits = trainer.model(chunk[:, :-1])  # tidal: trainer.model
             loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
