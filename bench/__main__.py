@@ -22,21 +22,32 @@ from pathlib import Path
 
 from bench.common import log, percentile, row
 
-MEASUREMENTS = ("throughput", "rescale", "recovery", "state_transfer", "checkpoint_stall")
+MEASUREMENTS = (
+    "throughput",
+    "rescale",
+    "recovery",
+    "state_transfer",
+    "checkpoint_stall",
+    "dataloader",
+)
 
 SIZES = {
     # steps per throughput run and repetitions, rescale events and torchrun joins,
-    # kills (Tidal, torchrun), state transfer MB and repetitions
+    # kills (Tidal, torchrun), state transfer MB and repetitions, steps per input-pipeline
+    # run and its repetitions
     "full": dict(
-        tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5
+        tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
+        loader_steps=200, loader_reps=2,
     ),
     "quick": dict(
-        tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3
+        tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
+        loader_steps=80, loader_reps=1,
     ),
     "tiny": dict(
-        tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1
+        tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
+        loader_steps=20, loader_reps=1,
     ),
-}
+}  # fmt: skip
 
 GOALS = {
     "throughput_ws1": "ratio >= 0.98",
@@ -45,6 +56,7 @@ GOALS = {
     "recovery_p50": "Tidal <= 0.2 s, <= 1 step lost",
     "state_transfer": "Tidal <= 2x raw (ratio >= 0.5)",
     "checkpoint_stall_pct": "Tidal <= 3.5 %",
+    "dataloader_workers": "ratio >= 0.95",
 }
 
 
@@ -63,6 +75,8 @@ def met(r: dict, extra: dict) -> bool | None:
         return ratio >= 0.5
     if name == "checkpoint_stall_pct":
         return t <= 3.5
+    if name == "dataloader_workers":
+        return ratio >= 0.95
     return None
 
 
@@ -147,12 +161,31 @@ def run_checkpoint_stall(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     return [{k: res[k] for k in keys}], res
 
 
+def run_dataloader(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import dataloader
+
+    res = dataloader.measure(size["loader_steps"], tmp, size["loader_reps"])
+    t1, t0, p1, p0 = (res[k] for k in ("tidal_nw1", "tidal_nw0", "torchrun_nw1", "torchrun_nw0"))
+    rows = [
+        row("dataloader_workers", t1, p1, "samples/s", higher_is_better=True),
+        row("dataloader_workers_0", t0, p0, "samples/s", higher_is_better=True),
+        # each tool's speed-up from one DataLoader worker per training worker over none
+        row("dataloader_speedup", t1 / t0, p1 / p0, "x", higher_is_better=True),
+    ]
+    return rows, res
+
+
 RUNNERS = {
     "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
     "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
     "recovery": (run_recovery, ["recovery_p50"], "s"),
     "state_transfer": (run_state_transfer, ["state_transfer"], "s"),
     "checkpoint_stall": (run_checkpoint_stall, ["checkpoint_stall_pct"], "% of step"),
+    "dataloader": (
+        run_dataloader,
+        ["dataloader_workers", "dataloader_workers_0", "dataloader_speedup"],
+        "samples/s",
+    ),
 }
 
 

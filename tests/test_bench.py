@@ -49,3 +49,26 @@ def test_bench_cli_rejects_unknown_measurement() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "unknown measurement" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_tiny_dataloader(tmp_path: Path) -> None:
+    """The input-pipeline rows: Tidal and torchrun with 1 and 0 DataLoader workers."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--tiny", "--only", "dataloader", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    names = ["dataloader_workers", "dataloader_workers_0", "dataloader_speedup"]
+    assert [r["name"] for r in rows] == names
+    assert [r["unit"] for r in rows] == ["samples/s", "samples/s", "x"]
+    for r in rows:
+        for key in ("tidal", "peer", "ratio"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
+    assert "dataloader_workers" in proc.stdout and "ratio >= 0.95" in proc.stdout
