@@ -8,7 +8,8 @@ differ from an ordinary loop:
   of the global batch, and ``step.backward(loss)`` replaces ``loss.backward()`` (the optimizer
   step and zero_grad happen inside ``trainer.run``);
 - ``trainer.model`` is the module to call in the loop (the DDP wrapper under ``tidal run``);
-- ``tidal.log(...)`` reports metrics to the job's status.
+- ``tidal.log(...)`` records metrics for the step in flight (the job's status keeps the latest,
+  the dashboard and TensorBoard one point per step).
 
 Run alone (``python examples/digits.py``) it trains on one process with the same mathematics;
 under ``tidal run`` workers may join, leave or fail while it trains.
@@ -97,7 +98,9 @@ def main() -> None:
                 print(f"step {step.index}: loss {loss.item():.4f}, accuracy {acc:.4f}", flush=True)
 
     test_loss, acc = evaluate(model, x_test, y_test)
-    tidal.log(accuracy=acc, loss=test_loss)  # tidal
+    # After the loop the step is the final count: these are one more point, at step max_steps
+    # (named apart from the loop's: its loss is the training batch's).
+    tidal.log(test_accuracy=acc, test_loss=test_loss)  # tidal
     print(f"done after {trainer.step} steps: held-out accuracy {acc:.4f}, loss {test_loss:.4f}")
     if args.save and trainer.completed and trainer.rank == 0:
         state = {name: p.detach().contiguous() for name, p in model.state_dict().items()}

@@ -382,12 +382,26 @@ def _detach(
 def cmd_status(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
     status = get_status(home, args.job or _newest_job(home))
-    if args.json:
+    history = {}
+    if args.history:  # the per-step values of tidal.log, from the home's records
+        db = _database(home)
+        try:
+            history = db.step_history(status.name)
+        finally:
+            db.close()
+    if args.json and args.history:
+        data = status.model_dump(mode="json")
+        data["history"] = {name: s.model_dump(mode="json") for name, s in history.items()}
+        print(json.dumps(data, indent=2))
+    elif args.json:
         print(status.model_dump_json(indent=2))
     else:
         from tidal.display import print_status
 
         print_status(status)
+        for name, s in history.items():
+            last = f"{s.value[-1]:.6g} at step {s.step[-1]}"
+            print(f"{name}: {len(s.step)} steps logged, last {last}")
     return 0
 
 
@@ -568,6 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[common], help="a job's state (default: the newest)")
     status.add_argument("job", nargs="?")
     status.add_argument("--json", action="store_true")
+    status.add_argument(
+        "--history",
+        action="store_true",
+        help="add the per-step series of tidal.log (with --json: a `history` field)",
+    )
     status.set_defaults(fn=cmd_status)
 
     scale = sub.add_parser("scale", parents=[common], help="set a running job's worker count")

@@ -223,6 +223,30 @@ class CheckpointFailure(BaseModel):
     error: str = Field(max_length=2000)
 
 
+#: Per-step records one heartbeat carries at most; a worker's outbox holds more and sends them
+#: over the next heartbeats (``tidal.worker.agent``).
+MAX_STEP_RECORDS = 1000
+
+
+class StepMetrics(BaseModel):
+    """What ``tidal.log`` recorded for one step (the step in flight, or after the loop the
+    job's final step count) in one generation. The coordinator keeps one value per (step,
+    name): the newest generation's (a step redone after a failure replaces what its first
+    attempt logged), averaged over the members of that generation that reported it (only
+    rank 0 reports unless the script asked ``reduce="mean"``)."""
+
+    step: Step
+    generation: Id
+    values: dict[MetricName, MetricValue] = Field(max_length=MAX_METRICS)
+
+
+class StepSeries(BaseModel):
+    """One metric's per-step series, columnar (``tidal status --json --history``)."""
+
+    step: list[int] = Field(default_factory=list)
+    value: list[MetricValue] = Field(default_factory=list)
+
+
 class HeartbeatRequest(BaseModel):
     """``leaving``: the worker got a preemption notice (SIGTERM) and asks to leave at the
     next step boundary, a planned leave rather than a failure."""
@@ -234,6 +258,7 @@ class HeartbeatRequest(BaseModel):
     reports: list[StepReport] = Field(default_factory=list, max_length=1000)
     checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)
     checkpoint_failures: list[CheckpointFailure] = Field(default_factory=list, max_length=1000)
+    step_metrics: list[StepMetrics] = Field(default_factory=list, max_length=MAX_STEP_RECORDS)
 
 
 class HeartbeatResponse(BaseModel):

@@ -27,6 +27,7 @@ from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
 from tidal.coordinator.scaling import Scaling
+from tidal.coordinator.step_metrics import StepLog
 from tidal.policy.inputs import PolicyParams
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.registry import get_policy
@@ -102,6 +103,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         )
         self.step = resume.step if resume else 0
         self.metrics: dict[str, float] = {}
+        self.step_log = StepLog()  # the per-step values of tidal.log (step_metrics.py)
         self.leaving: list[int] = []  # workers that got a preemption notice
         self.workers: dict[int, WorkerRecord] = {}
         self.generations: list[GenerationRecord] = []

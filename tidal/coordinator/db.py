@@ -27,8 +27,53 @@ from tidal.protocol import (
     GenerationView,
     JobState,
     JobStatus,
+    StepSeries,
     WorkerView,
 )
+
+# The per-step values of ``tidal.log`` (``coordinator.step_metrics``): one row per (job, step,
+# name), the newest generation's (``UPSERT_STEP`` refuses an older one). ``value`` is NULL
+# for NaN (SQLite stores NaN as NULL). ``seq`` grows with every write of a job's rows, so a
+# page polls what changed (``?steps_after=SEQ``). Written by the coordinator's recorder
+# (``tidal.dashboard.history``), read by the dashboard and ``tidal status --history``.
+STEP_SCHEMA = """
+CREATE TABLE IF NOT EXISTS step_metrics (
+    job TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
+    generation INTEGER NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (job, step, name)
+);
+CREATE INDEX IF NOT EXISTS step_metrics_seq ON step_metrics (job, seq);
+"""
+UPSERT_STEP = (
+    "INSERT INTO step_metrics (job, step, name, value, generation, seq) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (job, step, name) DO UPDATE SET "
+    "value = excluded.value, generation = excluded.generation, seq = excluded.seq "
+    "WHERE excluded.generation >= step_metrics.generation"
+)
+SELECT_STEPS = (
+    "SELECT seq, step, name, value FROM step_metrics WHERE job = ? AND seq > ? ORDER BY name, step"
+)
+
+
+def step_series(rows: list[tuple], *, after: int = 0, max_points: int | None = None) -> dict:
+    """``SELECT_STEPS`` rows as ``{seq, series: {name: {step: [...], value: [...]}}}`` (``seq``:
+    the newest row's, or ``after``; NULL reads back as NaN). With more than ``max_points``
+    steps, a name keeps every k-th and its last."""
+    series: dict[str, dict[str, list]] = {}
+    seq = after
+    for row_seq, step, name, value in rows:
+        seq = max(seq, row_seq)
+        s = series.setdefault(name, {"step": [], "value": []})
+        s["step"].append(step)
+        s["value"].append(float("nan") if value is None else value)
+    if max_points:
+        for s in series.values():
+            n = len(s["step"])
+            if n > max_points:
+                keep = sorted({*range(0, n, -(-n // max_points)), n - 1})
+                s["step"] = [s["step"][i] for i in keep]
+                s["value"] = [s["value"][i] for i in keep]
+    return {"seq": seq, "series": series}
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -106,7 +151,7 @@ class Database:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.executescript(SCHEMA)
+            conn.executescript(SCHEMA + STEP_SCHEMA)
             for table, column, decl in MIGRATIONS:
                 if column not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
                     conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
@@ -320,6 +365,14 @@ class Database:
                 (name, after),
             )
         ]
+
+    def step_history(self, name: str) -> dict[str, StepSeries]:
+        """Every per-step series of ``name`` (``tidal status --history``): one value per step."""
+        table = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_metrics'"
+        if not self._read(table):  # a read-only home written before per-step metrics
+            return {}
+        got = step_series(self._read(SELECT_STEPS, (name, 0)))
+        return {k: StepSeries(**v) for k, v in got["series"].items()}
 
     def load_status(self, name: str) -> JobStatus:
         failures = (

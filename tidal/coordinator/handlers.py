@@ -31,6 +31,7 @@ from tidal.protocol import (
 
 if TYPE_CHECKING:
     from tidal.coordinator.records import WorkerRecord
+    from tidal.coordinator.step_metrics import StepLog
 
 
 class RequestError(ValueError):
@@ -45,6 +46,7 @@ class Handlers:
     #: The job's length (``Trainer.run(max_steps)``) as the first worker registered it; None
     #: until then. Completion is decided against it (``on_done``).
     job_length: int | None = None
+    step_log: StepLog  # set by Coordinator
 
     def _role(self, w: WorkerRecord) -> HeartbeatResponse:
         stop = self.stop_requested_at is not None
@@ -106,6 +108,8 @@ class Handlers:
             w.step = req.step
             self.step = max(self.step, req.step)
             self.metrics.update(req.metrics)
+            for record in req.step_metrics:  # values of tidal.log, one per (step, name)
+                self.metrics.update(self.step_log.add(wid, record))
             for c in req.checkpoints:
                 self._on_checkpoint(c)
             for f in req.checkpoint_failures:

@@ -159,9 +159,9 @@ def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:
     (it ends the job, in one line), not a second warning line."""
     append = recorder.store.append
 
-    def append_or_break(job: str, points: list) -> None:
+    def append_or_break(job: str, points: list, **more: object) -> None:
         try:
-            append(job, points)
+            append(job, points, **more)
         except sqlite3.Error as exc:
             coord.db.broken = coord.db.broken or f"cannot write {coord.db.path}: {exc}"
 

@@ -1,7 +1,8 @@
 """The dashboard's routes (read-only) and ``DashboardServer``, the server of ``tidal dashboard``.
 
 Pages: ``/`` (the jobs of the home) and ``/jobs/{name}`` (one job, live charts). JSON they
-poll: ``/dashboard/jobs`` and ``/dashboard/jobs/{name}?after=SEQ``; a worker's log tail:
+poll: ``/dashboard/jobs`` and ``/dashboard/jobs/{name}?after=SEQ&steps_after=SEQ``; a
+worker's log tail:
 ``/dashboard/jobs/{name}/logs/{worker}``. Assets:
 ``/dashboard/static/...``, the chart library (plotly.js) served from the installed ``plotly``
 package: the pages load nothing from outside the server. ``/metrics`` is the Prometheus
@@ -139,10 +140,14 @@ def dashboard_router(
         )
 
     @router.get("/dashboard/jobs/{name}")
-    def job_data(name: str, after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0) -> JSONResponse:
+    def job_data(
+        name: str,
+        after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
+        steps_after: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
+    ) -> JSONResponse:
         job_or_404(name)
         try:
-            data = source.job_data(name, after=after)
+            data = source.job_data(name, after=after, steps_after=steps_after)
         except UnknownJob:
             raise HTTPException(status_code=404, detail=f"unknown job {name!r}") from None
         return SafeJSONResponse(data, headers=_no_store())

@@ -7,6 +7,11 @@ The coordinator itself keeps only the latest values (step, world size, target, m
 (or ``IDLE_EVERY_S`` passed), appends a point to a small in-memory buffer that goes to the
 ``dashboard_history`` table of ``HOME/tidal.db`` every ``WRITE_EVERY_S``, over its own
 connection. The same samples feed the TensorBoard sink (``--tensorboard``).
+
+The values the script logs with ``tidal.log`` are not sampled: the coordinator keeps one
+per (step, name) (``coordinator.step_metrics``); each tick takes the changed ones, which go
+to the ``step_metrics`` table (``coordinator.db.STEP_SCHEMA``) with the points, and to the
+TensorBoard sink, which writes a step once it is settled.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.coordinator.db import SELECT_STEPS, STEP_SCHEMA, UPSERT_STEP, step_series
 from tidal.coordinator.home import db_path
 
 if TYPE_CHECKING:
     from tidal.coordinator.controller import Coordinator
+    from tidal.coordinator.step_metrics import StepValue
     from tidal.tensorboard import TensorBoardSink
 
 SAMPLE_EVERY_S = 0.2
@@ -32,6 +39,7 @@ IDLE_EVERY_S = 2.0  # a point even when nothing changed, so the time axis keeps 
 WRITE_EVERY_S = 0.5
 MAX_POINTS = 4000  # a first load thins longer histories to about this many points
 RING = 10_000  # unwritten points kept if SQLite is busy for a long time
+STEP_RING = 200_000  # unwritten per-step values kept likewise
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS dashboard_history (
@@ -59,24 +67,55 @@ class HistoryStore:
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
         self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.executescript(SCHEMA)
+        self._conn.executescript(SCHEMA + STEP_SCHEMA)
         self._conn.commit()
+        self._seq: dict[str, int] = {}  # the last ``step_metrics.seq`` of a job
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    def append(self, job: str, points: list[Point]) -> None:
+    def append(self, job: str, points: list[Point], *, steps: list[StepValue] = ()) -> None:
+        """Sampled ``points`` and per-step values (the newest generation's stays), at once."""
         with self._lock:
-            self._conn.executemany(
-                "INSERT INTO dashboard_history (job, time, step, world_size, target, metrics) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                [
-                    (job, p.time, p.step, p.world_size, p.target, json.dumps(p.metrics))
-                    for p in points
-                ],
-            )
-            self._conn.commit()
+            try:
+                self._conn.executemany(
+                    "INSERT INTO dashboard_history "
+                    "(job, time, step, world_size, target, metrics) VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (job, p.time, p.step, p.world_size, p.target, json.dumps(p.metrics))
+                        for p in points
+                    ],
+                )
+                if steps:
+                    sql = "SELECT MAX(seq) FROM step_metrics WHERE job = ?"
+                    seq = self._seq.get(job)
+                    if seq is None:
+                        seq = self._conn.execute(sql, (job,)).fetchone()[0] or 0
+                    self._conn.executemany(
+                        UPSERT_STEP,
+                        [
+                            (job, v.step, v.name, v.value, v.generation, seq + i + 1)
+                            for i, v in enumerate(steps)
+                        ],
+                    )
+                    self._seq[job] = seq + len(steps)
+                self._conn.commit()
+            except BaseException:
+                self._seq.pop(job, None)  # read it again next time
+                try:
+                    self._conn.rollback()
+                except sqlite3.Error:
+                    pass
+                raise
+
+    def read_steps(self, job: str, *, after: int = 0, max_points: int | None = MAX_POINTS) -> dict:
+        """Per-step values of ``job`` written after ``seq`` ``after``:
+        ``{seq, series: {name: {step, value}}}`` (see ``coordinator.db.step_series``); a first
+        load (``after`` 0) keeps at most about ``max_points`` steps of each name."""
+        with self._lock:
+            rows = self._conn.execute(SELECT_STEPS, (job, after)).fetchall()
+        return step_series(rows, after=after, max_points=None if after else max_points)
 
     def read(self, job: str, *, after: int = 0, max_points: int | None = MAX_POINTS) -> dict:
         """Points of ``job`` with ``seq > after``, columnar:
@@ -117,6 +156,7 @@ class Recorder:
         self.store = HistoryStore(db_path(home))
         self.sink = tensorboard
         self._buffer: deque[Point] = deque(maxlen=RING)
+        self._steps: deque[StepValue] = deque(maxlen=STEP_RING)
         self._last_key: tuple | None = None
         self._last_point = 0.0
         self._next_sample = 0.0
@@ -139,9 +179,14 @@ class Recorder:
 
     def _sample(self, now: float, force: bool) -> None:
         c = self.coord
+        step_log = getattr(c, "step_log", None)
         with c.lock:
             step, world, target = c.step, c.world_size(), c.target
             metrics = {k: v for k, v in c.metrics.items() if isinstance(v, (int, float))}
+            values = step_log.take() if step_log is not None else []
+        self._steps.extend(values)
+        if self.sink is not None:  # before the sample: it skips the per-step names
+            self.sink.record_steps(values, committed=step, force=force)
         key = (step, world, target, tuple(sorted(metrics.items())))
         if key == self._last_key and now - self._last_point < IDLE_EVERY_S and not force:
             return
@@ -155,10 +200,10 @@ class Recorder:
 
     def _write(self, now: float) -> None:
         self._last_write = now
-        if self._buffer:
-            points = list(self._buffer)
-            self.store.append(self.job, points)
+        if self._buffer or self._steps:
+            self.store.append(self.job, list(self._buffer), steps=list(self._steps))
             self._buffer.clear()
+            self._steps.clear()
 
     def close(self) -> None:
         """A last sample (the job's end), then write everything and close."""

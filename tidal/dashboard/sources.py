@@ -115,8 +115,9 @@ class HomeSource:
     def worker_rates(self, name: str) -> dict[int, dict]:
         return {}
 
-    def job_data(self, name: str, *, after: int = 0) -> dict:
-        """What the job page polls: the status, the history points after ``after``."""
+    def job_data(self, name: str, *, after: int = 0, steps_after: int = 0) -> dict:
+        """What the job page polls: the status, the sampled history points after ``after``,
+        the per-step values of ``tidal.log`` written after ``steps_after``."""
         status = self.status(name)
         return {
             "now": time.time(),
@@ -124,6 +125,7 @@ class HomeSource:
             "status": status.model_dump(mode="json"),
             "worker_rates": {str(k): v for k, v in self.worker_rates(name).items()},
             "history": self.history.read(name, after=after),
+            "steps": self.history.read_steps(name, after=steps_after),
         }
 
 

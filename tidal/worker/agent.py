@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.protocol import (
+    MAX_STEP_RECORDS,
     CheckpointFailure,
     CheckpointView,
     DoneReport,
@@ -27,6 +28,7 @@ from tidal.protocol import (
     HeartbeatResponse,
     RegisterRequest,
     RegisterResponse,
+    StepMetrics,
     StepReport,
 )
 
@@ -37,6 +39,10 @@ ENV_WORKER_ID = "TIDAL_WORKER_ID"
 # A worker whose coordinator stays unreachable this long exits: its job was interrupted and
 # nobody else will stop it.
 ORPHAN_TIMEOUT_S = 30.0
+# Per-step metric records (``tidal.log``) waiting for the coordinator; a heartbeat carries at
+# most ``protocol.MAX_STEP_RECORDS`` of them. Beyond this many (the coordinator unreachable
+# for long), the oldest are dropped, with one warning.
+MAX_STEP_OUTBOX = 20_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +82,8 @@ class Agent:
         self._reports: list[StepReport] = []
         self._checkpoints: list[CheckpointView] = []
         self._checkpoint_failures: list[CheckpointFailure] = []
+        self._step_metrics: list[StepMetrics] = []
+        self._step_metrics_dropped = 0
         self.leaving = False  # a preemption notice arrived: leave at the next step boundary
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -107,9 +115,13 @@ class Agent:
                 reports=self._reports,
                 checkpoints=self._checkpoints,
                 checkpoint_failures=self._checkpoint_failures,
+                step_metrics=self._step_metrics[:MAX_STEP_RECORDS],
             )
             self._metrics, self._reports, self._checkpoints = {}, [], []
             self._checkpoint_failures = []
+            self._step_metrics = self._step_metrics[MAX_STEP_RECORDS:]
+            if self._step_metrics:
+                self._wake.set()  # the rest go with the next heartbeat, without waiting
         return req
 
     def _beat_loop(self) -> None:
@@ -152,6 +164,8 @@ class Agent:
             self._reports = req.reports + self._reports
             self._checkpoints = req.checkpoints + self._checkpoints
             self._checkpoint_failures = req.checkpoint_failures + self._checkpoint_failures
+            self._step_metrics = req.step_metrics + self._step_metrics
+            self._bound_step_metrics()
 
     def _set_latest(self, resp: HeartbeatResponse) -> None:
         with self._changed:
@@ -183,6 +197,35 @@ class Agent:
     def post_metrics(self, metrics: dict[str, float]) -> None:
         with self._lock:
             self._metrics.update(metrics)
+
+    def post_step_metrics(self, step: int, generation: int, values: dict[str, float]) -> None:
+        """Values ``tidal.log`` recorded for ``step`` in ``generation`` (merged into the
+        previous record when it is of the same step and generation: the last value wins)."""
+        with self._lock:
+            last = self._step_metrics[-1] if self._step_metrics else None
+            if last is not None and (last.step, last.generation) == (step, generation):
+                last.values.update(values)
+            else:
+                record = StepMetrics.model_construct(
+                    step=step, generation=generation, values=dict(values)
+                )
+                self._step_metrics.append(record)
+                self._bound_step_metrics()
+
+    def _bound_step_metrics(self) -> None:
+        """Drop the oldest records beyond ``MAX_STEP_OUTBOX`` (under the lock); warn once."""
+        excess = len(self._step_metrics) - MAX_STEP_OUTBOX
+        if excess <= 0:
+            return
+        del self._step_metrics[:excess]
+        if not self._step_metrics_dropped:
+            print(
+                f"tidal: warning: worker {self.worker_id} drops per-step metrics the "
+                f"coordinator has not taken (more than {MAX_STEP_OUTBOX} steps waiting)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._step_metrics_dropped += excess
 
     def post_report(self, report: StepReport) -> None:
         with self._lock:
@@ -232,6 +275,10 @@ class Agent:
             self._thread.join(timeout=5)
         try:
             self._client.heartbeat(self.worker_id, self._drain())
+            for _ in range(MAX_STEP_OUTBOX // MAX_STEP_RECORDS):  # per-step records left
+                if not self._step_metrics:
+                    break
+                self._client.heartbeat(self.worker_id, self._drain())
         except Exception:  # noqa: BLE001 - the job may be gone already; nothing to save
             pass
         finally:

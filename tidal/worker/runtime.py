@@ -46,11 +46,24 @@ from tidal.worker.update import Update
 _current: Trainer | None = None
 
 
-def log(**metrics: float) -> None:
-    """Report metrics (e.g. ``loss``, ``accuracy``) to the job's status; rank 0's are kept."""
+#: The values of ``tidal.log(..., reduce=...)``: None keeps rank 0's value, "mean" averages.
+LOG_REDUCTIONS = (None, "mean")
+
+
+def log(*, reduce: str | None = None, **metrics: float) -> None:
+    """Record metrics (e.g. ``loss``, ``accuracy``) for the step in flight: inside the loop the
+    index of the step being run (``step.index``), after it the final step count. The job keeps
+    one value per (step, name): rank 0's, or with ``reduce="mean"`` the mean over the members
+    that logged it; a step redone after a failure records again and its last value wins.
+    The latest values are the job's ``metrics`` (``tidal status``); the per-step series
+    go to the dashboard, TensorBoard and ``tidal status --json --history``."""
+    if reduce not in LOG_REDUCTIONS:
+        raise ValueError(
+            f"tidal.log: reduce must be None (rank 0's value) or 'mean', got {reduce!r}"
+        )
     values = {k: float(v) for k, v in metrics.items()}
     if _current is not None:
-        _current._log(values)
+        _current._log(values, reduce)
 
 
 class Trainer(Membership):
@@ -358,9 +371,14 @@ class Trainer(Membership):
             self._rate_mark = (now, self.step)
             self._split = [0.0, 0.0]
 
-    def _log(self, metrics: dict[str, float]) -> None:
-        if self._agent is not None and self.rank == 0:
-            self._agent.post_metrics(metrics)
+    def _log(self, metrics: dict[str, float], reduce: str | None = None) -> None:
+        """Record ``metrics`` for ``self.step``: the step in flight inside the loop (committed
+        after the loop body), the final count after it. Only a member of its last generation
+        speaks (a worker removed from the job does not), and only rank 0 unless ``reduce``."""
+        rank = self._last_rank
+        if self._agent is None or rank is None or (reduce is None and rank != 0):
+            return
+        self._agent.post_step_metrics(self.step, self.generation, metrics)
 
     def _debug(self, msg: str) -> None:
         if self._debug_on:

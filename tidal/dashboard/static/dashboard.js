@@ -185,6 +185,9 @@ function chartId(key) { return "chart-metric-" + key.replace(/[^A-Za-z0-9_-]/g, 
 function tidalJobPage(name) {
   const h = { t: [], step: [], world: [], target: [], metrics: [] };
   let after = 0;
+  // What the script logs with tidal.log: one value per step (a redone step's replaces it).
+  const perStep = new Map(); // name -> Map(step -> value)
+  let stepsAfter = 0;
   let lastGenKey = "";
   let eventsShown = 0;
   let finalRendered = false;
@@ -200,6 +203,26 @@ function tidalJobPage(name) {
     }
     after = hist.seq;
     return hist.t.length > 0;
+  }
+
+  function mergeSteps(st) {
+    if (!st) return false;
+    let grew = false;
+    for (const [key, s] of Object.entries(st.series)) {
+      if (!perStep.has(key)) perStep.set(key, new Map());
+      const m = perStep.get(key);
+      for (let i = 0; i < s.step.length; i++) m.set(s.step[i], s.value[i]);
+      grew = grew || s.step.length > 0;
+    }
+    stepsAfter = st.seq;
+    return grew;
+  }
+
+  // A non-finite value arrives as a string ("NaN", ...): a gap in the chart.
+  function stepColumn(key) {
+    const m = perStep.get(key);
+    const x = [...m.keys()].sort((a, b) => a - b);
+    return { x, y: x.map((s) => (typeof m.get(s) === "number" ? m.get(s) : null)) };
   }
 
   // A non-finite value arrives as a string ("NaN", ...): a gap in the chart.
@@ -252,7 +275,7 @@ function tidalJobPage(name) {
     ] : [], layout({ yaxis: { title: { text: "$" } }, xaxis: { type: "date" } }),
     "no cost: the job has no price (tidal run --price)");
 
-    const keys = new Set();
+    const keys = new Set([...perStep.keys()].filter((k) => !OWN_CHART.has(k)));
     for (const m of h.metrics) for (const k of Object.keys(m)) if (!OWN_CHART.has(k)) keys.add(k);
     const ordered = [...METRIC_ORDER.filter((k) => keys.has(k)),
       ...[...keys].filter((k) => !METRIC_ORDER.includes(k)).sort()];
@@ -264,10 +287,11 @@ function tidalJobPage(name) {
           el("h3", { text: key + " vs step" }),
           el("div", { class: "chart", id, "data-metric": key, "data-points": "0" })));
       }
-      const s = series(h.step, metricColumn(key));
+      // Logged metrics: one point per step; other gauges: sampled, repeats collapsed.
+      const s = perStep.has(key) ? stepColumn(key) : series(h.step, metricColumn(key));
       plot(id, [{ x: s.x, y: s.y, name: key, mode: "lines+markers", marker: { size: 4 },
         line: { color: COLORS.metric } }],
-      layout({ showlegend: false, xaxis: { title: { text: "step" } }, yaxis: yAxisFor(s.y) }));
+      layout({ showlegend: false, xaxis: { title: { text: "step" } }, yaxis: yAxisFor(s.y.filter((v) => v !== null)) }));
     }
   }
 
@@ -346,8 +370,10 @@ function tidalJobPage(name) {
   async function poll() {
     let delay = POLL_MS;
     try {
-      const d = await getJSON(`/dashboard/jobs/${encodeURIComponent(name)}?after=${after}`);
-      const grew = merge(d.history);
+      const d = await getJSON(`/dashboard/jobs/${encodeURIComponent(name)}` +
+        `?after=${after}&steps_after=${stepsAfter}`);
+      const grewSteps = mergeSteps(d.steps);
+      const grew = merge(d.history) || grewSteps;
       const s = d.status;
       const genKey = s.generations.map((g) => `${g.id}:${g.pause_s}`).join(",");
       if (grew || genKey !== lastGenKey || !finalRendered) drawCharts(s);
