@@ -76,7 +76,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = self.db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
-        self.store, self._store_socket = _bound_store(self.host)
+        self.store = _bound_store(self.host)
         # Every store key of the job lives under this secret (``protocol.generation_prefix``):
         # only workers, which get it through the authenticated API, can name a key.
         self.store_namespace = secrets.token_hex(16)
@@ -358,18 +358,19 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.backend.signal(wid, signal.SIGKILL)
         self.backend.close()
         self.db.close()
-        self._store_socket.close()
         try:
             os.remove(self.jobdir.coordinator_file)
         except OSError:
             pass
 
 
-def _bound_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
+def _bound_store(host: str) -> dist.TCPStore:
     """The rendezvous store, listening on ``host`` only (loopback for local workers).
 
     ``TCPStore`` itself would listen on every interface; it serves a socket bound here
-    instead (``master_listen_fd``), on a port the OS picks."""
+    instead (``master_listen_fd``), on a port the OS picks. The store owns the descriptor
+    from then on (``detach``): closing it under the store's event loop made that loop spin
+    and the process hang at exit."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
@@ -381,4 +382,5 @@ def _bound_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
         wait_for_workers=False,
         master_listen_fd=sock.fileno(),
     )
-    return store, sock
+    sock.detach()
+    return store
