@@ -109,7 +109,7 @@ def test_job_model_is_the_ring_all_reduce_cost_model():
 
 
 def test_unknown_job_and_bad_overrides_are_errors():
-    with pytest.raises(ValueError, match="unknown job 'bert'; known jobs: resnet50-v100"):
+    with pytest.raises(ValueError, match="unknown job 'bert'; known jobs: llama2-7b-a100, resnet50-v100"):
         get_job("bert")
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         get_job("resnet50-v100").with_overrides(bandwidth_bytes_s=0)

@@ -36,6 +36,7 @@ def test_compare_json_shape(compare_json):
         "static-max",
         "throughput",
         "cost",
+        "oracle",
     ]
     for r in compare_json:
         assert {"policy", "completion_s", "cost", "cost_per_sample", "worker_hours"} <= set(r)

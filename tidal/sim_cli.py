@@ -14,8 +14,9 @@ import math
 
 from tidal.policy.inputs import PolicyParams, parse_duration
 from tidal.policy.registry import known_policies
+from tidal.sim.compare import compare
 from tidal.sim.job import DEFAULT_JOB, PRESETS, JobModel, get_job
-from tidal.sim.simulate import STATIC_ALIASES, SimConfig, SimResult, compare, simulate
+from tidal.sim.simulate import STATIC_ALIASES, SimConfig, SimResult, simulate
 from tidal.sim.trace import load_trace
 
 

@@ -1,16 +1,29 @@
-"""Write the example capacity traces of this folder (deterministic: same files every run).
-
-``spot.csv``: one week, a row every 10 minutes, of a synthetic spot market for V100 GPUs
-sold by the 8-GPU node (AWS p3.16xlarge): at most 128 GPUs (16 nodes), the price per
-GPU-hour between the usual spot level of about 30% of on-demand ($0.92) and the on-demand
-price ($3.06, p3.2xlarge, us-east-1). Demand follows the US working day (higher on
-weekdays from 14:00 to 23:00 UTC) plus slow random noise; high demand raises the price and
-takes capacity away, and now and then a burst of preemptions halves the capacity for up
-to an hour. It is a model, not a recording: see docs/policies.md.
-
-``drop.csv``: 3 workers, down to 1 at 15 s, back to 3 at 45 s (a local acceptance test).
+"""Write the capacity traces of this folder (deterministic: the same bytes every run).
 
     python examples/traces/make_traces.py
+
+Every trace is a model, not a recording (see docs/policies.md). Prices are dollars per
+worker-hour of a V100 GPU: about $0.92 is a usual spot level (70% off), $3.06 the
+on-demand price (AWS p3.2xlarge, us-east-1); capacities are whole 8-GPU nodes.
+
+The development set (``MARKETS``), one week each (a row every 5 minutes unless said),
+one market shape per trace:
+
+- ``spot.csv`` (10-minute rows): a synthetic spot market; demand follows the US working day
+  plus slow noise, raises the price and takes nodes away; bursts of preemptions.
+- ``diurnal.csv``: a clean daily cycle: $0.92 at 08:00 UTC up to $2.75 at 20:00, capacity
+  128 down to 48 at the peak; quieter weekends.
+- ``price-steps.csv``: 32 workers throughout; the price jumps between $0.92, $1.38 and
+  $2.53 every 1 to 10 hours.
+- ``cheap-then-dear.csv``: 16 workers; $0.92 for 8 hours, then $2.53 (2.75x) for good.
+- ``spikes.csv``: 96 workers at about $0.95; every few hours a 10-40 minute spike to the
+  on-demand price ($3.06) that also halves the capacity.
+- ``scarcity.csv``: 128 workers at $0.95, but only 16 (at $1.60) from 1.5 h to 31.5 h and
+  again for 20 hours from day 4.
+- ``flat.csv`` (hourly rows): plentiful and flat, 256 workers at $1.20.
+- ``outage.csv``: 128 workers at about $1.00, none at all from 1.2 h to 3.2 h.
+
+``drop.csv`` (not in the set): 3 workers, 1 from 15 s, 3 again from 45 s (a local test).
 """
 
 from __future__ import annotations
@@ -21,11 +34,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 HEADER = "time_s,capacity,price_per_worker_hour"
-WEEK_S = 7 * 86400
+HOUR = 3600
+WEEK_S = 7 * 24 * HOUR
 ROW_S = 600
+FINE_S = 300
 NODE = 8  # GPUs per p3.16xlarge
 MAX_GPUS = 128
 SPOT, ON_DEMAND = 0.92, 3.06
+DEAR = 2.53  # 2.75 x SPOT
+
+Rows = list[tuple[int, int, float]]
 
 
 def _working_day(t: float) -> float:
@@ -38,7 +56,7 @@ def _working_day(t: float) -> float:
     return 0.0
 
 
-def spot_rows(seed: int = 7) -> list[tuple[int, int, float]]:
+def spot_rows(seed: int = 7) -> Rows:
     rng = random.Random(seed)
     noise, burst = 0.0, 0
     rows = []
@@ -57,11 +75,99 @@ def spot_rows(seed: int = 7) -> list[tuple[int, int, float]]:
     return rows
 
 
-def write(name: str, rows: list[tuple[int, int, float]]) -> None:
-    lines = [HEADER] + [f"{t},{c},{p:.2f}" for t, c, p in rows]
-    (HERE / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+def _nodes(gpus: float) -> int:
+    return max(0, round(gpus / NODE)) * NODE
+
+
+def diurnal_rows(seed: int = 11) -> Rows:
+    rng = random.Random(seed)
+    rows = []
+    for t in range(0, WEEK_S + 1, FINE_S):
+        day, hour = divmod(t / HOUR, 24.0)
+        demand = 0.5 - 0.5 * math.cos(2 * math.pi * (hour - 8) / 24)  # 0 at 08:00, 1 at 20:00
+        if day >= 5:
+            demand *= 0.4
+        demand = min(1.0, max(0.0, demand + rng.gauss(0.0, 0.02)))
+        price = round(SPOT + (2.75 - SPOT) * demand, 2)
+        rows.append((t, _nodes(MAX_GPUS * (1 - 0.625 * demand)), price))
+    return rows
+
+
+def price_steps_rows(seed: int = 5) -> Rows:
+    rng = random.Random(seed)
+    levels = (SPOT, 1.38, DEAR)
+    rows, t, level = [], 0, 0
+    while t <= WEEK_S:
+        rows.append((t, 32, levels[level]))
+        t += rng.randint(2, 20) * 1800  # 1 to 10 hours
+        level = rng.choice([k for k in range(3) if k != level])
+    return rows
+
+
+def cheap_then_dear_rows() -> Rows:
+    return [(t, 16, SPOT if t < 8 * HOUR else DEAR) for t in range(0, WEEK_S + 1, FINE_S)]
+
+
+def spikes_rows(seed: int = 3) -> Rows:
+    rng = random.Random(seed)
+    rows, spike = [], 0
+    for t in range(0, WEEK_S + 1, FINE_S):
+        if spike == 0 and t > HOUR and rng.random() < FINE_S / (4 * HOUR):
+            spike = rng.randint(2, 8)  # 10 to 40 minutes
+        price = round(0.95 + rng.gauss(0.0, 0.02), 2)
+        cap = 96
+        if spike:
+            price, cap, spike = ON_DEMAND, 48, spike - 1
+        rows.append((t, cap, price))
+    return rows
+
+
+def scarcity_rows(seed: int = 13) -> Rows:
+    rng = random.Random(seed)
+    scarce = ((1.5 * HOUR, 31.5 * HOUR), (4 * 24 * HOUR, 4 * 24 * HOUR + 20 * HOUR))
+    rows = []
+    for t in range(0, WEEK_S + 1, FINE_S):
+        if any(a <= t < b for a, b in scarce):
+            rows.append((t, 16, round(1.60 + rng.gauss(0.0, 0.03), 2)))
+        else:
+            rows.append((t, 128, round(0.95 + rng.gauss(0.0, 0.02), 2)))
+    return rows
+
+
+def flat_rows() -> Rows:
+    return [(t, 256, 1.20) for t in range(0, WEEK_S + 1, HOUR)]
+
+
+def outage_rows(seed: int = 17) -> Rows:
+    rng = random.Random(seed)
+    rows = []
+    for t in range(0, WEEK_S + 1, FINE_S):
+        cap = 0 if 1.2 * HOUR <= t < 3.2 * HOUR else 128
+        rows.append((t, cap, round(1.00 + rng.gauss(0.0, 0.03), 2)))
+    return rows
+
+
+MARKETS = {
+    "spot": spot_rows,
+    "diurnal": diurnal_rows,
+    "price-steps": price_steps_rows,
+    "cheap-then-dear": cheap_then_dear_rows,
+    "spikes": spikes_rows,
+    "scarcity": scarcity_rows,
+    "flat": flat_rows,
+    "outage": outage_rows,
+}
+
+
+def text(rows: Rows) -> str:
+    return "\n".join([HEADER] + [f"{t},{c},{p:.2f}" for t, c, p in rows]) + "\n"
+
+
+def write(name: str, rows: Rows) -> None:
+    (HERE / name).write_text(text(rows), encoding="utf-8")
 
 
 if __name__ == "__main__":
-    write("spot.csv", spot_rows())
+    for market, make in MARKETS.items():
+        write(f"{market}.csv", make())
     write("drop.csv", [(0, 3, 0.92), (15, 1, 0.92), (45, 3, 0.92)])

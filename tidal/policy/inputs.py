@@ -12,6 +12,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from tidal.policy.market import Market
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -175,7 +177,9 @@ class Measurements:
     ``capacity``: workers available now (None: unlimited). ``max_steps``: the job's length
     in steps (None: unknown). ``elapsed_s``: seconds since the job started. ``spent``:
     dollars spent so far. ``since_change_s``: seconds since the target last changed, for
-    whatever reason (None: never changed). ``params``: the policy knobs.
+    whatever reason (None: never changed). ``market``: what was seen of prices and
+    capacity since the job started (``market.MarketTracker``; None: nothing but now).
+    ``params``: the policy knobs.
     """
 
     step: int
@@ -191,6 +195,7 @@ class Measurements:
     elapsed_s: float = 0.0
     spent: float = 0.0
     since_change_s: float | None = None
+    market: Market | None = None
     params: PolicyParams = field(default_factory=PolicyParams)
 
     def __post_init__(self) -> None:

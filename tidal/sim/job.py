@@ -18,6 +18,10 @@ from dataclasses import dataclass, replace
 
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC-2012 training set
 RESNET50_PARAMS = 25_557_032  # torchvision resnet50
+TINYLLAMA_PARAMS = 1.1e9  # TinyLlama README: 1.1B
+TINYLLAMA_TOKENS_S = 24_000  # per A100-40G GPU (TinyLlama README)
+LLAMA2_7B_PARAMS = 6.74e9  # Llama 2 paper: 7B (6.74B in the released weights)
+LLAMA2_7B_TOKENS_S = 2.0e12 / (184_320 * 3600)  # 2.0T tokens in 184,320 A100-80GB hours
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,10 +105,40 @@ _RESNET50_V100 = JobModel(
     description="ResNet-50 v1.5, ImageNet 90 epochs, V100 mixed precision, 25 Gbit/s Ethernet",
 )
 
+_TINYLLAMA = JobModel(
+    name="tinyllama-1.1b-a100",
+    # A worker is an 8 x A100-40GB node (AWS p4d.24xlarge); a sample is a 2,048-token
+    # sequence; 24,000 tokens/s per GPU (TinyLlama README, FSDP + flash attention).
+    compute_s_per_sample=2048 / (8 * TINYLLAMA_TOKENS_S),
+    grad_bytes=TINYLLAMA_PARAMS * 2,  # bf16 gradients
+    bandwidth_bytes_s=400e9 / 8,  # p4d.24xlarge: 400 Gbit/s EFA
+    latency_s=1e-3,
+    rescale_pause_s=20.0,
+    global_batch=1024,  # 2M tokens a step (TinyLlama: 2048 x 1024)
+    total_steps=10_490,  # 22B tokens, Chinchilla-optimal (TinyLlama README: 32 h on 8 A100)
+    description="TinyLlama 1.1B pre-training to 22B tokens, 8 x A100-40GB nodes, 400 Gbit/s",
+)
+
+_LLAMA2_7B = JobModel(
+    name="llama2-7b-a100",
+    # A worker is an 8 x A100-80GB node; a sample is a 4,096-token sequence; 3,014 tokens/s
+    # per GPU: Llama 2 7B took 184,320 A100-80GB hours for 2.0T tokens (Llama 2 paper).
+    compute_s_per_sample=4096 / (8 * LLAMA2_7B_TOKENS_S),
+    grad_bytes=LLAMA2_7B_PARAMS * 2,  # bf16 gradients
+    bandwidth_bytes_s=8 * 200e9 / 8,  # 8 x 200 Gbit/s endpoints a node (Llama 2 paper)
+    latency_s=1e-3,
+    rescale_pause_s=30.0,
+    global_batch=1024,  # 4M tokens a step (Llama 2: 4M-token batches of 4,096-token sequences)
+    total_steps=round(20 * LLAMA2_7B_PARAMS / 4_194_304),  # 20 tokens a parameter (Chinchilla)
+    description="Llama 2 7B pre-training to 135B tokens, 8 x A100-80GB nodes, 1.6 Tbit/s",
+)
+
 PRESETS: dict[str, JobModel] = {
     j.name: j
     for j in (
         _RESNET50_V100,
+        _TINYLLAMA,
+        _LLAMA2_7B,
         replace(
             _RESNET50_V100,
             name="resnet50-v100-fp32",

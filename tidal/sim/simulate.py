@@ -16,16 +16,16 @@ split per size trained at, the measured pause once one happened, price, capacity
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
-from tidal.policy.inputs import Measurements, PolicyParams, SizeStats
+from tidal.policy.inputs import Decision, Measurements, PolicyParams, SizeStats
+from tidal.policy.market import MarketTracker
 from tidal.policy.registry import get_policy, static
 from tidal.sim.job import JobModel
 from tidal.sim.trace import Trace
 
 STATIC_ALIASES = ("static-min", "static-max")
-COMPARE_POLICIES = ("static-min", "static-max", "throughput", "cost")
-DEADLINE_FACTOR = 1.1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +77,8 @@ class SimResult:
     decisions: int
     deadline_s: float | None = None
     budget: float | None = None
+    vs_oracle: float | None = None
+    oracle: dict | None = None
     log: tuple[tuple[float, int, str], ...] = ()
 
     def to_dict(self, with_log: bool = False) -> dict:
@@ -98,6 +100,22 @@ def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> Sim
     else:
         decide = get_policy(policy)
         target = config.workers if config.workers is not None else config.workers_min
+    limits = decide is not static
+    return run(job, trace, decide, target, config, label=policy, limits=limits)
+
+
+def run(
+    job: JobModel,
+    trace: Trace,
+    decide: Callable[[Measurements], Decision],
+    target: int,
+    config: SimConfig,
+    *,
+    label: str,
+    limits: bool = True,
+) -> SimResult:
+    """Run ``job`` from the target ``target`` under the policy function ``decide``;
+    ``limits``: the result carries the deadline and budget of ``config.params``."""
     params = config.params
     start = config.start_s
     if config.max_sim_s is not None:
@@ -114,9 +132,11 @@ def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> Sim
     log: list[tuple[float, int, str]] = []
     idx = trace.index_at(start)
     points = trace.points
+    market = MarketTracker()
     while steps_done < total:
         row = points[idx]
         if t >= next_check:
+            market.observe(t - start, row.price_per_worker_hour, row.capacity)
             decision = decide(
                 Measurements(
                     step=int(steps_done),
@@ -132,6 +152,7 @@ def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> Sim
                     elapsed_s=t - start,
                     spent=cost,
                     since_change_s=None if last_change is None else t - last_change,
+                    market=market.summary(),
                     params=params,
                 )
             )
@@ -179,7 +200,7 @@ def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> Sim
     completed = steps_done >= total
     samples = steps_done * job.global_batch
     return SimResult(
-        policy=policy,
+        policy=label,
         completed=completed,
         completion_s=t - start if completed else None,
         cost=cost,
@@ -190,8 +211,8 @@ def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> Sim
         peak_workers=peak,
         rescales=rescales,
         decisions=len(log),
-        deadline_s=params.deadline_s if decide is not static else None,
-        budget=params.budget if decide is not static else None,
+        deadline_s=params.deadline_s if limits else None,
+        budget=params.budget if limits else None,
         log=tuple(log),
     )
 
@@ -212,18 +233,3 @@ def _stats(
                 comm_s=job.comm_s(n),
             )
     return tuple(cache.values())
-
-
-def compare(job: JobModel, trace: Trace, config: SimConfig) -> list[SimResult]:
-    """Every policy of ``COMPARE_POLICIES``. Unless ``config.params.deadline_s`` is set,
-    the cost policy gets ``DEADLINE_FACTOR`` x the static-max completion time."""
-    results = [simulate(job, trace, name, config) for name in COMPARE_POLICIES[:2]]
-    fastest = results[1].completion_s
-    for name in COMPARE_POLICIES[2:]:
-        cfg = config
-        if name == "cost" and config.params.deadline_s is None and fastest is not None:
-            cfg = replace(
-                config, params=replace(config.params, deadline_s=DEADLINE_FACTOR * fastest)
-            )
-        results.append(simulate(job, trace, name, cfg))
-    return results
