@@ -47,10 +47,11 @@ def run(home: Home, name: str, out: Path, kind: list[str], *opts: str, faults: s
     "kind",
     [
         ["--kind", "map"],
+        ["--kind", "tokens"],
         ["--kind", "stream"],
         ["--kind", "stream", "--no-seek"],
     ],
-    ids=["map-collate-2-loader-workers", "stream", "stream-from-start"],
+    ids=["map-collate-2-loader-workers", "token-shards", "stream", "stream-from-start"],
 )
 def test_every_input_kind_is_consumed_exactly_once(
     tidal_home: Home, tmp_path: Path, kind: list[str]

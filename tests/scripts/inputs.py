@@ -110,7 +110,7 @@ def main() -> None:
             path = out / f"tokens-{f}.bin"
             if not path.exists():  # every worker writes the same bytes: write once, atomically
                 tmp = out / f".tokens-{f}-{os.getpid()}.bin"
-                write_tokens(tmp, (torch.arange(n) * 7 + f) % 97, dtype="uint16")
+                write_tokens(tmp, f * 5000 + torch.arange(n), dtype="uint16")  # unique
                 os.replace(tmp, path)
             paths.append(path)
         data = TokenShards(paths, seq_len=16)
@@ -134,10 +134,10 @@ def main() -> None:
         for batch in step.micro_batches():
             if args.kind == "tokens":
                 (window,) = (batch,) if torch.is_tensor(batch) else batch
-                logits = trainer.model(window[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
-                # a window's id: its first token's place (the data is an arithmetic sequence)
-                pending.extend(int(w) for w in window[:, 0])
+                tokens = window % 97  # the model's vocabulary; the raw token is a position
+                logits = trainer.model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                pending.extend(int(w) for w in window[:, 0])  # a window's id: its first token
             else:
                 pooled = (batch["x"] * batch["mask"][..., None]).sum(1) / batch["mask"].sum(1)[
                     :, None
