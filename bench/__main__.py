@@ -37,7 +37,7 @@ SIZES = {
     # run and its repetitions
     "full": dict(
         tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
-        loader_steps=200, loader_reps=2,
+        loader_steps=150, loader_reps=3,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,

@@ -67,14 +67,15 @@ def run_one(tool: str, workers: int, steps: int, tmp: Path, timeout: float) -> f
 
 
 def measure(steps: int, tmp: Path, reps: int = 1, timeout: float = 300) -> dict:
-    """samples/s of each (tool, num_workers), best of ``reps``: the other engineers' load on
-    the machine only ever slows a run down."""
+    """samples/s of each (tool, num_workers), best of ``reps`` (the order of the two tools
+    alternating): the other engineers' load on the machine only ever slows a run down."""
     runs: dict[str, list[float]] = {}
     for rep in range(reps):
         d = tmp / f"rep{rep}"
         d.mkdir(parents=True, exist_ok=True)
         for workers in (1, 0):
-            for tool in ("tidal", "torchrun"):
+            tools = ("tidal", "torchrun") if rep % 2 == 0 else ("torchrun", "tidal")
+            for tool in tools:  # alternated: neither always runs first
                 key = f"{tool}_nw{workers}"
                 runs.setdefault(key, []).append(run_one(tool, workers, steps, d, timeout))
                 log(f"dataloader {key} rep {rep}: {runs[key][-1]:.0f} samples/s")

@@ -60,6 +60,7 @@ def run_ddp(args: argparse.Namespace, rec: Recorder) -> None:
         batch_size=args.global_batch_size // world,
         sampler=sampler,
         num_workers=args.num_workers,
+        persistent_workers=args.persistent_workers,
         drop_last=True,
     )
     batches = iter(loader)
@@ -87,6 +88,7 @@ def run_tidal(args: argparse.Namespace, rec: Recorder) -> None:
         global_batch_size=args.global_batch_size,
         seed=args.seed,
         num_workers=args.num_workers,
+        persistent_workers=args.persistent_workers,
     )
     for step in trainer.run(max_steps=args.steps):
         rec("B", step.index, trainer.world_size, trainer.rank)
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="folder for the per-process step records")
     args = parser.parse_args()
