@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from tidal.policy import get_policy, known_policies, parse_duration
 from tidal.policy.inputs import Decision, Measurements, PolicyParams, SizeStats
+from tidal.policy.market import Market
 from tidal.policy.model import fit, ring_factor
 from tidal.policy.registry import Measurements as CoordinatorMeasurements
 
@@ -245,6 +247,9 @@ def test_throughput_respects_max_workers_and_capacity():
 
 
 # -- cost --------------------------------------------------------------------------------
+FLAT = PolicyParams(price_premium=0.0)  # trusts the past: no hedge, the plain deadline rule
+
+
 def brute_fewest(m: Measurements, limit: float) -> int:
     """The fewest workers finishing within ``limit`` under the true model."""
     remaining = (m.max_steps - m.step) * BATCH
@@ -255,34 +260,66 @@ def brute_fewest(m: Measurements, limit: float) -> int:
     raise AssertionError("none")
 
 
-def deadline_meas(n: int, deadline_s: float, **kw) -> Measurements:
+def reserve(left: float, pause: float = 10.0) -> float:
+    return max(0.01 * left, 2 * pause)
+
+
+def deadline_meas(n: int, deadline_s: float, params: PolicyParams = FLAT, **kw) -> Measurements:
     return meas(
         n,
         sizes=sorted({1, 4, 16, n}),
-        params=PolicyParams(deadline_s=deadline_s),
+        params=replace(params, deadline_s=deadline_s),
         **kw,
     )
 
 
-def test_cost_picks_the_fewest_workers_that_meet_the_deadline():
+def market(
+    price: float = 1.0, *, median: float | None = None, spell: float = 3600.0, ended: int = 0
+) -> Market:
+    """A market seen for a day at ``median`` (default ``price``), now at ``price``."""
+    mid = price if median is None else median
+    return Market(
+        seconds=86400.0,
+        price_mean=mid,
+        price_median=mid,
+        price_min=min(mid, price),
+        price_max=max(mid, price),
+        price_recent=mid,
+        price_persistence_s=spell,
+        price_excursions=ended,
+        capacity_mean=64.0,
+        capacity_min=64,
+        capacity_low=64,
+    )
+
+
+def test_cost_starts_at_the_most_workers_when_nothing_is_measured():
+    m = meas(1, stats=(), params=PolicyParams(deadline_s=7200), capacity=40)
+    d = cost(m)
+    assert d.target == 64 and "nothing measured yet" in d.reason  # max_workers: the world
+    assert cost(replace(m, params=PolicyParams())).target == 1  # is min(target, capacity)
+
+
+def test_cost_grows_to_the_fewest_workers_that_meet_the_deadline_when_behind():
     # 99,000 steps of 1,024 samples left; a deadline that needs about 40 workers.
     remaining = 99_000 * BATCH
-    deadline = 3600 + remaining / true_rate(40) / 0.95 + 60
+    deadline = 3600 + remaining / true_rate(40) / 0.99 + 60
     m = deadline_meas(4, deadline)  # far behind at 4 workers
     d = cost(m)
     left = deadline - 3600
-    assert d.target == brute_fewest(m, 0.95 * left)
-    assert 30 <= d.target <= 45
+    assert d.target == brute_fewest(m, left - reserve(left))
+    assert 35 <= d.target <= 45
     assert "grow 4 ->" in d.reason and "deadline in" in d.reason
     assert d.predicted["finish_s"] <= deadline
 
 
 def test_cost_shrinks_to_the_plan_when_well_ahead_and_holds_near_it():
     remaining = 99_000 * BATCH
-    deadline = 3600 + remaining / true_rate(20) / 0.95
-    d = cost(deadline_meas(64, deadline))
-    assert d.target == brute_fewest(deadline_meas(64, deadline), 0.95 * (deadline - 3600))
-    assert "shrink 64 ->" in d.reason and "saves $" in d.reason
+    deadline = 3600 + remaining / true_rate(20) / 0.99
+    m = deadline_meas(64, deadline)
+    d = cost(m)
+    assert d.target == brute_fewest(m, deadline - 3600 - reserve(deadline - 3600))
+    assert "shrink 64 ->" in d.reason and "gains $" in d.reason
     plan = d.target
     # At the plan (or within the hysteresis band above it): hold, no flapping.
     for n in (plan, plan + 1):
@@ -292,6 +329,75 @@ def test_cost_shrinks_to_the_plan_when_well_ahead_and_holds_near_it():
 def test_cost_grows_to_the_fastest_size_when_the_deadline_cannot_be_met():
     d = cost(deadline_meas(8, 3600 + 600))
     assert d.target == 64 and "cannot be met" in d.reason
+
+
+def test_cost_holds_when_a_change_gains_less_than_one_percent_of_the_rest():
+    remaining = 99_000 * BATCH
+    deadline = 3600 + remaining / true_rate(20) / 0.99
+    plan = cost(deadline_meas(64, deadline)).target
+    d = cost(deadline_meas(plan + 3, deadline))  # 3 workers over the plan: gains too little
+    assert d.target == plan + 3 and "would gain" in d.reason and "1.0% of the rest" in d.reason
+
+
+def linear_stats(*sizes: int) -> tuple[SizeStats, ...]:
+    return tuple(
+        SizeStats(world_size=k, samples_per_s=1000.0 * k, samples=90 * BATCH, steps=90)
+        for k in sizes
+    )
+
+
+def test_cost_premium_hedges_by_hurrying_only_where_it_is_cheap():
+    """A rise it cannot foresee is hedged by getting ahead: every worker when scaling is
+    linear (the same $/sample at any size), a few more on the flat top (dear there)."""
+    remaining = 99_000 * BATCH
+    deadline = 3600 + remaining / 20_000 / 0.99 + 30  # linear: about 20 workers
+    hedge = PolicyParams(deadline_s=deadline)
+    m = meas(20, stats=linear_stats(1, 4, 20), params=hedge, market=market())
+    assert cost(m).target == 64
+    deadline = 3600 + remaining / true_rate(20) / 0.99  # flat top: about 20 workers
+    m = deadline_meas(20, deadline, params=PolicyParams(), market=market())
+    need = brute_fewest(m, deadline - 3600 - reserve(deadline - 3600))
+    assert need <= cost(m).target <= 1.15 * need + 1
+
+
+def test_cost_hurries_while_the_price_is_low_against_the_median_seen():
+    remaining = 99_000 * BATCH
+    deadline = 3600 + remaining / true_rate(20) / 0.99
+    calm = cost(deadline_meas(20, deadline, market=market(1.0)))
+    cheap = cost(deadline_meas(20, deadline, market=market(1.0, median=2.5)))
+    assert calm.target <= 21 < cheap.target
+    assert "outlook $" in cheap.reason and "grow 20 ->" in cheap.reason
+
+
+def test_cost_waits_out_a_spike_in_a_market_whose_spikes_pass():
+    remaining = 99_000 * BATCH
+    deadline = 3600 + remaining / true_rate(20) / 0.99 + 600
+    spiky = market(3.0, median=1.0, spell=900.0, ended=12)  # 15-minute spikes, 12 seen
+    d = cost(deadline_meas(20, deadline, market=spiky, price_per_worker_hour=3.0))
+    assert d.target < 20 and "dear now" in d.reason and "shrink 20 ->" in d.reason
+
+
+def test_cost_does_not_wait_out_a_rise_the_market_never_showed_passing_when_linear():
+    remaining = 99_000 * BATCH
+    sizes = tuple(
+        SizeStats(world_size=k, samples_per_s=1000.0 * k, samples=90 * BATCH, steps=90)
+        for k in (1, 4, 20)
+    )
+    deadline = 3600 + remaining / 20_000 / 0.99 + 60
+    step = market(3.0, median=1.0, spell=3600.0, ended=0)  # flat history, then a rise
+    m = meas(20, stats=sizes, params=replace(FLAT, deadline_s=deadline), market=step)
+    d = cost(replace(m, price_per_worker_hour=3.0))
+    assert d.target >= 20  # the rise may be a lasting step: putting work off saves nothing
+
+
+def test_cost_keeps_its_target_when_the_capacity_dips_below_it():
+    remaining = 99_000 * BATCH
+    deadline = 3600 + remaining / true_rate(40) / 0.99
+    m = deadline_meas(30, deadline, target=40, capacity=30)  # world follows the capacity
+    d = cost(m)
+    assert d.target >= 40 and "available now" in d.reason
+    # The throughput policy follows the capacity down instead.
+    assert throughput(meas(30, target=40, capacity=30)).target == 30
 
 
 def test_cost_budget_stops_growth_before_the_budget_would_be_exceeded():

@@ -18,10 +18,10 @@ one market shape per trace:
 - ``cheap-then-dear.csv``: 16 workers; $0.92 for 8 hours, then $2.53 (2.75x) for good.
 - ``spikes.csv``: 96 workers at about $0.95; every few hours a 10-40 minute spike to the
   on-demand price ($3.06) that also halves the capacity.
-- ``scarcity.csv``: 128 workers at $0.95, but only 16 (at $1.60) from 1.5 h to 31.5 h and
-  again for 20 hours from day 4.
+- ``scarcity.csv``: long scarcity: only 16 workers (at $1.60) for the first 30 hours and
+  again for 20 hours from day 4; 128 at $0.95 otherwise.
 - ``flat.csv`` (hourly rows): plentiful and flat, 256 workers at $1.20.
-- ``outage.csv``: 128 workers at about $1.00, none at all from 1.2 h to 3.2 h.
+- ``outage.csv``: 128 workers at about $1.00, none at all from 10 minutes to 100 minutes.
 
 ``drop.csv`` (not in the set): 3 workers, 1 from 15 s, 3 again from 45 s (a local test).
 """
@@ -124,7 +124,7 @@ def spikes_rows(seed: int = 3) -> Rows:
 
 def scarcity_rows(seed: int = 13) -> Rows:
     rng = random.Random(seed)
-    scarce = ((1.5 * HOUR, 31.5 * HOUR), (4 * 24 * HOUR, 4 * 24 * HOUR + 20 * HOUR))
+    scarce = ((0, 30 * HOUR), (4 * 24 * HOUR, 4 * 24 * HOUR + 20 * HOUR))
     rows = []
     for t in range(0, WEEK_S + 1, FINE_S):
         if any(a <= t < b for a, b in scarce):
@@ -142,7 +142,7 @@ def outage_rows(seed: int = 17) -> Rows:
     rng = random.Random(seed)
     rows = []
     for t in range(0, WEEK_S + 1, FINE_S):
-        cap = 0 if 1.2 * HOUR <= t < 3.2 * HOUR else 128
+        cap = 0 if 600 <= t < 6000 else 128
         rows.append((t, cap, round(1.00 + rng.gauss(0.0, 0.03), 2)))
     return rows
 

@@ -2,8 +2,9 @@
 
 ``gate(m)`` answers with a ``Decision`` when the policy must not (or need not) think now:
 
-1. the capacity (or ``max_workers``) fell below the target: follow it down at once;
-2. the world size has not reached the target yet: wait for the change in flight;
+1. the capacity (or ``max_workers``) fell below the target: follow it down at once (the
+   cost policy keeps its target and lets the world size follow the capacity);
+2. the world size has not reached the target (or the capacity) yet: wait for it;
 3. the current size's measurement is not trusted yet (``SizeStats.trusted``): measure;
 4. the target changed less than ``params.cooldown_s`` ago: cool down (no flapping).
 
@@ -98,17 +99,23 @@ class Context:
         return f"{k}: {rate(self.rate(k))} {word}"
 
 
-def gate(m: Measurements) -> Decision | Context:
+def gate(m: Measurements, *, follow_capacity: bool = True) -> Decision | Context:
+    """The gates (module docstring), or the ``Context`` to decide on. With
+    ``follow_capacity`` False the target may stay above the capacity (the world size
+    follows the capacity down and back without a decision, as static's does); it still
+    follows ``max_workers`` down."""
     p = m.params
     ceiling = m.max_workers if m.capacity is None else min(m.max_workers, m.capacity)
-    if m.target > max(m.min_workers, ceiling):
-        new = max(m.min_workers, ceiling)
+    bound = ceiling if follow_capacity else m.max_workers
+    if m.target > max(m.min_workers, bound):
+        new = max(m.min_workers, bound)
         what = f"capacity is {m.capacity} workers now" if m.capacity is not None else ""
-        if m.capacity is None or m.capacity >= m.max_workers:
+        if m.capacity is None or m.capacity >= m.max_workers or not follow_capacity:
             what = f"--max-workers is {m.max_workers}"
         return Decision(target=new, reason=f"{what}, below the target {m.target}")
-    if m.world_size != m.target:
-        return hold(m, f"waiting for the world size ({m.world_size}) to reach {m.target}")
+    reachable = min(m.target, max(ceiling, 0))
+    if m.world_size != reachable:
+        return hold(m, f"waiting for the world size ({m.world_size}) to reach {reachable}")
     here = m.stats_for(m.world_size)
     if here is None or not here.trusted(p):
         steps = here.steps if here is not None else 0

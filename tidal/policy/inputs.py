@@ -107,6 +107,9 @@ class PolicyParams:
     ``grow_fraction``: an exploration step is ``max(1, round(n * grow_fraction))`` workers.
     ``deadline_margin``: the cost policy plans to finish this fraction of the time left
     early (a reserve for capacity drops), and grows once its prediction eats half of it.
+    ``price_premium``: the cost policy values work it puts off as if the future price were
+    this fraction above what it has seen (the mean, or the recent level if higher): a hedge
+    against rises it cannot foresee. 0 trusts the past entirely.
     """
 
     min_efficiency: float = 0.7
@@ -119,7 +122,8 @@ class PolicyParams:
     assumed_pause_s: float = 10.0
     horizon_s: float = 3600.0
     grow_fraction: float = 0.25
-    deadline_margin: float = 0.05
+    deadline_margin: float = 0.01
+    price_premium: float = 0.25
 
     def __post_init__(self) -> None:
         _check(
@@ -161,7 +165,11 @@ class PolicyParams:
         )
         _check(
             0 <= self.deadline_margin < 0.5,
-            f"deadline_margin must be in [0, 0.5), got {self.deadline_margin}: e.g. 0.05",
+            f"deadline_margin must be in [0, 0.5), got {self.deadline_margin}: e.g. 0.01",
+        )
+        _check(
+            0 <= self.price_premium <= 10,
+            f"price_premium must be in [0, 10], got {self.price_premium}: e.g. 0.25",
         )
 
 

@@ -10,7 +10,9 @@ The world size is ``min(target, capacity)``. Every change of the world size (the
 or a capacity drop or return) stalls training for the job's rescale pause; workers are paid
 for from the moment they are in the world, pauses included. The policy sees exactly what
 the coordinator would measure (``Measurements``): samples/s and the compute/communication
-split per size trained at, the measured pause once one happened, price, capacity, spend.
+split per size trained at, the measured pause once one happened, price, capacity, spend,
+and the market's history (``policy.market``): the trace up to now, from ``HISTORY_S``
+before the job's start. Nothing after now: a policy cannot see the future.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tidal.sim.job import JobModel
 from tidal.sim.trace import Trace
 
 STATIC_ALIASES = ("static-min", "static-max")
+HISTORY_S = 7 * 86400.0  # how much of the trace before the job's start its policy sees
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +136,10 @@ def run(
     idx = trace.index_at(start)
     points = trace.points
     market = MarketTracker()
+    for row in points[trace.index_at(start - HISTORY_S) : idx]:  # the market's past
+        market.observe(
+            max(row.time_s, start - HISTORY_S) - start, row.price_per_worker_hour, row.capacity
+        )
     while steps_done < total:
         row = points[idx]
         if t >= next_check:
