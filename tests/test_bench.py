@@ -51,10 +51,12 @@ def test_bench_cli_rejects_unknown_measurement() -> None:
     assert proc.returncode == 2 and "unknown measurement" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_bench_tiny_dataloader(tmp_path: Path) -> None:
-    """The input-pipeline rows: Tidal and torchrun with 1 and 0 DataLoader workers."""
+    """The input-pipeline rows: Tidal and torchrun with 1 and 0 DataLoader workers (four
+    jobs of three to five processes each, ~70 s on 2 cores: ``pytest -m bench`` runs it; CI
+    does not)."""
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--tiny", "--only", "dataloader", "--json", str(out)],
