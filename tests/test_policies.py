@@ -331,19 +331,21 @@ def test_cost_grows_to_the_fastest_size_when_the_deadline_cannot_be_met():
     assert d.target == 64 and "cannot be met" in d.reason
 
 
-def test_cost_holds_when_a_change_gains_less_than_one_percent_of_the_rest():
-    remaining = 99_000 * BATCH
-    deadline = 3600 + remaining / true_rate(20) / 0.99
-    plan = cost(deadline_meas(64, deadline)).target
-    d = cost(deadline_meas(plan + 3, deadline))  # 3 workers over the plan: gains too little
-    assert d.target == plan + 3 and "would gain" in d.reason and "1.0% of the rest" in d.reason
-
-
 def linear_stats(*sizes: int) -> tuple[SizeStats, ...]:
     return tuple(
         SizeStats(world_size=k, samples_per_s=1000.0 * k, samples=90 * BATCH, steps=90)
         for k in sizes
     )
+
+
+def test_cost_holds_when_a_change_gains_less_than_one_percent_of_the_spend():
+    # Linear scaling at a flat price: every size costs the same per sample, so shrinking
+    # from 30 to the 20 the deadline needs gains nothing worth a pause.
+    remaining = 99_000 * BATCH
+    deadline = 3600 + remaining / 20_000 / 0.99 + 30
+    m = meas(30, stats=linear_stats(1, 20, 30), params=replace(FLAT, deadline_s=deadline))
+    d = cost(m)
+    assert d.target == 30 and "would gain $0.00" in d.reason and "1% of the spend" in d.reason
 
 
 def test_cost_premium_hedges_by_hurrying_only_where_it_is_cheap():

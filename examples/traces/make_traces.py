@@ -24,6 +24,10 @@ one market shape per trace:
 - ``outage.csv``: 128 workers at about $1.00, none at all from 10 minutes to 100 minutes.
 
 ``drop.csv`` (not in the set): 3 workers, 1 from 15 s, 3 again from 45 s (a local test).
+
+``python examples/traces/make_traces.py --scale FILE`` writes (not in the repository) the
+scale test of docs/policies.md: one week of one-minute rows of ``spot.csv``'s market for
+up to 10,000 workers.
 """
 
 from __future__ import annotations
@@ -159,6 +163,25 @@ MARKETS = {
 }
 
 
+def scale_rows(seed: int = 23, workers: int = 10_000) -> Rows:
+    """One week of one-minute rows, the spot market's shape for up to ``workers``."""
+    rng = random.Random(seed)
+    noise, burst = 0.0, 0
+    rows = []
+    for t in range(0, WEEK_S + 1, 60):
+        noise = 0.993 * noise + rng.gauss(0.0, 0.02)  # about two hours of memory
+        demand = min(1.0, max(0.0, 0.1 + 0.6 * _working_day(t) + noise))
+        if burst == 0 and rng.random() < 0.0012:
+            burst = rng.randint(10, 60)  # a preemption wave: 10 to 60 minutes
+        capacity = round(workers * (1.0 - 0.75 * demand) / 250) * 250  # blocks of 250
+        if burst:
+            capacity //= 2
+            burst -= 1
+        price = round(SPOT + (ON_DEMAND - SPOT) * demand**2 + rng.gauss(0.0, 0.005), 3)
+        rows.append((t, max(0, capacity), max(0.01, price)))
+    return rows
+
+
 def text(rows: Rows) -> str:
     return "\n".join([HEADER] + [f"{t},{c},{p:.2f}" for t, c, p in rows]) + "\n"
 
@@ -168,6 +191,14 @@ def write(name: str, rows: Rows) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--scale":
+        Path(sys.argv[2]).write_text(
+            "\n".join([HEADER] + [f"{t},{c},{p:.3f}" for t, c, p in scale_rows()]) + "\n",
+            encoding="utf-8",
+        )
+        sys.exit(0)
     for market, make in MARKETS.items():
         write(f"{market}.csv", make())
     write("drop.csv", [(0, 3, 0.92), (15, 1, 0.92), (45, 3, 0.92)])

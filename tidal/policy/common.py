@@ -5,7 +5,9 @@
 1. the capacity (or ``max_workers``) fell below the target: follow it down at once (the
    cost policy keeps its target and lets the world size follow the capacity);
 2. the world size has not reached the target (or the capacity) yet: wait for it;
-3. the current size's measurement is not trusted yet (``SizeStats.trusted``): measure;
+3. the current size's measurement is not trusted yet (``SizeStats.trusted``): measure
+   (the cost policy, whose world size follows a churning capacity, decides from the model
+   fitted to the sizes it did measure once there is one);
 4. the target changed less than ``params.cooldown_s`` ago: cool down (no flapping).
 
 Otherwise it returns a ``Context``: the fitted throughput model, the sizes allowed now, the
@@ -116,8 +118,11 @@ def gate(m: Measurements, *, follow_capacity: bool = True) -> Decision | Context
     reachable = min(m.target, max(ceiling, 0))
     if m.world_size != reachable:
         return hold(m, f"waiting for the world size ({m.world_size}) to reach {reachable}")
+    if m.world_size == 0:
+        return hold(m, "no capacity now: nothing trains, waiting for it to come back")
     here = m.stats_for(m.world_size)
-    if here is None or not here.trusted(p):
+    trusted = [s for s in m.stats if s.trusted(p)]
+    if (here is None or not here.trusted(p)) and (follow_capacity or not trusted):
         steps = here.steps if here is not None else 0
         return hold(m, f"measuring {m.world_size} workers: {steps}/{p.min_steps} steps")
     if m.since_change_s is not None and m.since_change_s < p.cooldown_s:
@@ -125,9 +130,8 @@ def gate(m: Measurements, *, follow_capacity: bool = True) -> Decision | Context
             m,
             f"cooling down: last change {dur(m.since_change_s)} ago < {dur(p.cooldown_s)}",
         )
-    trusted = [s for s in m.stats if s.trusted(p)]
     model = fit(trusted)
-    if model is None:  # unreachable: ``here`` is trusted
+    if model is None:  # unreachable: a size is trusted
         return hold(m, f"no throughput measured at {m.world_size} workers yet")
     total_samples = sum(s.samples for s in m.stats)
     total_steps = sum(s.steps for s in m.stats)
@@ -137,7 +141,9 @@ def gate(m: Measurements, *, follow_capacity: bool = True) -> Decision | Context
     if m.max_steps is not None and math.isfinite(per_step):
         remaining, known_end = max(0.0, (m.max_steps - m.step) * per_step), True
     else:
-        remaining, known_end = here.samples_per_s * p.horizon_s, False
+        now = here.samples_per_s if here is not None and here.trusted(p) else None
+        rate_now = now if now is not None else model.samples_per_s(max(1, m.world_size))
+        remaining, known_end = rate_now * p.horizon_s, False
     pause = m.rescale_pause_s if m.rescale_pause_s is not None else p.assumed_pause_s
     return Context(
         m=m,

@@ -14,8 +14,10 @@ allowed now:
    as the current one has lasted; before a high price was seen to pass, stretched by
    1 / (1 - linear), below) and still leave the usual capacity (now, or what it was 75% of
    the time) the time to finish.
-3. **Outlook.** ``future`` = the higher of the median price seen (the market's past
-   included) and the median of the last two hours, times ``1 + price_premium x linear``,
+3. **Outlook.** ``future`` = the average over the time left of a price that returns from
+   now to the median seen (the market's past included) at the pace its past excursions
+   did (a high price at the pace of ``safe``'s spell, below), times
+   ``1 + price_premium x linear``,
    where ``linear`` = X'(need) / (X(need) / need) is how linear scaling is at that pace
    (hurrying as a hedge is cheap when it is linear, dear on the flat top). Medians ignore
    spikes and follow lasting steps. ``lam`` = future / X'(need): what a sample put off
@@ -28,9 +30,10 @@ allowed now:
 5. **Move or hold.** Behind (the current size eats more than half the reserve; while
    dear, it could not wait out one mean excursion): grow to ``want`` at once. Otherwise
    move only to a size at least ``hysteresis`` away whose gain in value over the
-   next hour, ``lam x X(k) - price x k`` a second, beats both the samples the pause loses
-   (and the pause back to ``need``, for a wait) and ``MATERIAL`` of the rest of the job's
-   cost.
+   time it lasts (a high or low price's expected spell, at least an hour; the rest of the
+   job for a move to the plan), ``lam x X(k) - price x k`` a second, beats both the
+   samples the pause loses (and the pause back to ``need``, for a wait) and ``MATERIAL``
+   of the spend over that time.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from tidal.policy.inputs import Decision
 from tidal.policy.plan import budget_cap, fewest_feasible, finish_time, first_true, marginal, to
 
 HOLD_S = 3600.0  # how long a new size is assumed to be kept, to weigh its pause
-MATERIAL = 0.01  # a change must gain this share of the rest of the job's cost
+MATERIAL = 0.01  # a change must gain this share of the spend over the gain's horizon
 DEAR_BAND = 0.05  # the price must be this much above the outlook to wait
 
 
@@ -58,10 +61,14 @@ def outlook(ctx: Context, left: float, linear: float = 1.0) -> float:
     m = ctx.m
     now = m.price_per_worker_hour
     expected = now
-    if m.market is not None and m.market.seconds > 0:
-        x = max(left, 0.0) / m.market.price_persistence_s
+    mk = m.market
+    if mk is not None and mk.seconds > 0:
+        # A price below the median returns up at the market's pace (the cautious reading);
+        # one above it comes down at the pace ``_spell`` expects.
+        tau = mk.price_persistence_s if now <= mk.price_median else _spell(ctx, linear)
+        x = max(left, 0.0) / tau
         stays = (1.0 - math.exp(-x)) / x if x > 1e-9 else 1.0
-        expected = m.market.price_median + (now - m.market.price_median) * stays
+        expected = mk.price_median + (now - mk.price_median) * stays
     return (1.0 + m.params.price_premium * linear) * expected
 
 
@@ -206,6 +213,8 @@ def deadline(ctx: Context, deadline_s: float, budget: float | None) -> Decision:
             return hold(m, reason, **ctx.predict(min(k, ctx.cap)))
         return Decision(target=k, reason=reason, predicted=ctx.predict(min(k, ctx.cap)))
 
+    if n > ctx.cap:  # more workers than the steps have samples for: no use at all
+        return move(reach, f"{why}shrink {n} -> {reach}: a step has samples for {ctx.cap}; {head}")
     if (urgent and reach > n) or (why and reach != n):
         return move(want, f"{why}grow {n} -> {want}: {head}")
     if reach == n:  # the world stays; the target may move above the capacity
@@ -219,19 +228,23 @@ def deadline(ctx: Context, deadline_s: float, budget: float | None) -> Decision:
     def value(k: int) -> float:
         return lam * ctx.rate(k) - price_s * k
 
-    horizon = min(max(0.0, limit), HOLD_S)
+    # The gain lasts as long as the reason for the move: a high or low price its
+    # expected spell, a move to the plan the rest of the job.
+    lasts = _spell(ctx, linear) if (dear or reach > need) else math.inf
+    horizon = min(max(0.0, limit), max(lasts, HOLD_S))
     gain = (value(reach) - value(n)) * horizon
     paused = ctx.rate(reach) + (ctx.rate(need) if reach < need else 0.0)  # and the way back
-    loss = max(lam * paused * ctx.pause, MATERIAL * (ctx.projected_cost(n) - m.spent))
+    spend = price_s * n * horizon
+    loss = max(lam * paused * ctx.pause, MATERIAL * spend)
     verb = "grow" if reach > n else "shrink"
     if gain > loss and math.isfinite(gain):
         return move(
             want,
             f"{verb} {n} -> {want}: {head}; gains ${gain:,.2f} over "
-            f"{dur(horizon)} against ${loss:,.2f} (the pause, or {MATERIAL:.1%} of the rest)",
+            f"{dur(horizon)} against ${loss:,.2f} (the pause, or {MATERIAL:.0%} of the spend)",
         )
     return hold(
         m,
         f"hold {n} workers: {head}; {reach} would gain ${gain:,.2f}, not more than "
-        f"${loss:,.2f} (the pause, or {MATERIAL:.1%} of the rest)",
+        f"${loss:,.2f} (the pause, or {MATERIAL:.0%} of the spend)",
     )

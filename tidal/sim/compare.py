@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import replace
 
-from tidal.policy.inputs import Decision, Measurements
 from tidal.sim.job import JobModel
 from tidal.sim.oracle import Plan, auto_grid, exact, lagrangian, make_slots
 from tidal.sim.simulate import SimConfig, SimResult, run, simulate
@@ -70,11 +69,12 @@ def oracle(
     def replay(plan: tuple[int, ...]) -> SimResult:
         if plan not in runs:
 
-            def scripted(m: Measurements) -> Decision:
-                i = min(len(plan) - 1, max(0, bisect.bisect_right(starts, m.elapsed_s) - 1))
-                return Decision(target=plan[i], reason=f"oracle schedule, slot {i}")
+            def scripted(elapsed: float) -> int:
+                return plan[min(len(plan) - 1, max(0, bisect.bisect_right(starts, elapsed) - 1))]
 
-            runs[plan] = run(job, replay_trace, scripted, plan[0], config, label="oracle")
+            runs[plan] = run(
+                job, replay_trace, None, plan[0], config, label="oracle", plan=scripted
+            )
         return runs[plan]
 
     def feasible(plan: tuple[int, ...]) -> tuple[bool, float]:

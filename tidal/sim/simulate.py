@@ -110,16 +110,19 @@ def simulate(job: JobModel, trace: Trace, policy: str, config: SimConfig) -> Sim
 def run(
     job: JobModel,
     trace: Trace,
-    decide: Callable[[Measurements], Decision],
+    decide: Callable[[Measurements], Decision] | None,
     target: int,
     config: SimConfig,
     *,
     label: str,
     limits: bool = True,
+    plan: Callable[[float], int] | None = None,
 ) -> SimResult:
-    """Run ``job`` from the target ``target`` under the policy function ``decide``;
+    """Run ``job`` from the target ``target`` under the policy function ``decide``, or
+    the scripted ``plan`` (the target as a function of the seconds since the start);
     ``limits``: the result carries the deadline and budget of ``config.params``."""
     params = config.params
+    asks = decide is not None and decide is not static and plan is None
     start = config.start_s
     if config.max_sim_s is not None:
         horizon = start + config.max_sim_s
@@ -130,8 +133,7 @@ def run(
     world, peak, rescales = 0, 0, 0
     pause_until, last_change = start, None
     next_check, interval = start, config.check_every_s
-    trained: dict[int, list[float]] = {}  # size -> [steps, seconds]
-    cache: dict[int, SizeStats] = {}  # size -> its last SizeStats
+    trained = _Trained(job)
     log: list[tuple[float, int, str]] = []
     idx = trace.index_at(start)
     points = trace.points
@@ -143,29 +145,35 @@ def run(
     while steps_done < total:
         row = points[idx]
         if t >= next_check:
-            market.observe(t - start, row.price_per_worker_hour, row.capacity)
-            decision = decide(
-                Measurements(
-                    step=int(steps_done),
-                    world_size=world,
-                    target=target,
-                    min_workers=config.workers_min,
-                    max_workers=config.workers_max,
-                    stats=_stats(job, trained, cache),
-                    rescale_pause_s=job.rescale_pause_s if rescales else None,
-                    price_per_worker_hour=row.price_per_worker_hour,
-                    capacity=row.capacity,
-                    max_steps=job.total_steps,
-                    elapsed_s=t - start,
-                    spent=cost,
-                    since_change_s=None if last_change is None else t - last_change,
-                    market=market.summary(),
-                    params=params,
+            if plan is not None:
+                new, why = plan(t - start), "scripted"
+            elif asks:
+                market.observe(t - start, row.price_per_worker_hour, row.capacity)
+                decision = decide(
+                    Measurements(
+                        step=int(steps_done),
+                        world_size=world,
+                        target=target,
+                        min_workers=config.workers_min,
+                        max_workers=config.workers_max,
+                        stats=trained.stats(world),
+                        rescale_pause_s=job.rescale_pause_s if rescales else None,
+                        price_per_worker_hour=row.price_per_worker_hour,
+                        capacity=row.capacity,
+                        max_steps=job.total_steps,
+                        elapsed_s=t - start,
+                        spent=cost,
+                        since_change_s=None if last_change is None else t - last_change,
+                        market=market.summary(),
+                        params=params,
+                    )
                 )
-            )
-            if decision.target != target:
-                target, last_change = decision.target, t
-                log.append((t, target, decision.reason))
+                new, why = decision.target, decision.reason
+            else:
+                new, why = target, ""
+            if new != target:
+                target, last_change = new, t
+                log.append((t, target, why))
                 interval = config.check_every_s
             else:
                 interval = min(2 * interval, config.max_check_every_s)
@@ -187,18 +195,17 @@ def run(
         if paused:
             t_next = min(t_next, pause_until)
         elif world > 0:
-            t_next = min(t_next, t + (total - steps_done) * job.step_s(world))
+            step_s = job.step_s(world)
+            t_next = min(t_next, t + (total - steps_done) * step_s)
         if t_next > horizon:
             break
         dt = t_next - t
         cost += world * row.price_per_worker_hour * dt / 3600.0
         worker_s += world * dt
         if world > 0 and not paused:
-            done = min(total - steps_done, dt / job.step_s(world))
+            done = min(total - steps_done, dt / step_s)
             steps_done = total if total - steps_done - done < 1e-9 else steps_done + done
-            acc = trained.setdefault(world, [0.0, 0.0])
-            acc[0] += done
-            acc[1] += dt
+            trained.add(world, done)
         t = t_next
         while idx + 1 < len(points) and points[idx + 1].time_s <= t:
             idx += 1
@@ -224,19 +231,51 @@ def run(
     )
 
 
-def _stats(
-    job: JobModel, trained: dict[int, list[float]], cache: dict[int, SizeStats]
-) -> tuple[SizeStats, ...]:
-    """What the coordinator would have measured; ``cache`` keeps the unchanged sizes'."""
-    for n, (steps, _) in trained.items():
-        old = cache.get(n)
-        if steps >= 1 and (old is None or old.steps != int(steps)):
-            cache[n] = SizeStats(
+class _Trained:
+    """Steps trained per world size, and what the coordinator would report: the
+    ``SizeStats`` of at most ``REPORTED`` sizes, the current one and the most trained
+    (capacity churn at thousands of workers trains thousands of sizes)."""
+
+    REPORTED = 32
+
+    def __init__(self, job: JobModel) -> None:
+        self.job = job
+        self.steps: dict[int, float] = {}
+        self.dirty: set[int] = set()
+        self.report: dict[int, SizeStats] = {}
+        self.cached: tuple[SizeStats, ...] = ()
+
+    def add(self, size: int, steps: float) -> None:
+        self.steps[size] = self.steps.get(size, 0.0) + steps
+        self.dirty.add(size)
+
+    def stats(self, current: int) -> tuple[SizeStats, ...]:
+        if not self.dirty:
+            return self.cached
+        for n in self.dirty:
+            steps = int(self.steps[n])
+            old = self.report.get(n)
+            if steps < 1 or (old is not None and old.steps == steps):
+                continue
+            if old is None and len(self.report) >= self.REPORTED and n != current:
+                least = min(self.report.values(), key=lambda s: s.steps)
+                if least.steps >= steps:
+                    continue
+            job = self.job
+            self.report[n] = SizeStats(
                 world_size=n,
                 samples_per_s=job.samples_per_s(n),
-                samples=int(steps) * job.global_batch,
-                steps=int(steps),
+                samples=steps * job.global_batch,
+                steps=steps,
                 compute_s=job.compute_s(n),
                 comm_s=job.comm_s(n),
             )
-    return tuple(cache.values())
+            while len(self.report) > self.REPORTED:
+                drop = min(
+                    (s for s in self.report.values() if s.world_size != current),
+                    key=lambda s: s.steps,
+                )
+                del self.report[drop.world_size]
+        self.dirty.clear()
+        self.cached = tuple(self.report.values())
+        return self.cached
