@@ -17,7 +17,7 @@ work left and the rescale pause, from which the policy picks its target.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.policy.inputs import Decision, Measurements
 from tidal.policy.model import ScalingModel, fit
@@ -62,11 +62,17 @@ class Context:
     known_end: bool
     pause: float
     samples_per_step: float
+    _rates: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
     def rate(self, k: int) -> float:
         """Samples/s at ``k`` workers: measured if trusted, else the model's prediction."""
-        got = self.measured.get(k)
-        return got if got is not None else self.model.samples_per_s(k)
+        got = self._rates.get(k)
+        if got is None:
+            got = self.measured.get(k)
+            if got is None:
+                got = self.model.samples_per_s(k)
+            self._rates[k] = got
+        return got
 
     def efficiency(self, a: int, b: int) -> float:
         """Marginal scaling efficiency from ``a`` to ``b`` workers (``a < b``): the throughput

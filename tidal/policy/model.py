@@ -27,6 +27,7 @@ the policies use only to decide whether exploring is worth a rescale pause.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -75,11 +76,13 @@ def _nnls(points: list[tuple[float, float, float, float]]) -> tuple[float, float
         if best is None or res < best[0] - tol:
             best = (res, p, q)
 
-    suu = sum(w * u * u for u, _, _, w in points)
-    svv = sum(w * v * v for _, v, _, w in points)
-    suv = sum(w * u * v for u, v, _, w in points)
-    suy = sum(w * u * y for u, _, y, w in points)
-    svy = sum(w * v * y for _, v, y, w in points)
+    suu = svv = suv = suy = svy = 0.0
+    for u, v, y, w in points:
+        suu += w * u * u
+        svv += w * v * v
+        suv += w * u * v
+        suy += w * u * y
+        svy += w * v * y
     det = suu * svv - suv * suv
     if len({(u, v) for u, v, _, _ in points}) >= 2 and abs(det) > 1e-12 * max(suu * svv, 1e-300):
         consider((suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det)
@@ -91,7 +94,13 @@ def _nnls(points: list[tuple[float, float, float, float]]) -> tuple[float, float
 
 
 def fit(stats: Iterable[SizeStats]) -> ScalingModel | None:
-    """The model fitted to ``stats`` (sizes with no samples are ignored); None if none left."""
+    """The model fitted to ``stats`` (sizes with no samples are ignored); None if none left.
+    Memoised on the (immutable) stats: a control loop asks again and again with the same."""
+    return _fit(tuple(stats))
+
+
+@functools.lru_cache(maxsize=64)
+def _fit(stats: tuple[SizeStats, ...]) -> ScalingModel | None:
     pts = [s for s in stats if s.samples > 0 and s.samples_per_s > 0]
     if not pts:
         return None

@@ -7,8 +7,8 @@ trace's rows, runs of equal rows merged, then cut into pieces of at most ``grid_
 everywhere in the simulator the world size is ``min(target, capacity)``, a change of it
 stalls training for the rescale pause (paid), and the job stops paying when its last sample
 is trained. Targets are every size in ``[min, max]`` when there are at most ``ALL_SIZES``
-of them, else a geometric grid of ``GRID_SIZES`` sizes (steps of at most ~6% between 1 and
-10,000) plus the trace's capacity levels when there are few: near its optimum the cost is
+of them, else a geometric grid of ``GRID_SIZES`` sizes (steps of about 10% between 1 and
+10,000), refined around the sizes the best schedules use plus the trace's capacity levels when there are few: near its optimum the cost is
 flat in the size, so the grid costs well under 0.1% (``docs/policies.md``).
 
 **Exact search** (``exact``), used when the problem is small: a dynamic program over slots
@@ -41,10 +41,10 @@ from tidal.sim.job import JobModel
 from tidal.sim.trace import Trace
 
 ALL_SIZES = 160
-GRID_SIZES = 160
+GRID_SIZES = 96
 EXACT_MAX_SIZE = 20_000  # slots x targets^2 above which the exact search is not tried
 EXACT_MAX_STEPS = 200_000  # (state, target) pairs the exact search may try before giving up
-LAMBDAS = 16
+LAMBDAS = 12
 ROUNDS = 4
 
 
@@ -160,9 +160,8 @@ class _Tables:
         self.gain = sl.dur[:, None] * x  # samples a slot trains without a pause
         self.cost = sl.dur[:, None] * sl.price[:, None] / 3600.0 * world
         lost = np.minimum(job.rescale_pause_s, sl.dur)[:, None] * x
-        prev = np.vstack([world[:1], world[:-1]])
-        moved = (world != prev) & (world > 0)
-        moved[0] = False  # the job's start costs no pause
+        moved = np.zeros(world.shape, dtype=bool)  # the job's start costs no pause
+        moved[1:] = (world[1:] != world[:-1]) & (world[1:] > 0)
         self.keep = self.gain - lost * moved  # keep the target (the capacity may move it)
         self.switch = self.gain - lost * (world > 0)  # change the target: a pause
         # A change of target that leaves the world size alone (both above the capacity):
@@ -179,18 +178,20 @@ def _values(tab: _Tables, lams: np.ndarray) -> np.ndarray:
     after any slot; 0 = not starting)."""
     lam = lams[:, None]
     f = lam * tab.gain[0] - tab.cost[0]
-    best = np.maximum(0.0, f.max(axis=1))
+    top = f.max(axis=1)
+    best = np.maximum(0.0, top)
+    keep, switch, cost, capped = tab.keep, tab.switch, tab.cost, tab.has_capped
     for i in range(1, tab.gain.shape[0]):
-        top = f.max(axis=1)[:, None]
-        new = f + lam * tab.keep[i]
-        np.maximum(new, top + lam * tab.switch[i], out=new)
-        if tab.has_capped[i]:
+        new = f + lam * keep[i]
+        np.maximum(new, top[:, None] + lam * switch[i], out=new)
+        if capped[i]:
             cm = f[:, tab.from_idx[i] :].max(axis=1)[:, None]
             mask = tab.capped[i]
             new[:, mask] = np.maximum(new[:, mask], cm + lam * tab.gain[i, mask])
-        new -= tab.cost[i]
+        new -= cost[i]
         f = new
-        np.maximum(best, f.max(axis=1), out=best)
+        top = f.max(axis=1)
+        np.maximum(best, top, out=best)
     return best
 
 
@@ -305,7 +306,7 @@ def _search(tab: _Tables, work: float, a: float, b: float, rounds: int):
     return a, b, bound
 
 
-def _refined(sizes: np.ndarray, used: np.ndarray, limit: int = 512) -> np.ndarray:
+def _refined(sizes: np.ndarray, used: np.ndarray, limit: int = 192) -> np.ndarray:
     """``sizes`` plus every size between the grid neighbours of the ``used`` ones."""
     extra: list[np.ndarray] = [sizes]
     total = len(sizes)

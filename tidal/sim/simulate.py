@@ -236,7 +236,7 @@ class _Trained:
     ``SizeStats`` of at most ``REPORTED`` sizes, the current one and the most trained
     (capacity churn at thousands of workers trains thousands of sizes)."""
 
-    REPORTED = 32
+    REPORTED = 16
 
     def __init__(self, job: JobModel) -> None:
         self.job = job
