@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SPOT = str(ROOT / "examples" / "traces" / "spot.csv")
+COMPARED = ("static-min", "static-max", "throughput", "cost", "oracle")
 
 
 def tidal(*args: str) -> subprocess.CompletedProcess:
@@ -55,11 +57,45 @@ def test_acceptance_cost_policy_is_25_percent_cheaper_and_at_most_10_percent_slo
     assert by["static-min"]["completion_s"] > fast["completion_s"]
 
 
-def test_compare_prints_a_table():
-    out = tidal("--compare", "--trace", SPOT)
+def test_compare_json_rows_carry_vs_oracle(compare_json):
+    by = {r["policy"]: r for r in compare_json}
+    ref = by["oracle"]
+    assert ref["vs_oracle"] == 1.0 and ref["oracle"]["method"] in ("exact", "lagrangian")
+    assert ref["deadline_s"] == by["cost"]["deadline_s"]
+    assert ref["oracle"]["lower_bound"] <= ref["cost"] * (1 + 1e-9)
+    for r in compare_json:
+        assert r["vs_oracle"] == pytest.approx(r["cost_per_sample"] / ref["cost_per_sample"])
+    # The acceptance on this trace: within 10% of the oracle, never above static-max.
+    assert by["cost"]["vs_oracle"] <= 1.10
+    assert by["cost"]["cost_per_sample"] <= by["static-max"]["cost_per_sample"]
+
+
+def test_compare_table_is_readable_at_80_columns():
+    out = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "simulate", "--compare", "--trace", SPOT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert out.returncode == 0, out.stderr
-    for word in ("static-min", "static-max", "throughput", "cost", "worker-h", "deadline"):
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in out.stdout
+    names = [line.split()[0] for line in lines if line.split()[:1] and line.split()[0] in COMPARED]
+    assert names == list(COMPARED)  # every name whole, in order
+    assert SPOT in out.stdout.replace("\n", "")  # the trace path, not cut
+    for word in ("vs or", "deadline", "lower bound", "Δ$/s"):
         assert word in out.stdout
+
+
+def test_oracle_alone_needs_a_deadline_and_meets_it():
+    line = one_error_line(tidal("--policy", "oracle", "--trace", SPOT))
+    assert "the oracle needs a deadline" in line
+    out = tidal("--policy", "oracle", "--trace", SPOT, "--deadline", "3h", "--json")
+    assert out.returncode == 0, out.stderr
+    (r,) = json.loads(out.stdout)
+    assert r["policy"] == "oracle" and r["completion_s"] <= 3 * 3600 and r["vs_oracle"] == 1.0
 
 
 def test_one_policy_with_a_deadline_and_explicit_job_flags():
@@ -96,7 +132,7 @@ def test_malformed_trace_is_one_error_line_naming_file_and_line(tmp_path):
 
 def test_unknown_policy_is_one_error_line_listing_the_known_ones():
     line = one_error_line(tidal("--policy", "cheapest", "--trace", SPOT))
-    assert "unknown policy 'cheapest'" in line and "cost, static, static-max" in line
+    assert "unknown policy 'cheapest'" in line and "cost, oracle, static, static-max" in line
 
 
 @pytest.mark.parametrize(

@@ -110,12 +110,9 @@ def print_status(s: JobStatus) -> None:
         f"{s.world_size} (target {s.target_workers}, range {s.min_workers}-{s.max_workers}"
         + (f", {s.pending_workers} pending: no room in the cluster)" if s.pending_workers else ")"),
     )
-    summary.add_row("script", s.script, "url", s.url or "-")
     per_1k = f", ${s.cost_per_1k_samples:.4g}/1k samples" if s.cost_per_1k_samples else ""
     projected = f", ~${s.projected_cost:.2f} at the end" if s.projected_cost else ""
     summary.add_row("cost", f"${s.cost:.2f}{per_1k}{projected}", "", "")
-    if s.dashboard_url:
-        summary.add_row("dashboard", s.dashboard_url, "metrics", s.metrics_url or "-")
     if s.checkpoint_failures:
         summary.add_row(
             "checkpoints",
@@ -128,6 +125,12 @@ def print_status(s: JobStatus) -> None:
             "metrics", ", ".join(f"{k}={v:.4g}" for k, v in sorted(s.metrics.items())), "", ""
         )
     console.print(summary)
+    # Paths and URLs get lines of their own, folded (never cut) when wider than the terminal.
+    long = [("script", s.script), ("url", s.url or "-")]
+    if s.dashboard_url:
+        long += [("dashboard", s.dashboard_url), ("metrics url", s.metrics_url or "-")]
+    for label, value in long:
+        console.print(f"{label:<12}{value}", overflow="fold")
     workers = Table(title="workers")
     for col in ("id", "rank", "pid", "state", "node", "exit"):
         workers.add_column(col)

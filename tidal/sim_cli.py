@@ -2,6 +2,7 @@
 
     tidal simulate --trace examples/traces/spot.csv --policy cost --deadline 3h
     tidal simulate --trace examples/traces/spot.csv --compare [--json]
+    tidal simulate --trace examples/traces/spot.csv --policy oracle --deadline 3h
 
 Bad input raises ``ValueError``; ``tidal.cli.main`` prints it as one ``tidal: error:`` line.
 """
@@ -14,7 +15,7 @@ import math
 
 from tidal.policy.inputs import PolicyParams, parse_duration
 from tidal.policy.registry import known_policies
-from tidal.sim.compare import compare
+from tidal.sim.compare import compare, oracle, with_vs_oracle
 from tidal.sim.job import DEFAULT_JOB, PRESETS, JobModel, get_job
 from tidal.sim.simulate import STATIC_ALIASES, SimConfig, SimResult, simulate
 from tidal.sim.trace import load_trace
@@ -33,12 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     sim.add_argument("--trace", metavar="FILE", help="capacity trace (CSV), required")
     what = sim.add_mutually_exclusive_group()
-    names = ", ".join([*known_policies(), *STATIC_ALIASES])
+    names = ", ".join([*known_policies(), *STATIC_ALIASES, "oracle"])
     what.add_argument("--policy", metavar="NAME", help=f"one of: {names}")
     what.add_argument(
         "--compare",
         action="store_true",
-        help="every policy, and static allocations at --workers-min and --workers-max",
+        help="every policy, static allocations at --workers-min and --workers-max, and the "
+        "oracle (the cheapest schedule by the same deadline)",
     )
     sim.add_argument("--job", default=DEFAULT_JOB, help=f"job preset (default {DEFAULT_JOB})")
     sim.add_argument("--list-jobs", action="store_true", help="print the job presets and exit")
@@ -92,7 +94,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("simulate needs --trace FILE (e.g. examples/traces/spot.csv)")
     if args.policy is None and not args.compare:
         raise ValueError("simulate needs --policy NAME or --compare")
-    names = sorted([*known_policies(), *STATIC_ALIASES])
+    names = sorted([*known_policies(), *STATIC_ALIASES, "oracle"])
     if args.policy is not None and args.policy not in names:
         raise ValueError(f"unknown policy {args.policy!r}; known policies: {', '.join(names)}")
     trace = load_trace(args.trace)
@@ -113,9 +115,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         params=params,
         start_s=_duration_or_zero(args.start),
     )
-    results = (
-        compare(job, trace, config) if args.compare else [simulate(job, trace, args.policy, config)]
-    )
+    if args.compare:
+        results = compare(job, trace, config)
+    elif args.policy == "oracle":
+        best = oracle(job, trace, config)
+        if best is None:
+            raise ValueError(
+                f"no schedule finishes within the deadline {_hours(params.deadline_s)} on "
+                f"{args.trace}: give a later --deadline"
+            )
+        results = with_vs_oracle([best])
+    else:
+        results = [simulate(job, trace, args.policy, config)]
     if args.json:
         print(json.dumps([_row(r, job, args.trace) for r in results], indent=2))
     else:
@@ -137,35 +148,65 @@ def _hours(s: float | None) -> str:
     return "unfinished" if s is None else f"{s / 3600:,.2f} h"
 
 
+def _short_hours(s: float | None) -> str:
+    if s is None:
+        return "-"
+    h = s / 3600
+    return f"{h:,.2f}h" if h < 10 else f"{h:,.1f}h" if h < 1000 else f"{h:,.0f}h"
+
+
+def _money(x: float) -> str:
+    """Dollars in at most 7 characters: $262.68, $1,744, $17.4k, $1.74M."""
+    if x < 1000:
+        return f"${x:,.2f}"
+    if x < 10_000:
+        return f"${x:,.0f}"
+    if x < 1e6:
+        return f"${x / 1e3:,.1f}k"
+    return f"${x / 1e6:,.2f}M"
+
+
+def _count(x: float) -> str:
+    return f"{x:,.1f}" if x < 1000 else f"{x / 1e3:,.1f}k" if x < 1e6 else f"{x / 1e6:,.1f}M"
+
+
 def _print(results: list[SimResult], job: JobModel, trace: str, workers_max: int) -> None:
+    """The table fits 80 columns: short headers and abbreviated units, the policy names
+    never cut, the long values (job, trace path, limits, the oracle's bound) below it."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal and console.width < 100:
-        console = Console(width=100)  # a pipe or a file: don't squeeze the table
+    console = Console(highlight=False)
+    console.print(f"[bold]{job.name}[/]: {job.description or 'custom job'}")
     console.print(
-        f"[bold]{job.name}[/]: {job.description or 'custom job'}; {job.total_steps:,} steps "
-        f"of {job.global_batch:,} samples; trace {trace}; up to {workers_max} workers"
+        f"{job.total_steps:,} steps of {job.global_batch:,} samples; up to {workers_max} "
+        f"workers; trace:"
     )
+    console.print(trace, overflow="fold", soft_wrap=False)
     base = next((r for r in results if r.policy == "static-max"), None)
-    table = Table(box=box.SIMPLE_HEAD)
-    cols = ["policy", "time", "cost", "$/M samples", "worker-h", "avg n", "rescales"]
+    ref = next((r for r in results if r.policy == "oracle"), None)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    width = max(len(r.policy) for r in results)
+    table.add_column("policy", no_wrap=True, min_width=width)
+    cols = ["time", "cost", "$/M", "wk-h", "resc"]
+    if ref is not None:
+        cols.append("vs or")
     if base is not None:
-        cols += ["Δ $/sample", "Δ time"]
+        cols += ["Δ$/s", "Δtime"]
     for col in cols:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         row = [
             r.policy,
-            _hours(r.completion_s),
-            f"${r.cost:,.2f}",
+            _short_hours(r.completion_s),
+            _money(r.cost),
             "-" if r.cost_per_sample is None else f"${r.cost_per_sample * 1e6:,.2f}",
-            f"{r.worker_hours:,.1f}",
-            f"{r.mean_workers:,.1f}",
+            _count(r.worker_hours),
             str(r.rescales),
         ]
+        if ref is not None:
+            row.append("-" if r.vs_oracle is None else f"{r.vs_oracle:.2f}x")
         if base is not None:
             row += [
                 _ratio(r.cost_per_sample, base.cost_per_sample),
@@ -178,14 +219,26 @@ def _print(results: list[SimResult], job: JobModel, trace: str, workers_max: int
             limits = [f"deadline {_hours(r.deadline_s)}" if r.deadline_s else ""]
             limits.append(f"budget ${r.budget:,.2f}" if r.budget else "")
             console.print(f"{r.policy}: {', '.join(x for x in limits if x)}")
-    if base is not None:
-        console.print("Δ: relative to static-max")
+    if ref is not None and ref.oracle is not None:
+        bound = ref.oracle.get("lower_bound")
+        gap = f", {ref.cost / bound - 1:.2%} above its lower bound" if bound else ""
+        console.print(
+            f"oracle: the cheapest schedule by the deadline ({ref.oracle['method']}, "
+            f"{ref.oracle['slots']:,} slots{gap})"
+        )
+    console.print(
+        "time: to finish; $/M: dollars per million samples; wk-h: worker-hours; resc: "
+        "rescales"
+        + ("; vs or: $/sample over the oracle's" if ref is not None else "")
+        + ("; Δ: against static-max" if base is not None else "")
+    )
 
 
 def _ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None or b == 0 or not math.isfinite(a / b):
         return "-"
-    return f"{a / b - 1:+.1%}"
+    change = a / b - 1
+    return f"{change:+.1%}" if abs(change) < 1 else f"{change:+.0%}"
 
 
 def _print_jobs() -> None:
