@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from tidal.policy import PolicyParams
+from tidal.policy.market import MarketTracker
 from tidal.sim import (
     COMPARE_POLICIES,
+    DEFAULT_JOB,
     PRESETS,
     SimConfig,
     compare,
@@ -19,6 +21,7 @@ from tidal.sim import (
     parse_trace,
     simulate,
 )
+from tidal.sim.trace import Trace
 
 TRACES = Path(__file__).resolve().parent.parent / "examples" / "traces"
 HEADER = "time_s,capacity,price_per_worker_hour\n"
@@ -74,11 +77,51 @@ def test_load_trace_names_a_missing_file(tmp_path):
         load_trace(tmp_path / "nope.csv")
 
 
-def test_example_traces_are_what_their_generator_writes():
-    gen = runpy.run_path(str(TRACES / "make_traces.py"))
-    lines = (TRACES / "spot.csv").read_text().splitlines()
-    assert lines[0] == HEADER.strip()
-    assert lines[1:] == [f"{t},{c},{p:.2f}" for t, c, p in gen["spot_rows"]()]
+GEN = runpy.run_path(str(TRACES / "make_traces.py"))
+MARKETS = list(GEN["MARKETS"])
+
+
+@pytest.mark.parametrize("name", MARKETS)
+def test_example_traces_are_what_their_generator_writes(name):
+    text = (TRACES / f"{name}.csv").read_text()
+    assert text == GEN["text"](GEN["MARKETS"][name]())
+
+
+def test_the_trace_set_has_one_market_shape_per_trace():
+    t = {name: load_trace(TRACES / f"{name}.csv") for name in MARKETS}
+    hours = {n: {p.time_s // 3600: p for p in tr.points} for n, tr in t.items()}
+    assert all(tr.duration_s >= WEEK for tr in t.values())
+    day = [hours["diurnal"][h].price_per_worker_hour for h in range(24)]
+    assert day.index(max(day)) in (19, 20, 21) and day.index(min(day)) in (7, 8, 9)
+    steps = {p.price_per_worker_hour for p in t["price-steps"].points}
+    assert steps == {0.92, 1.38, 2.53} and {p.capacity for p in t["price-steps"].points} == {32}
+    dear = t["cheap-then-dear"]
+    assert dear.at(8 * 3600 - 1).price_per_worker_hour * 2.75 == pytest.approx(
+        dear.at(8 * 3600).price_per_worker_hour, abs=0.01
+    )
+    spikes = [p for p in t["spikes"].points if p.price_per_worker_hour >= 3.0]
+    assert len(spikes) >= 10 and all(p.capacity == 48 for p in spikes)
+    assert (
+        t["scarcity"].at(29 * 3600).capacity == 16 and t["scarcity"].at(31 * 3600).capacity == 128
+    )
+    assert {(p.capacity, p.price_per_worker_hour) for p in t["flat"].points} == {(256, 1.2)}
+    zero = [p.time_s for p in t["outage"].points if p.capacity == 0]
+    assert min(zero) == 600 and max(zero) < 6000 and len(zero) == 18  # one outage
+
+
+@pytest.mark.parametrize("name", MARKETS)
+def test_acceptance_on_the_trace_set(name):
+    """Issue 18: the cost policy within 10% of the oracle's $/sample, by the deadline, and
+    never above static-max's $/sample (the default job, as tidal simulate --compare)."""
+    tr = load_trace(TRACES / f"{name}.csv")
+    rows = {
+        r.policy: r
+        for r in compare(get_job(DEFAULT_JOB), tr, SimConfig(workers_max=tr.max_capacity))
+    }
+    best, top = rows["cost"], rows["static-max"]
+    assert best.completed and best.completion_s <= best.deadline_s
+    assert best.vs_oracle <= 1.10
+    assert best.cost_per_sample <= top.cost_per_sample
 
 
 def test_spot_trace_is_a_week_of_fluctuating_capacity_and_price():
@@ -88,6 +131,45 @@ def test_spot_trace_is_a_week_of_fluctuating_capacity_and_price():
     assert tr.duration_s >= WEEK
     assert len(caps) >= 5 and max(caps) == 128 and min(caps) <= 32
     assert min(prices) >= 0.9 and max(prices) <= 3.06 and max(prices) > 2 * min(prices)
+
+
+def test_the_policies_cannot_see_the_future():
+    """Fed a trace cut at time t (the last row then holds for ever), each policy makes the
+    same decisions up to t: nothing it decides on comes from after t."""
+    tr = load_trace(TRACES / "spot.csv")
+    job = SMALL.with_overrides(total_steps=40_000)
+    for cut in (2 * 3600, 3 * 3600 + 1200, 5 * 3600):  # the job starts at 1 h
+        early = Trace(tuple(p for p in tr.points if p.time_s <= cut), "cut")
+        for name in ("throughput", "cost"):
+            cfg = SimConfig(workers_max=128, params=PolicyParams(deadline_s=6 * 3600), start_s=3600)
+            full = simulate(job, tr, name, cfg).log
+            short = simulate(job, early, name, cfg).log
+            before = [d for d in full if d[0] < cut]
+            assert before and before == [d for d in short if d[0] < cut], (name, cut)
+
+
+def test_market_tracker_summarises_the_past_and_only_the_past():
+    m = MarketTracker()
+    assert m.summary() is None
+    rows = [
+        (0, 1.0, 8),
+        (600, 1.0, 8),
+        (1200, 3.0, 4),
+        (1800, 1.0, 8),
+        (3600, 1.0, 0),
+        (4200, 1.0, 8),
+    ]
+    for t, price, cap in rows:
+        m.observe(t - 3600.0, price, cap)  # the first hour is the market's past
+    s = m.summary(1200.0)  # 20 minutes into the job
+    assert s.seconds == 4800 and s.price_max == 3.0 and s.price_min == 1.0
+    assert s.price_median == pytest.approx(1.0, rel=0.01)
+    assert s.price_mean == pytest.approx((1.0 * 4200 + 3.0 * 600) / 4800)
+    assert s.price_excursions == 1 and s.price_persistence_s == pytest.approx((600 + 3600) / 2)
+    assert s.outage_s == 600 and s.longest_outage_s == 600 and s.capacity_min == 0
+    assert s.capacity_low == 4 and s.price_excursion_s == 0  # 25th percentile of the time
+    with pytest.raises(ValueError, match="time went back"):
+        m.observe(0.0, 1.0, 8)
 
 
 def test_drop_trace_goes_from_3_to_1_and_back_within_a_minute():
@@ -109,7 +191,9 @@ def test_job_model_is_the_ring_all_reduce_cost_model():
 
 
 def test_unknown_job_and_bad_overrides_are_errors():
-    with pytest.raises(ValueError, match="unknown job 'bert'; known jobs: llama2-7b-a100, resnet50-v100"):
+    with pytest.raises(
+        ValueError, match="unknown job 'bert'; known jobs: llama2-7b-a100, resnet50-v100"
+    ):
         get_job("bert")
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         get_job("resnet50-v100").with_overrides(bandwidth_bytes_s=0)
