@@ -152,22 +152,31 @@ def _short_hours(s: float | None) -> str:
     if s is None:
         return "-"
     h = s / 3600
-    return f"{h:,.2f}h" if h < 10 else f"{h:,.1f}h" if h < 1000 else f"{h:,.0f}h"
+    return f"{h:,.2f}h" if h < 10 else f"{h:,.1f}h" if h < 100 else f"{h:,.0f}h"
 
 
 def _money(x: float) -> str:
-    """Dollars in at most 7 characters: $262.68, $1,744, $17.4k, $1.74M."""
+    """Dollars in at most 7 characters: $262.68, $1,744, $17.4k, $934k, $1.34M."""
     if x < 1000:
         return f"${x:,.2f}"
     if x < 10_000:
         return f"${x:,.0f}"
-    if x < 1e6:
+    if x < 100_000:
         return f"${x / 1e3:,.1f}k"
+    if x < 1e6:
+        return f"${x / 1e3:,.0f}k"
     return f"${x / 1e6:,.2f}M"
 
 
-def _count(x: float) -> str:
-    return f"{x:,.1f}" if x < 1000 else f"{x / 1e3:,.1f}k" if x < 1e6 else f"{x / 1e6:,.1f}M"
+def _count(x: float, digits: int = 1) -> str:
+    """At most 5 characters: 26.7, 282.3, 1.2k, 965k, 1.2M."""
+    if x < 1000:
+        return f"{x:,.{digits}f}"
+    if x < 10_000:
+        return f"{x / 1e3:,.1f}k"
+    if x < 1e6:
+        return f"{x / 1e3:,.0f}k"
+    return f"{x / 1e6:,.1f}M"
 
 
 def _print(results: list[SimResult], job: JobModel, trace: str, workers_max: int) -> None:
@@ -194,8 +203,8 @@ def _print(results: list[SimResult], job: JobModel, trace: str, workers_max: int
         cols.append("vs or")
     if base is not None:
         cols += ["Δ$/s", "Δtime"]
-    for col in cols:
-        table.add_column(col, justify="right", no_wrap=True)
+    for col in cols:  # numbers fold rather than being cut, should a value be wider
+        table.add_column(col, justify="right", overflow="fold")
     for r in results:
         row = [
             r.policy,
@@ -203,7 +212,7 @@ def _print(results: list[SimResult], job: JobModel, trace: str, workers_max: int
             _money(r.cost),
             "-" if r.cost_per_sample is None else f"${r.cost_per_sample * 1e6:,.2f}",
             _count(r.worker_hours),
-            str(r.rescales),
+            _count(r.rescales, 0),
         ]
         if ref is not None:
             row.append("-" if r.vs_oracle is None else f"{r.vs_oracle:.2f}x")
