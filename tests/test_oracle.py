@@ -17,12 +17,12 @@ import pytest
 
 from tidal.policy import PolicyParams
 from tidal.sim import SimConfig, compare, get_job, load_trace, oracle, parse_trace, run, simulate
+from tidal.sim.exact import exact
 from tidal.sim.oracle import (
     _Tables,
     auto_grid,
     candidate_sizes,
     evaluate,
-    exact,
     lagrangian,
     make_slots,
 )

@@ -392,6 +392,22 @@ def test_cost_does_not_wait_out_a_rise_the_market_never_showed_passing_when_line
     assert d.target >= 20  # the rise may be a lasting step: putting work off saves nothing
 
 
+def test_cost_gates_no_capacity_more_workers_than_samples_and_an_unmeasured_size():
+    deadline = 3600 + 99_000 * BATCH / true_rate(40)
+    params = replace(FLAT, deadline_s=deadline)
+    d = cost(meas(0, sizes=[1, 4, 16], target=40, capacity=0, params=params))
+    assert d.target == 40 and "no capacity now" in d.reason  # waits, keeps its target
+    # A size not measured yet (the capacity moved the world there): the fitted model decides.
+    fresh = meas(23, sizes=[1, 4, 16], target=40, capacity=23, params=params)
+    assert "measuring" not in cost(fresh).reason
+    assert "measuring" in throughput(meas(23, sizes=[1, 16])).reason
+    # More workers than a step has samples for: down at once.
+    few = meas(64, sizes=[1, 4, 64], max_steps=100_000, params=PolicyParams(deadline_s=deadline))
+    few = replace(few, stats=tuple(replace(x, samples=x.steps * 32) for x in few.stats))
+    d = cost(few)
+    assert d.target <= 32 and "shrink 64 ->" in d.reason and "a step has samples for 32" in d.reason
+
+
 def test_cost_keeps_its_target_when_the_capacity_dips_below_it():
     remaining = 99_000 * BATCH
     deadline = 3600 + remaining / true_rate(40) / 0.99

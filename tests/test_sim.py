@@ -190,6 +190,22 @@ def test_job_model_is_the_ring_all_reduce_cost_model():
     assert set(PRESETS) >= {"resnet50-v100", "resnet50-v100-fp32", "resnet50-v100-100gbe"}
 
 
+def test_llm_presets_carry_their_cited_figures():
+    tiny, llama = get_job("tinyllama-1.1b-a100"), get_job("llama2-7b-a100")
+    # TinyLlama: 24k tokens/s per A100-40G, 8 GPUs a node, 2,048-token sequences, 2M-token
+    # batches, 22B tokens; 2.2 GB of bf16 gradients over 400 Gbit/s.
+    assert tiny.samples_per_s(1) == pytest.approx(8 * 24_000 / 2048, rel=1e-3)
+    assert tiny.global_batch * 2048 == 2**21 and tiny.total_steps * 2**21 == pytest.approx(
+        22e9, rel=1e-3
+    )
+    assert tiny.grad_bytes == 2.2e9 and tiny.bandwidth_bytes_s == 50e9
+    # Llama 2 7B: 184,320 A100-80GB hours for 2.0T tokens, 4M-token batches of 4,096.
+    gpu_tokens_s = llama.samples_per_s(1) * 4096 / 8
+    assert gpu_tokens_s * 184_320 * 3600 == pytest.approx(2.0e12, rel=1e-3)
+    assert llama.global_batch * 4096 == 4 * 2**20 and llama.bandwidth_bytes_s == 200e9
+    assert llama.total_steps * 4 * 2**20 == pytest.approx(20 * 6.74e9, rel=1e-3)  # Chinchilla
+
+
 def test_unknown_job_and_bad_overrides_are_errors():
     with pytest.raises(
         ValueError, match="unknown job 'bert'; known jobs: llama2-7b-a100, resnet50-v100"

@@ -11,8 +11,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import replace
 
+from tidal.sim.exact import exact
 from tidal.sim.job import JobModel
-from tidal.sim.oracle import Plan, auto_grid, exact, lagrangian, make_slots
+from tidal.sim.oracle import auto_grid, lagrangian, make_slots
 from tidal.sim.simulate import SimConfig, SimResult, run, simulate
 from tidal.sim.trace import Trace
 
@@ -96,20 +97,15 @@ def oracle(
     best = replay(plan)
     if method == "exact":
         bound = best.cost
-    info = Plan(
-        targets=plan,
-        method=method if plan != (hi,) or method == "exact" else f"{method} (static-max)",
-        lower_bound=bound,
-        slots=len(sl),
-        sizes=len(set(range(lo, hi + 1))) if method == "exact" else 0,
-    )
+    if method == "lagrangian" and plan == (hi,):
+        method = "lagrangian (static-max)"
     return replace(
         best,
         deadline_s=deadline,
         oracle={
-            "method": info.method,
-            "lower_bound": info.lower_bound,
-            "slots": info.slots,
+            "method": method,
+            "lower_bound": bound,
+            "slots": len(sl),
             "changes": best.decisions,
         },
     )

@@ -11,9 +11,9 @@ of them, else a geometric grid of ``GRID_SIZES`` sizes (steps of about 10% betwe
 10,000), refined around the sizes the best schedules use plus the trace's capacity levels when there are few: near its optimum the cost is
 flat in the size, so the grid costs well under 0.1% (``docs/policies.md``).
 
-**Exact search** (``exact``), used when the problem is small: a dynamic program over slots
-whose states are (target, samples done, dollars spent, pause left), keeping per target only
-the states no other state beats on all three (more samples, fewer dollars, less pause):
+**Exact search** (``exact.exact``), used when the problem is small: a dynamic program over
+slots whose states are (target, samples done, dollars spent, pause left), keeping per target
+only the states no other state beats on all three (more samples, fewer dollars, less pause):
 every schedule that could still be the cheapest is kept, so the result is the optimum. The
 tests compare it with a brute-force enumeration of every schedule.
 
@@ -42,8 +42,6 @@ from tidal.sim.trace import Trace
 
 ALL_SIZES = 160
 GRID_SIZES = 96
-EXACT_MAX_SIZE = 20_000  # slots x targets^2 above which the exact search is not tried
-EXACT_MAX_STEPS = 200_000  # (state, target) pairs the exact search may try before giving up
 LAMBDAS = 12
 ROUNDS = 4
 
@@ -78,18 +76,6 @@ class Slots:
         after = [TracePoint(end, last.capacity, last.price_per_worker_hour)]
         after += [p for p in trace.points if p.time_s > end]
         return Trace(tuple(before + rows + after), trace.source)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """An oracle schedule: ``targets[i]`` for slot ``i`` (the last one holds after), the
-    method that found it, and the best lower bound on the cost (``None`` if none)."""
-
-    targets: tuple[int, ...]
-    method: str
-    lower_bound: float | None
-    slots: int
-    sizes: int
 
 
 def auto_grid(deadline_s: float) -> float:
@@ -384,61 +370,3 @@ def _trim(plan: np.ndarray) -> tuple[int, ...]:
     while end > 1 and plan[end - 1] == plan[end - 2]:
         end -= 1
     return tuple(int(v) for v in plan[:end])
-
-
-def exact(job: JobModel, sl: Slots, lo: int, hi: int) -> tuple[int, ...] | None:
-    """The optimum by a dynamic program over non-dominated states; None if it would take
-    too long (more than ``EXACT_MAX_STEPS`` steps) or no schedule finishes in time."""
-    sizes = list(range(lo, hi + 1))
-    budget = EXACT_MAX_STEPS
-    if len(sl) * len(sizes) ** 2 > EXACT_MAX_SIZE:
-        return None
-    work = float(job.total_samples)
-    pause = job.rescale_pause_s
-    caps, durs, prices = sl.cap.tolist(), sl.dur.tolist(), (sl.price / 3600.0).tolist()
-    rate = {w: float(rates(job, np.array([w]))[0]) for w in range(0, hi + 1)}
-    # state key: target; value: list of (samples, dollars, pause left, path)
-    states: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {}
-    best: tuple[float, tuple[int, ...]] | None = None
-    for i, (cap, d, p) in enumerate(zip(caps, durs, prices, strict=True)):
-        nxt: dict[int, list] = {}
-        sources = (
-            [(None, (0.0, 0.0, 0.0, ()))]
-            if i == 0
-            else [(k, s) for k, lst in states.items() for s in lst]
-        )
-        budget -= len(sources) * len(sizes)
-        if budget < 0:
-            return None
-        for prev, (done, spent, left, path) in sources:
-            was = 0 if prev is None else min(prev, caps[i - 1])
-            for t in sizes:
-                w = min(t, cap)
-                if w != was and w > 0 and i > 0:
-                    left2 = pause
-                else:
-                    left2 = left
-                train = max(0.0, d - left2) if w > 0 else 0.0
-                gain = rate[w] * train
-                if w > 0 and done + gain >= work * (1 - 1e-12):
-                    end = min(d, left2) + (work - done) / rate[w]
-                    total = spent + w * p * end
-                    if best is None or total < best[0] - 1e-12:
-                        best = (total, path + (t,))
-                    continue
-                cost = spent + w * p * d
-                if best is not None and cost >= best[0]:
-                    continue
-                nxt.setdefault(t, []).append((done + gain, cost, max(0.0, left2 - d), path + (t,)))
-        states = {k: _pareto(v) for k, v in nxt.items()}
-    return best[1] if best is not None else None
-
-
-def _pareto(states: list) -> list:
-    """The states no other beats on samples (more), dollars and pause left (less)."""
-    states.sort(key=lambda s: (-s[0], s[1], s[2]))
-    kept: list = []
-    for s in states:
-        if not any(k[0] >= s[0] and k[1] <= s[1] and k[2] <= s[2] for k in kept):
-            kept.append(s)
-    return kept
