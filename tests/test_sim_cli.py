@@ -148,3 +148,50 @@ def test_unknown_policy_is_one_error_line_listing_the_known_ones():
 )
 def test_other_bad_input_is_one_error_line(args, words):
     assert words in one_error_line(tidal(*args))
+
+
+def test_status_is_readable_at_80_columns(monkeypatch, capsys):
+    """tidal status at 80 columns: the script path and the URLs whole (folded when longer
+    than a line, never cut with an ellipsis)."""
+    import time
+
+    from tidal.display import print_status
+    from tidal.protocol import GenerationView, JobState, JobStatus, WorkerState, WorkerView
+
+    monkeypatch.setenv("COLUMNS", "80")
+    script = "/home/alice/projects/a-rather-long-project-name/examples/train_gpt_tokens.py"
+    long_path = "/srv/" + "very-long-directory-name/" * 4 + "train.py"  # over 80 characters
+    for path in (script, long_path):
+        s = JobStatus(
+            name="gpt-small-7f3a9c21",
+            state=JobState.RUNNING,
+            step=12345,
+            world_size=3,
+            target_workers=4,
+            min_workers=1,
+            max_workers=8,
+            script=path,
+            created=time.time(),
+            url="http://127.0.0.1:48213/api/jobs/gpt-small-7f3a9c21",
+            workers=[WorkerView(id=0, rank=0, pid=4000, state=WorkerState.RUNNING)],
+            generations=[
+                GenerationView(
+                    id=1,
+                    world_size=3,
+                    members=[0, 1, 2],
+                    start_step=100,
+                    reason="policy cost: shrink 4 -> 3: deadline in 2.4 h (reserve 85.8 s)",
+                    pause_s=0.09,
+                    opened_at=time.time(),
+                )
+            ],
+            dashboard_url="http://127.0.0.1:48213/dashboard/gpt-small-7f3a9c21",
+            metrics_url="http://127.0.0.1:48213/metrics",
+        )
+        print_status(s)
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        assert max(len(line) for line in lines) <= 80 and "…" not in out
+        flat = "".join(line.strip() for line in lines)
+        for value in (path, s.url, s.dashboard_url, s.metrics_url):
+            assert value in flat
