@@ -217,6 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         schedule=schedule,
         heartbeat_timeout_s=args.heartbeat_timeout,
         collective_timeout_s=args.collective_timeout,
+        orphan_timeout_s=args.orphan_timeout,
         max_restarts=args.max_restarts,
         checkpoint_every=args.checkpoint_every,
         checkpoint_interval_s=args.checkpoint_interval,
@@ -541,6 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
     run.add_argument(
         "--collective-timeout", type=float, default=120.0, help="seconds (default 120)"
+    )
+    run.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=JobSpec.orphan_timeout_s,
+        help="seconds a worker trains on without any coordinator before it exits (default 600)",
     )
     run.add_argument(
         "--max-restarts", type=int, default=3, help="replacements after failures (default 3)"

@@ -21,6 +21,7 @@ _NUMBER_RULES: dict[str, tuple[str, str, float]] = {
     "heartbeat_interval_s": ("the heartbeat interval", ">0", MAX_SECONDS),
     "heartbeat_timeout_s": ("--heartbeat-timeout", ">0", MAX_SECONDS),
     "collective_timeout_s": ("--collective-timeout", ">0", MAX_SECONDS),
+    "orphan_timeout_s": ("--orphan-timeout", ">0", MAX_SECONDS),
     "start_timeout_s": ("the start timeout", ">0", MAX_SECONDS),
     "checkpoint_interval_s": ("--checkpoint-interval", ">0", MAX_SECONDS),
     "price_per_worker_hour": ("--price", ">=0", MAX_DOLLARS),
@@ -114,6 +115,10 @@ class JobSpec:
     heartbeat_timeout_s: float = 10.0
     collective_timeout_s: float = 120.0
     start_timeout_s: float = 120.0
+    # How long a worker trains on without reaching any coordinator before it exits: its
+    # coordinator is restarted by its supervisor within a second or two, or re-attached by
+    # ``tidal attach`` (``WorkerConfig.orphan_timeout_s``).
+    orphan_timeout_s: float = 600.0
     max_restarts: int = 3
     checkpoint_every: int | None = None
     checkpoint_interval_s: float | None = None
@@ -155,6 +160,11 @@ class JobSpec:
             raise ValueError(
                 "--collective-timeout must be longer than --heartbeat-timeout: a hung peer is "
                 "found by its missed heartbeats before a collective gives up on it"
+            )
+        if self.orphan_timeout_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                "--orphan-timeout must be longer than --heartbeat-timeout: a worker waits out "
+                "a coordinator's restart before it gives up on the job"
             )
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(

@@ -170,6 +170,9 @@ class WorkerConfig(BaseModel):
     checkpoint_interval_s: float | None = None
     keep_checkpoints: int = 3
     resume_from: str | None = None  # a verified checkpoint every worker loads at start
+    # A worker that reaches no coordinator for this long exits (its job was interrupted and
+    # nobody else will stop it); meanwhile it trains on in its generation (``tidal attach``).
+    orphan_timeout_s: float = 600.0
 
 
 class RegisterRequest(BaseModel):
@@ -179,6 +182,10 @@ class RegisterRequest(BaseModel):
     pid: Id
     host: str = Field(max_length=255)
     max_steps: Step | None = None
+    # A worker that registers again (its coordinator was restarted: ``ReRegister``) says where
+    # it stands: the generation it trains in (0: none yet) and its committed step.
+    generation: Id = 0
+    step: Step = 0
 
 
 class RegisterResponse(BaseModel):
@@ -356,3 +363,6 @@ class JobStatus(BaseModel):
     # coordinator serves the job (``tidal dashboard`` serves finished jobs from SQLite).
     dashboard_url: str | None = None
     metrics_url: str | None = None
+    # The process that hosts the job's control loop now (it changes when its supervisor
+    # restarts it); None when no coordinator serves the job.
+    coordinator_pid: int | None = None

@@ -67,6 +67,12 @@ class Backend(ABC):
     def alive(self) -> list[int]:
         """Ids of workers whose process still runs."""
 
+    def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
+        """Watch a worker that a previous coordinator of the job started (it was restarted):
+        True if ``pid`` is that worker's live process (launched with ``env``). A backend
+        that cannot adopt returns False; the worker is then counted as lost."""
+        return False
+
     def waiting(self) -> set[int]:
         """Workers asked for but not placed yet: the cluster has no room for them now.
         They start by themselves when room appears; ``signal`` with SIGTERM or SIGKILL

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tidal.backends.base import Backend, Exit, register_backend
 from tidal.config import JobSpec
-
-_PR_SET_PDEATHSIG = 1
 
 #: How many workers a core may hold: a worker spends part of each step waiting on its peers'
 #: gradients, so a few per core still train (the tests run 4 on 2 cores). ``--oversubscribe``
@@ -22,10 +19,6 @@ WORKERS_PER_CORE = 4
 #: What one worker process needs at least: Python, torch and gloo loaded, a small model
 #: (~250 MB measured for examples/digits.py).
 WORKER_MEMORY_BYTES = 250 * 2**20
-try:  # loaded here, not in the forked child, where loading could deadlock
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _LIBC = None
 
 
 def _cores() -> int:
@@ -72,13 +65,33 @@ def local_capacity(*, oversubscribe: bool = False) -> tuple[int, str]:
     return min(limits) if limits else (sys.maxsize, "no limit known")
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: kill the worker if the coordinator process dies (it cannot train without it).
+#: An adopted worker whose process is gone but whose exit status its reaper has not told
+#: (``reaped_fd``) within this long is reported as lost, status unknown.
+REAPED_WAIT_S = 1.0
 
-    Must be called by ``Popen`` from the thread that lives as long as the coordinator (the
-    controller's): the kernel ties the signal to the forking thread."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
 
 
 class LocalBackend(Backend):
@@ -110,6 +123,12 @@ class LocalBackend(Backend):
         self.log_dir = log_dir
         self.cwd = cwd
         self._procs: dict[int, subprocess.Popen] = {}
+        # Workers a previous coordinator started (``adopt``): id -> pid, and since when each
+        # has been gone without a known exit status.
+        self._adopted: dict[int, int] = {}
+        self._gone_since: dict[int, float] = {}
+        self._reaped: dict[int, int] = {}  # pid -> exit code, as the reaper told
+        self.reaped_fd: int | None = None  # "PID CODE" lines from the supervisor (a reaper)
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def log_path(self, worker_id: int) -> Path:
@@ -126,11 +145,37 @@ class LocalBackend(Backend):
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the coordinator only; it stops the job
-                preexec_fn=_die_with_parent,
+                # Ctrl-C reaches the coordinator only; it stops the job. Workers outlive a
+                # coordinator that dies: its supervisor restarts it and the new one adopts
+                # them (``adopt``); they exit by themselves after ``--orphan-timeout``.
+                start_new_session=True,
             )
         self._procs[worker_id] = proc
         return proc.pid
+
+    def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
+        """Watch a worker a previous coordinator of the job started: True if ``pid`` runs
+        with exactly ``env`` (its id and credential), so a recycled pid is never taken for
+        it. Its exit status comes from ``reaped_fd`` (the supervisor reaps orphans)."""
+        if _gone(pid):
+            return False
+        environ = _environ(pid)
+        if any(environ.get(k) != v for k, v in env.items()):
+            return False
+        self._adopted[worker_id] = pid
+        return True
+
+    def _read_reaped(self) -> None:
+        if self.reaped_fd is None:
+            return
+        try:
+            data = os.read(self.reaped_fd, 65536)
+        except (BlockingIOError, OSError):
+            return
+        for line in data.decode(errors="replace").splitlines():
+            pid, _, code = line.partition(" ")
+            if pid.isdigit() and code.lstrip("-").isdigit():
+                self._reaped[int(pid)] = int(code)
 
     def poll(self) -> list[Exit]:
         exits = []
@@ -139,6 +184,19 @@ class LocalBackend(Backend):
             if code is not None:
                 exits.append(Exit(worker_id=wid, returncode=code))
                 del self._procs[wid]
+        if self._adopted:
+            self._read_reaped()
+        now = time.monotonic()
+        for wid, pid in list(self._adopted.items()):
+            if not _gone(pid):
+                continue
+            code = self._reaped.pop(pid, None)
+            if code is None and now - self._gone_since.setdefault(wid, now) < REAPED_WAIT_S:
+                continue
+            reason = "" if code is not None else "lost while adopted (exit status unknown)"
+            exits.append(Exit(worker_id=wid, returncode=-9 if code is None else code, reason=reason))
+            del self._adopted[wid]
+            self._gone_since.pop(wid, None)
         return exits
 
     def signal(self, worker_id: int, sig: int) -> None:
@@ -148,12 +206,20 @@ class LocalBackend(Backend):
                 proc.send_signal(sig)
             except ProcessLookupError:
                 pass
+        pid = self._adopted.get(worker_id)
+        if pid is not None and not _gone(pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def alive(self) -> list[int]:
-        return [wid for wid, p in self._procs.items() if p.poll() is None]
+        running = [wid for wid, p in self._procs.items() if p.poll() is None]
+        return running + [wid for wid, pid in self._adopted.items() if not _gone(pid)]
 
     def node(self, worker_id: int) -> str | None:
-        return socket.gethostname() if worker_id in self._procs else None
+        known = worker_id in self._procs or worker_id in self._adopted
+        return socket.gethostname() if known else None
 
     def describe_exit(self, worker_id: int) -> str:
         try:

@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,8 +184,12 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
-def write(snapshot: Snapshot, directory: Path) -> Written:
-    """Write ``snapshot`` as ``directory/step-N`` atomically (see the module contract)."""
+def write(
+    snapshot: Snapshot, directory: Path, *, during: Callable[[], None] | None = None
+) -> Written:
+    """Write ``snapshot`` as ``directory/step-N`` atomically (see the module contract).
+    ``during`` (a test hook: the ``checkpoint`` fault phase) runs once the first file is in
+    the temporary folder."""
     start = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(snapshot.step)
@@ -192,6 +197,8 @@ def write(snapshot: Snapshot, directory: Path) -> Written:
     tmp.mkdir()
     try:
         save_file(snapshot.model, str(tmp / "model.safetensors"))
+        if during is not None:
+            during()
         save_file(snapshot.optimizer_tensors, str(tmp / "optimizer.safetensors"))
         _write_json(tmp / "optimizer.json", snapshot.optimizer_meta)
         _write_json(tmp / "meta.json", snapshot.meta)

@@ -35,13 +35,16 @@ class AsyncCheckpointer:
         keep: int,
         on_written: Callable[[store.Written], None],
         on_failed: Callable[[int, str], None] | None = None,
+        during_write: Callable[[int], None] | None = None,
     ) -> None:
+        """``during_write(step)``: a test hook run inside each write (``store.write``)."""
         if keep < 1:
             raise ValueError(f"--keep-checkpoints must be at least 1, got {keep}")
         self.directory = directory
         self.keep = keep
         self.on_written = on_written
         self.on_failed = on_failed
+        self.during_write = during_write
         self._thread: threading.Thread | None = None
         self._copied: threading.Event | None = None
         self.last_stall_s = 0.0  # what the last checkpoint cost the training thread
@@ -90,7 +93,9 @@ class AsyncCheckpointer:
         finally:
             copied.set()
         try:
-            written = store.write(snap, self.directory)
+            hook = self.during_write
+            during = (lambda: hook(snap.step)) if hook is not None else None
+            written = store.write(snap, self.directory, during=during)
             store.prune(self.directory, self.keep)
         except Exception as exc:  # noqa: BLE001 - a failed write must not kill training
             error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line

@@ -28,6 +28,7 @@ from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.step_metrics import StepLog
+from tidal.coordinator.supervisor import Hosting, listen, url_of
 from tidal.policy.inputs import PolicyParams
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.registry import get_policy
@@ -54,29 +55,38 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         *,
         host: str | None = None,
         resume: Resume | None = None,
+        hosting: Hosting | None = None,
+        recover: bool = False,
     ) -> None:
         """``host``: the address to bind and to give workers; default: the backend's (loopback
-        for local workers, this node's cluster address for Ray)."""
+        for local workers, this node's cluster address for Ray). ``hosting``: the token and
+        listening sockets its supervisor holds for it (``supervisor``); ``recover``: a
+        previous coordinator of the job died, rebuild from its records (``recovery``)."""
         get_policy(spec.policy)  # fail early on an unknown name
         self.spec = spec
         self.resume = resume
-        self.token = secrets.token_urlsafe(24)
+        self.hosting = hosting
+        self.token = hosting.token if hosting else secrets.token_urlsafe(24)
         self.jobdir = job_dir(home, spec.name)
         self.jobdir.logs.mkdir(parents=True, exist_ok=True)
         # Before the job's record: a backend that cannot start (no cluster) leaves none.
         self.backend = get_backend(spec.backend)(
             spec=spec, log_dir=self.jobdir.logs, cwd=Path.cwd()
         )
+        if hosting is not None:
+            self.backend.reaped_fd = hosting.reaped_r  # orphans' exit statuses
         self.host = host or self.backend.host
         self.db = Database(db_path(home))
-        if resume is None:
+        self._gen_base, self._worker_base = 0, 0
+        if recover:
+            pass  # the job's records are there: ``_recover`` reads them
+        elif resume is None:
             self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
-            self._gen_base, self._worker_base = 0, 0
         else:
             self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = self.db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
-        self.store = _bound_store(self.host)
+        self.store = _bound_store(self.host, hosting.store_sock if hosting else None)
         # Every store key of the job lives under this secret (``protocol.generation_prefix``):
         # only workers, which get it through the authenticated API, can name a key.
         self.store_namespace = secrets.token_hex(16)
@@ -85,7 +95,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         # scale, a stop, members holding at a scheduled step): the loop ticks at once
         # instead of at its next interval.
         self.wake = threading.Event()
-        self.url = ""
+        self.url = url_of(hosting.api_sock) if hosting else ""
         self.state = JobState.PENDING
         self.target = spec.workers
         self.requested = spec.workers
@@ -123,6 +133,9 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.settled_step = passed[-1] if passed else -1  # last step whose membership is in place
         self._last_flush = 0.0
         self._policy = get_policy(spec.policy)
+        if recover:
+            self._recover()
+            return
         if resume is None:
             self.event(
                 "job", f"job {spec.name} created: {spec.workers} workers, script {spec.script}"
@@ -174,9 +187,12 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.event("scale", f"target {self.target} -> {effective} ({why})")
             self.target = effective
             self.target_changed_at = time.monotonic()
+            self.db.update_job(self.spec.name, target_workers=effective)
+        self._save_control()
 
     def _decide(self, outcome: JobState, why: str) -> None:
         self.outcome = outcome
+        self._save_control()
         self.event("job", f"job {outcome.value}: {why}")
 
     def tick(self) -> bool:
@@ -265,7 +281,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         step): no live worker holds the job's state, every member loads it first."""
         prev = self.latest
         gen = GenerationRecord(
-            id=self._gen_base + len(self.generations) + 1,
+            id=(self.latest.id if self.latest else self._gen_base) + 1,
             members=members,
             reason=reason,
             opened_at=time.time(),
@@ -289,6 +305,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                     self._stopping(w)
             self.db.upsert_worker(self.spec.name, w.view())
         self.db.upsert_generation(self.spec.name, gen.view())
+        self._save_control()
         self.event(
             "generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})"
         )
@@ -352,6 +369,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         )
         for w in self.workers.values():
             self.db.upsert_worker(self.spec.name, w.view())
+        self._save_control()
 
     def close(self) -> None:
         for wid in self.backend.alive():
@@ -364,17 +382,16 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             pass
 
 
-def _bound_store(host: str) -> dist.TCPStore:
+def _bound_store(host: str, sock: socket.socket | None = None) -> dist.TCPStore:
     """The rendezvous store, listening on ``host`` only (loopback for local workers).
 
     ``TCPStore`` itself would listen on every interface; it serves a socket bound here
-    instead (``master_listen_fd``), on a port the OS picks. The store owns the descriptor
-    from then on (``detach``): closing it under the store's event loop made that loop spin
-    and the process hang at exit."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
+    instead (``master_listen_fd``), on a port the OS picks, or ``sock``, the supervisor's
+    (this process's copy of it: a restarted coordinator serves the same port). The store
+    owns the descriptor from then on (``detach``): closing it under the store's event loop
+    made that loop spin and the process hang at exit."""
+    if sock is None:
+        sock = listen(host)
     store = dist.TCPStore(
         host,
         sock.getsockname()[1],

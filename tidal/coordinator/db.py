@@ -108,6 +108,8 @@ MIGRATIONS = (
     ("generations", "pause_phases", "TEXT"),  # written before pauses had phases
     ("jobs", "checkpoint_failures", "INTEGER NOT NULL DEFAULT 0"),
     ("jobs", "last_checkpoint_error", "TEXT"),
+    # What a restarted coordinator needs beyond the rows above (``recovery.Control``).
+    ("jobs", "control", "TEXT"),
 )
 
 
@@ -330,7 +332,17 @@ class Database:
     def drop_checkpoint(self, job: str, step: int) -> None:
         self._write("DELETE FROM checkpoints WHERE job = ? AND step = ?", (job, step))
 
+    def save_control(self, job: str, control: dict) -> None:
+        self._write("UPDATE jobs SET control = ? WHERE name = ?", (json.dumps(control), job))
+
     # -- reads -------------------------------------------------------------------------
+    def load_control(self, name: str) -> dict:
+        """The job's ``control`` record ({} if none was written)."""
+        if "control" not in self._columns["jobs"]:
+            return {}
+        rows = self._read("SELECT control FROM jobs WHERE name = ?", (name,))
+        return json.loads(rows[0][0]) if rows and rows[0][0] else {}
+
     def job_names(self) -> list[str]:
         return [r[0] for r in self._read("SELECT name FROM jobs ORDER BY created")]
 

@@ -7,6 +7,7 @@ requests; the control loop (``Coordinator.tick``) decides and acts on them.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +39,11 @@ class RequestError(ValueError):
     """A client asked for something the job cannot do; the message says why."""
 
 
+class ReRegister(RuntimeError):
+    """A worker that a previous coordinator of the job started called before registering
+    with this one (HTTP 409): it must register again, saying where it stands."""
+
+
 def final_checkpoint_failed(step: int, error: str) -> str:
     return f"the checkpoint of its last step ({step}) could not be written: {error}"
 
@@ -66,9 +72,31 @@ class Handlers:
         )
 
     # -- API: workers --------------------------------------------------------------------
+    def _caller(self, wid: int) -> WorkerRecord:
+        """The worker making a call; ``ReRegister`` if it has not registered with this
+        coordinator yet (a previous one started it)."""
+        w = self._worker(wid)
+        if not w.adopted:
+            raise ReRegister(f"worker {wid}: the coordinator restarted; register again")
+        return w
+
     def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
         with self.lock:
             w = self._worker(wid)
+            if not w.live:
+                raise RequestError(
+                    f"worker {wid} was counted as lost ({w.kill_reason or 'its process ended'}); "
+                    "it must exit"
+                )
+            if not w.adopted:  # it trained on while the previous coordinator was away
+                w.adopted = True
+                if wid not in self.backend.alive():  # its pid was not known: it is now
+                    self.backend.adopt(wid, req.pid, self._worker_env(wid))
+                self.step = max(self.step, req.step)
+                self.event(
+                    "worker",
+                    f"worker {wid} re-registered (generation {req.generation}, step {req.step})",
+                )
             w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
             if req.max_steps is not None and self.job_length is None:
                 self.job_length = req.max_steps
@@ -98,12 +126,13 @@ class Handlers:
                     checkpoint_interval_s=self.spec.checkpoint_interval_s,
                     keep_checkpoints=self.spec.keep_checkpoints,
                     resume_from=self.resume.path if self.resume else None,
+                    orphan_timeout_s=self.spec.orphan_timeout_s,
                 ),
             )
 
     def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
         with self.lock:
-            w = self._worker(wid)
+            w = self._caller(wid)
             w.last_heartbeat = time.time()
             w.step = req.step
             self.step = max(self.step, req.step)
@@ -127,11 +156,9 @@ class Handlers:
         for old in self.db.checkpoints(self.spec.name):  # pruned by the writer
             if not Path(old.path).exists():
                 self.db.drop_checkpoint(self.spec.name, old.step)
-        self.event(
-            "checkpoint",
-            f"checkpoint of step {c.step}: {c.path} ({c.bytes} bytes, "
-            f"{c.seconds_to_write:.2f} s to write)",
-        )
+        size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
+        took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
+        self.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
 
     #: Checkpoints of this run that could not be written: step -> the error (one line).
     checkpoint_failed: dict[int, str] | None = None
@@ -149,7 +176,7 @@ class Handlers:
 
     def on_role(self, wid: int) -> HeartbeatResponse:
         with self.lock:
-            return self._role(self._worker(wid))
+            return self._role(self._caller(wid))
 
     def _on_step_report(self, r: StepReport) -> None:
         index = next((i for i, g in enumerate(self.generations) if g.id == r.generation), None)
@@ -174,7 +201,7 @@ class Handlers:
 
     def on_failure(self, wid: int, r: FailureReport) -> None:
         with self.lock:
-            self._worker(wid)
+            self._caller(wid)
             latest = self.latest
             if latest is None or r.generation != latest.id or self.outcome is not None:
                 return  # a newer generation already answers it
@@ -193,7 +220,7 @@ class Handlers:
 
     def on_done(self, wid: int, r: DoneReport) -> None:
         with self.lock:
-            w = self._worker(wid)
+            w = self._caller(wid)
             self._stopping(w)
             self.step = max(self.step, r.step)
             if r.completed and self.outcome is None:
@@ -249,4 +276,6 @@ class Handlers:
     def status(self) -> JobStatus:
         with self.lock:
             self.flush()
-        return self.db.load_status(self.spec.name)
+        status = self.db.load_status(self.spec.name)
+        status.coordinator_pid = os.getpid()
+        return status

@@ -67,11 +67,16 @@ class JobDir:
     def coordinator_file(self) -> Path:
         return self.path / "coordinator.json"
 
-    def write_coordinator(self, *, url: str, token: str, pid: int) -> None:
+    def write_coordinator(
+        self, *, url: str, token: str, pid: int, supervisor_pid: int | None = None
+    ) -> None:
+        """``pid``: the coordinator's (it changes when its supervisor restarts it);
+        ``supervisor_pid``: the process that holds the job's lock and restarts it."""
         tmp = self.coordinator_file.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"url": url, "token": token, "pid": pid}, f)
+            record = {"url": url, "token": token, "pid": pid, "supervisor_pid": supervisor_pid}
+            json.dump(record, f)
         os.replace(tmp, self.coordinator_file)
 
     def read_coordinator(self) -> dict | None:

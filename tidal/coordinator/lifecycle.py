@@ -8,12 +8,14 @@ code (the script raised) fails the job, since every worker runs the same code.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
 from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
 from tidal.protocol import JobState, WorkerState, worker_token
 from tidal.worker.agent import WorkerEnv
 
@@ -25,6 +27,79 @@ NOT_STARTED = (WorkerState.PENDING, WorkerState.STARTING)  # not registered yet
 
 
 class Lifecycle:
+    # -- a restarted coordinator ---------------------------------------------------------
+    def _recover(self) -> None:
+        """Start from the records of the job's previous coordinator (``recovery``): adopt
+        its live workers, count the ones that are gone as lost, re-open a generation that
+        had not formed."""
+        name = self.spec.name
+        status = self.db.load_status(name)
+        saved = self.db.load_control(name)
+        control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
+        r = rebuild(status, control, namespace=self.store_namespace, now=time.time())
+        self.workers, self.generations = r.workers, r.generations
+        self.state, self.outcome, self.step = r.state, r.outcome, r.step
+        self.requested, self.target = control.requested, status.target_workers
+        self.failures, self.job_length = control.failures, control.job_length
+        self.settled_step, self._schedule_done = control.settled_step, control.schedule_done
+        self.checkpoint_failed = control.checkpoint_failed or None
+        if control.stop_requested:
+            self.stop_requested_at = time.monotonic()
+        self.created = status.created
+        self.metrics = {k: v for k, v in status.metrics.items() if isinstance(v, (int, float))}
+        adopted, lost = [], []
+        for w in self.workers.values():
+            if w.adopted:  # not live: nothing to adopt
+                continue
+            if w.state == WorkerState.STOPPING:
+                w.stopping_since = time.monotonic()
+            if w.pid and self.backend.adopt(w.id, w.pid, self._worker_env(w.id)):
+                adopted.append(w.id)
+            else:
+                lost.append(w.id)
+        incarnation = self.hosting.incarnation if self.hosting else 0
+        self.event(
+            "coordinator",
+            f"coordinator restarted (pid {os.getpid()}, restart {incarnation}): "
+            f"{len(adopted)} live workers {adopted} adopted, awaiting their re-registration"
+            + (f"; {lost} gone" if lost else ""),
+        )
+        for wid in lost:
+            self._on_exit(Exit(worker_id=wid, returncode=-9, reason="gone when the coordinator restarted"))
+        latest = self.latest
+        if r.reopen and latest is self.generations[-1] and self.outcome is None:
+            live = [m for m in latest.members if self.workers[m].live]
+            self._open(live, f"re-formed: the coordinator restarted before generation {latest.id} formed")
+        self._save_control()
+
+    def _save_control(self) -> None:
+        latest = self.latest
+        flags = {
+            w.id: WorkerFlags(retired=w.retired, preempted=w.preempted, kill_reason=w.kill_reason)
+            for w in self.workers.values()
+            if w.live and (w.retired or w.preempted or w.kill_reason)
+        }
+        control = Control(
+            requested=self.requested,
+            failures=self.failures,
+            job_length=self.job_length,
+            settled_step=self.settled_step,
+            schedule_done=self._schedule_done,
+            stop_requested=self.stop_requested_at is not None,
+            outcome=self.outcome.value if self.outcome else None,
+            checkpoint_failed=self.checkpoint_failed or {},
+            committed_step=latest.committed_step if latest else 0,
+            resume_from=latest.resume_from if latest else None,
+            resume_step=latest.resume_step if latest else None,
+            workers=flags,
+        )
+        self.db.save_control(self.spec.name, control.to_dict())
+
+    def _worker_env(self, wid: int) -> dict[str, str]:
+        """What a worker's process is launched with: its id, credential, the API's URL."""
+        token = worker_token(self.token, wid)  # its own credential, not the job's token
+        return WorkerEnv(url=self.url, token=token, worker_id=wid).to_environ()
+
     def _on_exit(self, ex: Exit) -> None:
         w = self.workers.get(ex.worker_id)
         if w is None:
@@ -163,18 +238,21 @@ class Lifecycle:
 
     def _retire(self, w: WorkerRecord) -> None:
         w.retired = True
+        self._save_control()
         if w.state in NOT_STARTED:  # no heartbeat to tell it; pending ones are cancelled
             self.backend.signal(w.id, signal.SIGTERM)
         self._stopping(w)
         self.db.upsert_worker(self.spec.name, w.view())
 
     def _start_worker(self) -> None:
-        wid = self._worker_base + len(self.workers)
+        wid = max(self.workers, default=self._worker_base - 1) + 1
         w = WorkerRecord(id=wid)
         self.workers[wid] = w
-        token = worker_token(self.token, wid)  # its own credential, not the job's token
-        env = WorkerEnv(url=self.url, token=token, worker_id=wid).to_environ()
-        w.pid = self.backend.start(wid, env)
+        # Recorded before it is launched: a coordinator that dies in between leaves a record
+        # (its successor counts the worker as lost, and refuses it if it registers), never
+        # a process with an id it could give a second worker.
+        self.db.upsert_worker(self.spec.name, w.view())
+        w.pid = self.backend.start(wid, self._worker_env(wid))
         if wid in self.backend.waiting():
             w.state = WorkerState.PENDING
             self.event(

@@ -24,6 +24,7 @@ import signal
 import sqlite3
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import JobSpec
@@ -31,6 +32,7 @@ from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records import Resume
 from tidal.coordinator.server import ApiServer
+from tidal.coordinator.supervisor import Hosting, supervise
 from tidal.dashboard.history import Recorder
 from tidal.protocol import JobState
 
@@ -49,20 +51,54 @@ def run_job(
     resume: Resume | None = None,
     tensorboard: str | Path | None = None,
     lock_fd: int | None = None,
+    attach: Attach | None = None,
 ) -> int:
     """Run the job to its end; 0 if it succeeded. Must run on the main thread: workers are
     tied to the thread that launched them (they die with it). ``tensorboard``: a folder for
     TensorBoard event files (``DIR/NAME``). ``lock_fd``: the job's lock, taken by the caller
-    (``JobDir.lock``) and handed over (closed here); taken here if None."""
+    (``JobDir.lock``) and handed over (closed here); taken here if None. ``attach``: take
+    over the live workers of a job whose coordinator and supervisor died (``tidal attach``).
+
+    On the local backend this process supervises the coordinator (``supervisor``): it runs
+    in a forked child, restarted when it dies. On a cluster backend it runs here."""
     if lock_fd is None:
         try:
             lock_fd = job_dir(home, spec.name).lock()
         except JobBusy as exc:
             raise ValueError(f"job {spec.name!r} is running: {exc}") from None
     try:
-        return _host(spec, home, quiet=quiet, resume=resume, tensorboard=tensorboard)
+        if spec.backend != "local":
+            return _host(spec, home, quiet=quiet, resume=resume, tensorboard=tensorboard)
+
+        def host_job(hosting: Hosting, recover: bool, stop_requested: bool) -> int:
+            return _host(
+                spec,
+                home,
+                quiet=quiet,
+                resume=None if recover else resume,
+                tensorboard=tensorboard,
+                hosting=hosting,
+                recover=recover,
+                stop_requested=stop_requested,
+            )
+
+        return supervise(
+            host_job,
+            token=attach.token if attach else None,
+            api_port=attach.api_port if attach else 0,
+            recover=attach is not None,
+            name=spec.name,
+        )
     finally:
         os.close(lock_fd)  # after the coordinator has recorded the end and closed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attach:
+    """The dead coordinator's token and API port, which its workers still use."""
+
+    token: str
+    api_port: int
 
 
 def _host(
@@ -72,10 +108,13 @@ def _host(
     quiet: bool,
     resume: Resume | None,
     tensorboard: str | Path | None,
+    hosting: Hosting | None = None,
+    recover: bool = False,
+    stop_requested: bool = False,
 ) -> int:
     from tidal.display import Progress, print_outcome
 
-    coord = Coordinator(spec, home, resume=resume)
+    coord = Coordinator(spec, home, resume=resume, hosting=hosting, recover=recover)
     if coord.db.broken:  # the job's record could not be written: nothing was started
         coord.close()
         print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
@@ -94,13 +133,20 @@ def _host(
     except BaseException:
         coord.close()
         raise
-    server = ApiServer(coord, host=coord.host)
+    if stop_requested:  # the supervisor was asked to stop while no coordinator ran
+        coord.on_stop()
+    server = ApiServer(coord, host=coord.host, sock=hosting.api_sock if hosting else None)
     coord.url = server.url
     server.start()
     deadline = time.monotonic() + 30
     while not server._server.started and time.monotonic() < deadline:
         time.sleep(0.01)
-    coord.jobdir.write_coordinator(url=server.url, token=coord.token, pid=os.getpid())
+    coord.jobdir.write_coordinator(
+        url=server.url,
+        token=coord.token,
+        pid=os.getpid(),
+        supervisor_pid=hosting.supervisor_pid if hosting else None,
+    )
 
     signals = {"count": 0}
 

@@ -23,6 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tidal.coordinator.controller import Coordinator, RequestError
+from tidal.coordinator.handlers import ReRegister
+from tidal.coordinator.supervisor import listen, url_of
 from tidal.protocol import (
     API_PREFIX,
     MAX_ID,
@@ -100,6 +102,8 @@ def make_app(coord: Coordinator) -> FastAPI:
             return fn(*args)
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
+        except ReRegister as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
 
     @app.get(API_PREFIX + "/status", response_model=JobStatus)
     def status() -> JobStatus:
@@ -156,14 +160,14 @@ class ApiServer:
     """uvicorn on a daemon thread, listening on a socket bound before it starts (so the
     port is known, and free, before any worker is launched)."""
 
-    def __init__(self, coord: Coordinator, host: str = "127.0.0.1") -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Accepted connections inherit this: without it a response written in two parts
-        # waits for the client's delayed ACK (40 ms a call).
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.bind((host, 0))
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+    def __init__(
+        self, coord: Coordinator, host: str = "127.0.0.1", sock: socket.socket | None = None
+    ) -> None:
+        """``sock``: a listening socket to serve (the supervisor's, so that a restarted
+        coordinator serves the same URL); default: one bound on ``host``, a port the OS
+        picks."""
+        self.sock = sock if sock is not None else listen(host)
+        self.url = url_of(self.sock)
         self.app = make_app(coord)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)

@@ -14,7 +14,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
 
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.protocol import (
@@ -30,15 +34,19 @@ from tidal.protocol import (
     RegisterResponse,
     StepMetrics,
     StepReport,
+    WorkerConfig,
 )
+
+T = TypeVar("T")
 
 ENV_URL = "TIDAL_COORDINATOR_URL"
 ENV_TOKEN = "TIDAL_TOKEN"
 ENV_WORKER_ID = "TIDAL_WORKER_ID"
 
-# A worker whose coordinator stays unreachable this long exits: its job was interrupted and
-# nobody else will stop it.
+# Before its first registration a worker knows no ``orphan_timeout_s``: it waits this long for
+# a coordinator (one restarted by its supervisor answers within a second or two).
 ORPHAN_TIMEOUT_S = 30.0
+RETRY_S = 0.05  # between two tries of a call through a coordinator outage
 # Per-step metric records (``tidal.log``) waiting for the coordinator; a heartbeat carries at
 # most ``protocol.MAX_STEP_RECORDS`` of them. Beyond this many (the coordinator unreachable
 # for long), the oldest are dropped, with one warning.
@@ -69,12 +77,23 @@ class WorkerEnv:
 
 
 class Agent:
+    """The worker's side of the API, on two keep-alive connections: one for the heartbeat
+    thread, one for the training thread's blocking calls.
+
+    Through a coordinator outage (its supervisor restarts it within a second or two, or an
+    operator runs ``tidal attach``) every call is retried, and the training loop goes on in
+    its generation meanwhile; a coordinator that answers 409 (``ReRegister``: it was restarted
+    and does not know this worker yet) gets a new registration first, which bumps ``epoch``
+    (the trainer then reconnects to the store named by the new ``config``). A worker that
+    reaches no coordinator for ``WorkerConfig.orphan_timeout_s`` exits (code 3)."""
+
     def __init__(self, env: WorkerEnv) -> None:
         self.env = env
         self.worker_id = env.worker_id
         self._client = CoordinatorClient(env.url, env.token)
         self._beat_client = CoordinatorClient(env.url, env.token)
         self._lock = threading.Lock()
+        self._register_lock = threading.Lock()
         self._wake = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._latest: HeartbeatResponse | None = None
@@ -89,17 +108,71 @@ class Agent:
         self._thread: threading.Thread | None = None
         self.step = 0
         self.generation = 0
+        self.config: WorkerConfig | None = None  # the newest registration's
+        self.epoch = 0  # registrations so far: a new one may name a new store
+        self._max_steps: int | None = None
+        self._orphan_timeout_s = ORPHAN_TIMEOUT_S
+        self._last_ok = time.monotonic()  # the last call the coordinator answered
 
     def register(self, max_steps: int | None = None) -> RegisterResponse:
         """``max_steps``: the job's length, against which the coordinator decides completion."""
-        resp = self._client.register(
-            self.worker_id,
-            RegisterRequest(pid=os.getpid(), host=socket.gethostname(), max_steps=max_steps),
-        )
-        self._interval = resp.config.heartbeat_interval_s
+        self._max_steps = max_steps
+        resp = self._call(self._client, lambda c: self._register(c, self.epoch))
         self._thread = threading.Thread(target=self._beat_loop, name="tidal-heartbeat", daemon=True)
         self._thread.start()
         return resp
+
+    def _register(self, client: CoordinatorClient, seen_epoch: int) -> RegisterResponse | None:
+        """(Re-)register, unless another thread did since ``seen_epoch``."""
+        with self._register_lock:
+            if self.epoch != seen_epoch:
+                return None
+            resp = client.register(
+                self.worker_id,
+                RegisterRequest(
+                    pid=os.getpid(),
+                    host=socket.gethostname(),
+                    max_steps=self._max_steps,
+                    generation=self.generation,
+                    step=self.step,
+                ),
+            )
+            self.config = resp.config
+            self._interval = resp.config.heartbeat_interval_s
+            self._orphan_timeout_s = resp.config.orphan_timeout_s
+            self.epoch += 1
+            return resp
+
+    def _call(self, client: CoordinatorClient, fn: Callable[[CoordinatorClient], T]) -> T:
+        """``fn(client)``, retried through a coordinator outage (unreachable, or a 5xx)
+        until the orphan timeout; a 409 registers again first. Other refusals (4xx) raise."""
+        while True:
+            epoch = self.epoch
+            try:
+                result = fn(client)
+                self._last_ok = time.monotonic()
+                return result
+            except CoordinatorError as exc:
+                if exc.status == 409:
+                    self._register(client, epoch)
+                    continue
+                if 400 <= exc.status < 500:
+                    raise
+                error: Exception = exc
+            except httpx.TransportError as exc:
+                error = exc
+            self._exit_if_orphaned(error)
+            time.sleep(RETRY_S)
+
+    def _exit_if_orphaned(self, error: Exception) -> None:
+        if time.monotonic() - self._last_ok > self._orphan_timeout_s and not self._closed:
+            print(
+                f"tidal: no coordinator answered for {self._orphan_timeout_s:.0f} s "
+                f"({type(error).__name__}: {error}); exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(3)
 
     # -- the background thread -------------------------------------------------------
     def _drain(self) -> HeartbeatRequest:
@@ -125,15 +198,22 @@ class Agent:
         return req
 
     def _beat_loop(self) -> None:
-        last_ok = time.monotonic()
         last_refusal = ""
         while not self._closed:
             req = self._drain()
+            epoch = self.epoch
             try:
                 resp = self._beat_client.heartbeat(self.worker_id, req)
-                last_ok = time.monotonic()
+                self._last_ok = time.monotonic()
                 self._set_latest(resp)
             except Exception as exc:  # noqa: BLE001 - any failure to reach it counts the same
+                if isinstance(exc, CoordinatorError) and exc.status == 409:
+                    self._requeue(req)  # a restarted coordinator: register, then deliver
+                    try:
+                        self._register(self._beat_client, epoch)
+                    except Exception:  # noqa: BLE001 - retried with the next heartbeat
+                        pass
+                    continue
                 if isinstance(exc, CoordinatorError) and 400 <= exc.status < 500:
                     # Refused: sent again it would be refused again, so what it carried is
                     # dropped. A worker whose heartbeats keep being refused is killed as hung:
@@ -147,13 +227,7 @@ class Agent:
                         print(line, file=sys.stderr, flush=True)
                 else:
                     self._requeue(req)
-                if time.monotonic() - last_ok > ORPHAN_TIMEOUT_S and not self._closed:
-                    print(
-                        f"tidal: no heartbeat accepted for {ORPHAN_TIMEOUT_S:.0f}s ({exc}); exiting",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    os._exit(3)
+                self._exit_if_orphaned(exc)
             self._wake.wait(self._interval)
             self._wake.clear()
 
@@ -178,14 +252,17 @@ class Agent:
 
     def fetch(self) -> HeartbeatResponse:
         """Ask the coordinator now (a blocking round trip: only between generations)."""
-        resp = self._client.generation(self.worker_id)
+        resp = self._call(self._client, lambda c: c.generation(self.worker_id))
         self._set_latest(resp)
         return resp
 
     def beat_now(self) -> HeartbeatResponse:
         """A heartbeat from the calling thread, so the coordinator learns the step now."""
-        resp = self._client.heartbeat(
-            self.worker_id, HeartbeatRequest(step=self.step, generation=self.generation)
+        resp = self._call(
+            self._client,
+            lambda c: c.heartbeat(
+                self.worker_id, HeartbeatRequest(step=self.step, generation=self.generation)
+            ),
         )
         self._set_latest(resp)
         return resp
@@ -255,14 +332,13 @@ class Agent:
     def report_failure(
         self, generation: int, step: int, error: str, *, kind: FailureKind = FailureKind.COLLECTIVE
     ) -> None:
-        self._client.report_failure(
-            self.worker_id,
-            FailureReport(generation=generation, step=step, error=error[:500], kind=kind),
-        )
+        report = FailureReport(generation=generation, step=step, error=error[:500], kind=kind)
+        self._call(self._client, lambda c: c.report_failure(self.worker_id, report))
 
     def report_done(self, *, step: int, completed: bool) -> None:
         """Tell the coordinator this worker's training loop has ended."""
-        self._client.report_done(self.worker_id, DoneReport(step=step, completed=completed))
+        report = DoneReport(step=step, completed=completed)
+        self._call(self._client, lambda c: c.report_done(self.worker_id, report))
 
     def close(self) -> None:
         """Deliver what is still in the outbox and stop heartbeating (at process exit, so

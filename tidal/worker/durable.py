@@ -19,6 +19,7 @@ from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.protocol import CheckpointView, WorkerConfig
 from tidal.tracked import TrackedState
 from tidal.worker.agent import Agent
+from tidal.worker.faults import FaultInjector
 
 
 class Durable:
@@ -27,6 +28,7 @@ class Durable:
         self._last_time = time.monotonic()
         self._writer: AsyncCheckpointer | None = None
         if cfg.checkpoint_dir is not None:
+            faults = FaultInjector.from_environ(agent.worker_id)  # the ``checkpoint`` phase
             self._writer = AsyncCheckpointer(
                 Path(cfg.checkpoint_dir),
                 keep=cfg.keep_checkpoints,
@@ -36,6 +38,7 @@ class Durable:
                     )
                 ),
                 on_failed=agent.post_checkpoint_failure,
+                during_write=lambda step: faults.maybe_fire(step, "checkpoint"),
             )
 
     def resume(

@@ -2,9 +2,11 @@
 
 Faults are named in ``TIDAL_FAULTS``, which the launcher passes through to every worker; it
 is a test hook, not a setting, and no argument reads it. The format is a ``;``-separated
-list of ``KIND@worker=W[,step=S][,phase=P][,gen=G]`` where KIND is ``sigkill``, ``sigstop``
-or ``raise``, ``step`` is the 0-based global step (omitted: any), ``gen`` the generation being
-joined or trained in (omitted: any), and ``phase`` one of:
+list of ``KIND@worker=W[,step=S][,phase=P][,gen=G][,id=X]`` where KIND is ``sigkill``,
+``sigstop``, ``sigterm`` (a preemption notice to itself) or ``raise``, ``step`` is the
+0-based global step (omitted: any), ``gen`` the generation being joined or trained in
+(omitted: any), ``id`` any token that tells two otherwise equal faults apart, and ``phase``
+one of:
 
 - ``step``: before the step's first micro-batch (the default);
 - ``allreduce``: inside the gradient all-reduce, before this worker's part of it (its peers
@@ -12,21 +14,32 @@ joined or trained in (omitted: any), and ``phase`` one of:
 - ``join``: a member of a new generation, before it arrives at the rendezvous;
 - ``rendezvous``: every member arrived, before this one connects to the process group;
 - ``heal``: the group formed, before the state transfer;
-- ``first``: right after this worker's first step in a generation is committed.
+- ``first``: right after this worker's first step in a generation is committed;
+- ``checkpoint``: inside a checkpoint write (rank 0's writer thread, the model file written
+  into the temporary folder, before the manifest and the rename); ``step`` is the
+  checkpoint's step.
 
 For the membership phases ``step`` is the worker's committed step count (0 for a joiner that
 holds no state yet): ``gen=2,step=0`` picks the worker that joins generation 2 without state,
 whichever worker id that turns out to be. Each fault fires once, the first time it matches.
+
+``TIDAL_FAULTS=@PATH`` reads the list from the file ``PATH`` instead (``;`` or newlines
+between faults), again whenever the file changes: a campaign arms a fault while the job
+runs (``bench.chaos``). Every fault that fires first prints one line to stderr (the
+worker's log): ``tidal-fault: SPEC fired at step S phase P gen G time T``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass
 
-KINDS = ("sigkill", "sigstop", "raise")
-PHASES = ("step", "allreduce", "join", "rendezvous", "heal", "first")
+KINDS = ("sigkill", "sigstop", "sigterm", "raise")
+PHASES = ("step", "allreduce", "join", "rendezvous", "heal", "first", "checkpoint")
+FIRED_PREFIX = "tidal-fault:"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,11 +49,19 @@ class Fault:
     step: int | None = None  # None: any
     phase: str = "step"
     gen: int | None = None  # None: any
+    id: str = ""
+
+    @property
+    def spec(self) -> str:
+        fields = [f"worker={self.worker}", f"phase={self.phase}"]
+        fields += [f"{k}={v}" for k, v in (("step", self.step), ("gen", self.gen)) if v is not None]
+        fields += [f"id={self.id}"] if self.id else []
+        return f"{self.kind}@{','.join(fields)}"
 
 
 def parse_faults(spec: str) -> list[Fault]:
     faults = []
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
+    for part in filter(None, (p.strip() for p in spec.replace("\n", ";").split(";"))):
         kind, _, args = part.partition("@")
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r} in TIDAL_FAULTS; known: {KINDS}")
@@ -51,7 +72,14 @@ def parse_faults(spec: str) -> list[Fault]:
         step = int(fields["step"]) if "step" in fields else None
         gen = int(fields["gen"]) if "gen" in fields else None
         faults.append(
-            Fault(kind=kind, worker=int(fields["worker"]), step=step, phase=phase, gen=gen)
+            Fault(
+                kind=kind,
+                worker=int(fields["worker"]),
+                step=step,
+                phase=phase,
+                gen=gen,
+                id=fields.get("id", ""),
+            )
         )
     return faults
 
@@ -59,21 +87,57 @@ def parse_faults(spec: str) -> list[Fault]:
 class FaultInjector:
     """Fires this worker's faults at their step and phase."""
 
-    def __init__(self, worker_id: int, faults: list[Fault]) -> None:
+    def __init__(self, worker_id: int, faults: list[Fault], path: str | None = None) -> None:
+        self._worker_id = worker_id
         self._pending = [f for f in faults if f.worker == worker_id]
+        self._path = path  # re-read when it changes (``@PATH``)
+        self._seen: tuple[int, int] | None = None
+        self._fired: set[Fault] = set()
 
     @classmethod
     def from_environ(cls, worker_id: int) -> FaultInjector:
-        return cls(worker_id, parse_faults(os.environ.get("TIDAL_FAULTS", "")))
+        spec = os.environ.get("TIDAL_FAULTS", "")
+        if spec.startswith("@"):
+            return cls(worker_id, [], path=spec[1:])
+        return cls(worker_id, parse_faults(spec))
+
+    def _reload(self) -> None:
+        try:
+            st = os.stat(self._path)
+            seen = (st.st_mtime_ns, st.st_size)
+            if seen == self._seen:
+                return
+            with open(self._path) as f:
+                text = f.read()
+        except OSError:
+            return
+        self._seen = seen
+        try:
+            faults = parse_faults(text)
+        except ValueError:  # caught mid-write: the next call reads it whole
+            self._seen = None
+            return
+        self._pending = [f for f in faults if f.worker == self._worker_id and f not in self._fired]
 
     def maybe_fire(self, step: int, phase: str, gen: int | None = None) -> None:
+        if self._path is not None:
+            self._reload()
         for fault in self._pending:
             if fault.phase == phase and fault.step in (None, step) and fault.gen in (None, gen):
                 self._pending.remove(fault)
+                self._fired.add(fault)
+                print(
+                    f"{FIRED_PREFIX} {fault.spec} fired at step {step} phase {phase} "
+                    f"gen {gen} time {time.time():.3f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if fault.kind == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif fault.kind == "sigstop":
                     os.kill(os.getpid(), signal.SIGSTOP)
+                elif fault.kind == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
                 else:
                     raise RuntimeError(f"injected fault at step {step} ({phase})")
                 return

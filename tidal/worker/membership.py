@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, Role
 from tidal.worker import group as grp
@@ -94,19 +96,31 @@ class Membership:
                 self._last_rank = None  # removed: no longer speaks for the job's state
             if resp.role == Role.EXIT:
                 return False
+            if self._store_epoch != self._agent.epoch:  # a restarted coordinator's store
+                self._connect_store()
             info = resp.generation
-            if resp.role != Role.MEMBER or info is None or info.id <= tried:
-                newest = max(tried, info.id if info else 0)
-                grp.wait_for_generation(
-                    self._store, self._cfg.store_namespace, newest + 1, timeout_s=0.05
-                )
-                continue
-            tried = info.id
-            self._debug(f"join gen {info.id}")
-            # Fatal, not a failure to heal from: every member would refuse the same way.
-            self.sampler.check_world_size(len(info.members))
-            self._faults.maybe_fire(self.step, "join", info.id)
-            if not grp.rendezvous(self._store, info, timeout_s=self._cfg.collective_timeout_s):
+            try:
+                if resp.role != Role.MEMBER or info is None or info.id <= tried:
+                    newest = max(tried, info.id if info else 0)
+                    grp.wait_for_generation(
+                        self._store, self._cfg.store_namespace, newest + 1, timeout_s=0.05
+                    )
+                    continue
+                tried = info.id
+                self._debug(f"join gen {info.id}")
+                # Fatal, not a failure to heal from: every member would refuse the same way.
+                self.sampler.check_world_size(len(info.members))
+                self._faults.maybe_fire(self.step, "join", info.id)
+                if not grp.rendezvous(
+                    self._store, info, timeout_s=self._cfg.collective_timeout_s
+                ):
+                    continue
+            except dist.DistError as exc:
+                # The store went away with its coordinator: wait for the next one (the
+                # heartbeat registers with it), then join what it decides.
+                self._debug(f"store lost while joining: {exc}")
+                self._agent.beat_now()
+                self._connect_store()
                 continue
             self._t_rendezvous = time.time()
             self._debug(f"rendezvous gen {info.id} done")

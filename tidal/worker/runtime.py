@@ -230,12 +230,7 @@ class Trainer(Membership):
         if resumed is not None:
             self.step, self._has_state = resumed, True
             self._agent.step = resumed
-        self._store = dist.TCPStore(
-            cfg.store_host,
-            cfg.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
-        )
+        self._connect_store()
         finished = False
         try:
             member = self._join()
@@ -279,6 +274,19 @@ class Trainer(Membership):
                 self._agent.report_done(step=self.step, completed=self.completed)
             finally:
                 atexit.register(self._agent.close)
+
+    def _connect_store(self) -> None:
+        """A client of the store named by the newest registration (a restarted coordinator
+        serves a new one: ``Agent.epoch`` tells)."""
+        cfg = self._agent.config
+        self._store_epoch = self._agent.epoch
+        self._cfg = cfg
+        self._store = dist.TCPStore(
+            cfg.store_host,
+            cfg.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+        )
 
     def _checkpoint(self) -> None:
         self._durable.save(

@@ -1,0 +1,174 @@
+"""The campaign: trials until the fault budget is spent, their tally, the JSON report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.chaos.kinds import AUTO, KINDS, WEIGHTS, bounds
+from bench.chaos.trial import (
+    ROOT,
+    TRAIN,
+    Event,
+    JobEnded,
+    Settings,
+    Trial,
+    TrialFailure,
+    TrialResult,
+    settled,
+)
+
+EVENTS_PER_TRIAL = (3, 5)
+TRIAL_SEED_STRIDE = 100_000
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def trial_seed(seed: int, index: int) -> int:
+    return seed * TRIAL_SEED_STRIDE + index
+
+
+def reference(settings: Settings, cache: Path) -> Path:
+    """The 1-worker reference: the script alone (``Trainer.run`` outside ``tidal run``
+    trains with the same mathematics), once per (seed, steps)."""
+    out = cache / f"reference-seed{settings.train_seed}-steps{settings.max_steps}"
+    found = sorted(out.glob("worker-*.safetensors"))
+    if found:
+        return found[0]
+    cmd = [sys.executable, str(TRAIN), "--max-steps", str(settings.max_steps)]
+    cmd += ["--seed", str(settings.train_seed), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the reference run failed:\n{proc.stderr[-3000:]}")
+    (found,) = out.glob("worker-*.safetensors")
+    return found
+
+
+def _choose(tr: Trial, kinds: Sequence[str], budget: int, planned_left: int) -> str:
+    allowed = [
+        k
+        for k in kinds
+        if not (k == "double" and budget < 2) and not (k == "kill_all" and planned_left > 1)
+    ]
+    return tr.rng.choices(allowed, weights=[WEIGHTS[k] for k in allowed])[0]
+
+
+def _inject(
+    tr: Trial, result: TrialResult, kinds: Sequence[str], budget: int, planned: int
+) -> None:
+    """Up to ``planned`` events (and ``budget`` faults), each recovered from before the next."""
+    limit = tr.settings.max_steps
+    attempts = 0
+    while result.faults < budget and len(result.events) < planned and attempts < 3 * planned:
+        attempts += 1
+        if tr.watch.last["step"] > 0.75 * limit:
+            result.notes.append(f"job near its end at step {tr.watch.last['step']}")
+            return
+        kind = _choose(tr, kinds, budget - result.faults, planned - len(result.events))
+        tr.watch.idle(tr.rng.uniform(0, 1.0))  # a random moment
+        step = tr.watch.last["step"]
+        event = KINDS[kind](tr)
+        if event is None:
+            result.notes.append(f"{kind}: not applicable or did not fire")
+            tr.settle(step, f"recovery after a {kind} that did not apply")
+            continue
+        result.events.append(event)
+        if event.expect_failure:
+            return
+        tr.settle(step, f"recovery from {kind} ({'; '.join(event.faults)})")
+        now = time.time()
+        event.recovered_s = round(now - event.time, 2)
+        event.stall_s = round(tr.watch.stall(event.time, now), 2)
+
+
+def run_trial(
+    seed: int,
+    settings: Settings,
+    kinds: Sequence[str] | None,
+    budget: int,
+    workdir: Path,
+    ref: Path,
+    keep: Path | None = None,
+) -> TrialResult:
+    """One trial with at most ``budget`` faults; ``kinds`` None: the defaults."""
+    tr = Trial(seed, settings, workdir / f"trial-{seed}", ref)
+    result = TrialResult(seed=seed, setup=tr.setup | {"budget": budget}, events=[])
+    t0 = time.monotonic()
+    planned = tr.rng.randint(*EVENTS_PER_TRIAL)
+    try:
+        try:
+            s = tr.start()
+            if kinds is None:
+                kinds = [k for k in KINDS if k not in AUTO]
+                kinds += [k for k in AUTO if k == "coordinator" and s.get("coordinator_pid")]
+            result.setup["kinds"] = list(kinds)
+            _inject(tr, result, kinds, budget, planned)
+        except JobEnded:  # the outcome check says whether that was right
+            pass
+        result.pauses = tr.finish(result.events)[1]
+    except TrialFailure as exc:
+        result.failure = exc
+    except Exception as exc:  # noqa: BLE001 - the trial's own failure, reported as such
+        tb = traceback.format_exception(exc)
+        result.failure = TrialFailure("error", "".join(tb[-3:]).strip())
+    finally:
+        if result.failure is not None:
+            result.status_summary, result.logs = tr.describe()
+        try:
+            tr.close(keep / f"trial-{seed}" if keep is not None and not result.ok else None)
+        except Exception as exc:  # noqa: BLE001 - cleanup that failed is a failed check
+            if result.failure is None:
+                result.failure = TrialFailure("processes", f"cleanup: {exc}")
+        result.seconds = time.monotonic() - t0
+    return result
+
+
+def _tally(results: list[TrialResult]) -> dict:
+    by_kind: dict[str, dict] = {}
+    for r in results:
+        for e in r.events:
+            k = by_kind.setdefault(e.kind, {"injected": 0, "clean": 0, "max_stall_s": 0.0})
+            k["injected"] += e.count
+            k["clean"] += e.count if r.ok else 0
+            k["max_stall_s"] = max(k["max_stall_s"], e.stall_s or 0.0)
+    pauses = [p for r in results for p in r.pauses]
+    for p in pauses:
+        k = by_kind.setdefault(p["fault"] or "join", {"injected": 0, "clean": 0})
+        k["max_pause_s"] = max(k.get("max_pause_s", 0.0), p["pause_s"])
+    return by_kind
+
+
+def report(
+    results: list[TrialResult], *, seed: int | None, settings: Settings, started: float, argv: list
+) -> dict:
+    failed = [r for r in results if not r.ok]
+    return {
+        "faults_injected": sum(r.faults for r in results),
+        "clean_recoveries": sum(r.faults for r in results if r.ok),
+        "trials": len(results),
+        "failed_trials": [r.record() for r in failed],
+        "expected_failures": sum(
+            1 for r in results if r.ok and any(e.expect_failure for e in r.events)
+        ),
+        "seed": seed,
+        "command": "python -m bench.chaos " + " ".join(argv),
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "settings": settings.__dict__,
+        "bounds_s": bounds(settings.heartbeat_timeout_s),
+        "by_kind": _tally(results),
+        "trial_log": [
+            {k: v for k, v in r.record().items() if k not in ("status", "logs")}
+            for r in results
+        ],
+    }
+
+
+__all__ = ["Event", "report", "run_trial", "reference", "settled", "trial_seed", "log"]

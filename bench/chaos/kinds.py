@@ -1,0 +1,260 @@
+"""The fault kinds of the chaos campaign: how each is injected and the pause it may cost.
+
+Every kind acts on a settled job (``trial.settled``) at a random moment (the campaign idles
+0-1 s first) and returns the ``Event`` it injected, or None when it could not apply (then
+nothing is counted). Targets are drawn from the trial's seeded generator.
+
+======== ==================================================================== ==========
+kind     what                                                                 bound
+======== ==================================================================== ==========
+kill     SIGKILL of a random member                                           2 s
+stop     SIGSTOP of a random member, left stopped: the coordinator kills it   hb + 2 s
+         after ``--heartbeat-timeout`` (hb)
+stop_cont SIGSTOP of a random member, SIGCONT after 0.3 s to hb/2 (no member  delay + 2 s
+         should be lost)
+term     SIGTERM of a random member: a spot preemption notice                 2 s
+storm    2-5 ``tidal scale`` calls in quick succession within min..max        2 s
+point    SIGKILL, SIGSTOP or SIGTERM at an exact protocol point, armed while   2 s (SIGSTOP:
+         the job runs (``TIDAL_FAULTS=@FILE``): inside the all-reduce, before hb + 2 s)
+         a step, after a generation's first step, at the join, the
+         rendezvous, the heal (a scale up or down makes the membership change;
+         the target is a survivor or the joiner) or inside a checkpoint write
+joiner   SIGKILL of a worker joining after a scale up, 0-4 s after it started  2 s
+double   two of kill/stop/term at once, on two of at least 3 members          the larger
+coordinator SIGKILL of the coordinator (``coordinator_pid``); it must be back  2 s
+         within 2 s, with the same worker processes
+kill_all SIGKILL of every member at once: the job must fail saying every      --
+         worker was lost (or recover from its checkpoint)
+======== ==================================================================== ==========
+
+The bound applies to every generation the fault opened (``pause_s``: from the last step of
+the previous generation to the first of the new one) and to the longest stall of the job's
+step counter seen while it recovered. A joiner starts its process and imports torch while
+the others train, so a replacement's join is bounded by 2 s too (``join``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from bench.chaos.trial import Event, Trial, members
+
+LOST_S = 2.0  # a member lost, a planned change, a join: what it may cost the others
+BOUNDS = {"join": LOST_S}
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+POINT_PHASES = ("allreduce", "step", "first", "join", "rendezvous", "heal", "checkpoint")
+MEMBERSHIP_PHASES = ("first", "join", "rendezvous", "heal")
+
+
+def bounds(hb: float) -> dict[str, object]:
+    """The stated bound of each kind, for the campaign's JSON."""
+    return {
+        "kill": LOST_S,
+        "stop": hb + LOST_S,
+        "stop_cont": f"SIGCONT delay (<= {hb / 2:g} s) + {LOST_S:g}",
+        "term": LOST_S,
+        "storm": LOST_S,
+        "point": f"{LOST_S:g} (sigstop: {hb + LOST_S:g})",
+        "joiner": LOST_S,
+        "double": "the larger of its two",
+        "coordinator": f"{LOST_S:g} (back within {LOST_S:g} s, no generation needed)",
+        "kill_all": "none (the job fails, saying every worker was lost)",
+        "join": LOST_S,
+    }
+
+
+def _bound(kind: str, hb: float) -> float:
+    return hb + LOST_S if kind == "stop" else LOST_S
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pick(tr: Trial, s: dict) -> dict:
+    return tr.rng.choice(members(s))
+
+
+def kill(tr: Trial) -> Event | None:
+    return _one(tr, "kill")
+
+
+def stop(tr: Trial) -> Event | None:
+    return _one(tr, "stop")
+
+
+def term(tr: Trial) -> Event | None:
+    return _one(tr, "term")
+
+
+def _one(tr: Trial, kind: str) -> Event | None:
+    s = tr.ensure_world(2)  # one member lost alone: the job's state goes with it
+    if s is None:
+        return None
+    w = _pick(tr, s)
+    t = time.time()
+    _signal(w["pid"], SIGNALS[kind])
+    hb = tr.settings.heartbeat_timeout_s
+    what = f"{SIGNALS[kind].name} worker {w['id']} (rank {w['rank']} of {len(members(s))})"
+    return Event(kind, [what], 1, _bound(kind, hb), time=t)
+
+
+def stop_cont(tr: Trial) -> Event | None:
+    s = tr.watch.last
+    w = _pick(tr, s)
+    delay = tr.rng.uniform(0.3, tr.settings.heartbeat_timeout_s / 2)
+    t = time.time()
+    _signal(w["pid"], signal.SIGSTOP)
+    tr.watch.idle(delay)
+    _signal(w["pid"], signal.SIGCONT)
+    what = f"SIGSTOP worker {w['id']} (rank {w['rank']}), SIGCONT after {delay:.2f} s"
+    return Event("stop_cont", [what], 1, round(delay + LOST_S, 2), time=t)
+
+
+def storm(tr: Trial) -> Event | None:
+    sizes = [tr.rng.randint(tr.min_workers, tr.max_workers) for _ in range(tr.rng.randint(2, 5))]
+    gaps = [tr.rng.uniform(0, 0.3) for _ in sizes]
+    t = time.time()
+    for n, gap in zip(sizes, gaps, strict=True):
+        tr.scale(n)
+        time.sleep(gap)
+    return Event("storm", [f"tidal scale {' '.join(map(str, sizes))}"], 1, LOST_S, time=t)
+
+
+def point(tr: Trial) -> Event | None:
+    s = tr.ensure_world(2)
+    if s is None:
+        return None
+    rng = tr.rng
+    sig = rng.choices(["sigkill", "sigstop", "sigterm"], weights=[5, 3, 2])[0]
+    phase = rng.choice(POINT_PHASES)
+    ms = members(s)
+    resize = None
+    if phase in ("allreduce", "step"):
+        target = rng.choice(ms)["id"]
+    elif phase == "checkpoint":
+        target = ms[0]["id"]  # rank 0 writes
+    elif len(ms) < tr.max_workers:  # a scale up: a survivor or the joiner
+        resize = len(ms) + 1
+        joiner = max(w["id"] for w in s["workers"]) + 1
+        target = rng.choice([joiner, rng.choice(ms)["id"]])
+    else:  # a scale down: rank 0 survives it
+        resize, target = len(ms) - 1, ms[0]["id"]
+    spec = f"{sig}@worker={target},phase={phase},id={tr.seed}-{len(s['generations'])}-{s['step']}"
+    tr.arm(spec)
+    if resize is not None:
+        tr.scale(resize)
+    fired = tr.wait_fired(spec, timeout=45)
+    tr.arm("")
+    if fired is None:
+        return None
+    what = spec + (f" (after tidal scale {resize})" if resize else "")
+    hb = tr.settings.heartbeat_timeout_s
+    return Event("point", [what], 1, hb + LOST_S if sig == "sigstop" else LOST_S, time=fired)
+
+
+def joiner(tr: Trial) -> Event | None:
+    s = tr.watch.last
+    n = len(members(s))
+    if n >= tr.max_workers:
+        return None
+    wid = max(w["id"] for w in s["workers"]) + 1
+    delay = tr.rng.uniform(0, 4)
+    tr.scale(n + 1)
+    s = tr.watch.until(
+        lambda s: any(w["id"] == wid and w["pid"] for w in s["workers"]), 30, "the joiner's start"
+    )
+    tr.watch.idle(delay)
+    w = next(w for w in tr.watch.last["workers"] if w["id"] == wid)
+    t = time.time()
+    _signal(w["pid"], signal.SIGKILL)
+    what = f"SIGKILL worker {wid} joining ({delay:.1f} s after its start, state {w['state']})"
+    return Event("joiner", [what], 1, LOST_S, time=t)
+
+
+def double(tr: Trial) -> Event | None:
+    s = tr.ensure_world(3)
+    if s is None:
+        return None
+    pair = tr.rng.sample(members(s), 2)
+    kinds = [tr.rng.choice(list(SIGNALS)) for _ in pair]
+    t = time.time()
+    for w, k in zip(pair, kinds, strict=True):
+        _signal(w["pid"], SIGNALS[k])
+    hb = tr.settings.heartbeat_timeout_s
+    what = [
+        f"{SIGNALS[k].name} worker {w['id']} (rank {w['rank']})"
+        for w, k in zip(pair, kinds, strict=True)
+    ]
+    return Event("double", what, 2, max(_bound(k, hb) for k in kinds), time=t)
+
+
+def kill_all(tr: Trial) -> Event | None:
+    ms = members(tr.watch.last)
+    t = time.time()
+    for w in ms:
+        _signal(w["pid"], signal.SIGKILL)
+    what = [f"SIGKILL every member: workers {[w['id'] for w in ms]}"]
+    return Event("kill_all", what, 1, 60.0, time=t, expect_failure=True)
+
+
+def coordinator(tr: Trial) -> Event | None:
+    s = tr.watch.last
+    pid = s.get("coordinator_pid")
+    if not pid:
+        return None
+    before = {w["id"]: w["pid"] for w in members(s)}
+    step = s["step"]
+    t = time.time()
+    _signal(pid, signal.SIGKILL)
+    from bench.chaos.trial import TrialFailure
+
+    s = tr.watch.until(
+        lambda s: s.get("coordinator_pid") not in (None, pid) and s["state"] == "running",
+        tr.settings.recovery_timeout_s,
+        "new coordinator",
+    )
+    back = time.time() - t
+    event = Event("coordinator", [f"SIGKILL coordinator (pid {pid})"], 1, LOST_S, time=t)
+    event.notes.append(f"back after {back:.2f} s at step {s['step']} (killed at {step})")
+    if back > LOST_S:
+        raise TrialFailure("pause", f"the coordinator came back after {back:.2f} s > {LOST_S} s")
+    after = {w["id"]: w["pid"] for w in members(s)}
+    if any(after.get(i) != p for i, p in before.items()):
+        raise TrialFailure("recovery", f"workers {before} before the restart, {after} after")
+    return event
+
+
+KINDS: dict[str, Callable[[Trial], Event | None]] = {
+    "kill": kill,
+    "stop": stop,
+    "stop_cont": stop_cont,
+    "term": term,
+    "storm": storm,
+    "point": point,
+    "joiner": joiner,
+    "double": double,
+    "coordinator": coordinator,
+    "kill_all": kill_all,
+}
+WEIGHTS = {
+    "kill": 3,
+    "stop": 1.5,
+    "stop_cont": 1,
+    "term": 1.5,
+    "storm": 1.5,
+    "point": 5,
+    "joiner": 1,
+    "double": 1.5,
+    "coordinator": 1.5,
+    "kill_all": 0.25,
+}
+# By default every kind but ``coordinator``, which is on by default only for a job whose
+# ``tidal status --json`` reports a ``coordinator_pid`` (coordinator crash survival).
+AUTO = ("coordinator",)

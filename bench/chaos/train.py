@@ -1,0 +1,98 @@
+"""The chaos campaign's training script: a small float64 MLP on generated data.
+
+Float64, so that a job that went through faults and resizes can be compared with a plain
+1-worker run of the same script to within 1e-12 (``python bench/chaos/train.py`` without
+``tidal run`` trains alone with the same mathematics: that is the reference). It carries an
+SGD momentum buffer and an LR scheduler, so healing and checkpoints must carry more than
+the parameters.
+
+``--pace FILE``: seconds to sleep after each step, re-read every step (default 0 if the
+file is missing). The campaign slows the job down while it injects faults and lets it run
+at full speed once the last fault has recovered; the sleep is outside the mathematics.
+
+Each member that finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters and
+momentum buffers) and ``OUT/worker-ID.json`` (its final step, the scheduler's epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import tidal
+
+torch.set_num_threads(1)
+torch.set_default_dtype(torch.float64)
+FEATURES, CLASSES = 16, 4
+
+
+def data(seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(960, FEATURES, generator=g)
+    y = (x[:, :4] @ torch.tensor([1.0, -1.0, 0.5, 2.0]) > 0).long() + 2 * (x[:, 4] > 0.5).long()
+    return TensorDataset(x, y)
+
+
+def pace(path: str | None) -> float:
+    if not path:
+        return 0.0
+    try:
+        return max(0.0, float(Path(path).read_text() or 0))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--pace", help="file holding the seconds to sleep after each step")
+    args = p.parse_args()
+
+    torch.manual_seed(args.seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, CLASSES)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.8)
+    trainer = tidal.Trainer(
+        model,
+        opt,
+        data(args.seed),
+        global_batch_size=24,
+        micro_batch_size=4,  # 6 micro-batches: 1 to 4 members split them differently
+        seed=args.seed,
+        lr_scheduler=sched,
+    )
+    for step in trainer.run(max_steps=args.max_steps):
+        for x, y in step.micro_batches():
+            step.backward(F.cross_entropy(trainer.model(x), y))
+        if delay := pace(args.pace):
+            time.sleep(delay)
+    if not trainer.completed:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wid = trainer.worker_id if trainer.worker_id is not None else f"alone-{os.getpid()}"
+    tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    for i, group in enumerate(opt.param_groups):
+        for j, param in enumerate(group["params"]):
+            buf = opt.state.get(param, {}).get("momentum_buffer")
+            if buf is not None:
+                tensors[f"momentum.{i}.{j}"] = buf.contiguous()
+    safetensors.torch.save_file(tensors, str(out / f"worker-{wid}.safetensors"))
+    facts = {"step": trainer.step, "scheduler_epoch": sched.last_epoch}
+    (out / f"worker-{wid}.json").write_text(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""One chaos trial: a real job, a few seeded faults, and the checks after it.
+
+A trial starts ``bench/chaos/train.py`` with ``tidal run --detach`` in a fresh ``--home``,
+slowed to ``pace_s`` a step while faults are injected (``kinds.py``): after each one the
+trial waits until the job is *settled* again (running, as many members as its target, the
+newest generation trained a few steps). Then the job runs to its end at full speed and the
+checks run, in this order; the first that fails names the trial's failure:
+
+``outcome``    the job succeeded, or failed with the reason its faults made inevitable;
+``processes``  no process of the trial outlives the job's end by more than 15 s;
+``params``     every member that finished wrote parameters equal to the 1-worker reference
+               (relative L2 <= 1e-12 over parameters and momentum) at the final step;
+``pause``      no generation's ``pause_s`` and no stall of the step counter seen while a
+               fault recovered exceeded the fault's bound (``kinds.BOUNDS``);
+``recovery``   (during the trial) a fault was not recovered from within the time limit;
+``error``      the trial itself could not be carried out (a CLI call failed, ...).
+
+The end-to-end tests' helpers (``tests/e2e_helpers.py``) provide the home, the in-process
+status poll, the marker that finds every process of the trial, and the cleanup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "bench" / "chaos" / "train.py"
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from e2e_helpers import Home, Job, relative_l2, summarize  # noqa: E402
+
+EXACT = 1e-12
+TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
+POLL_S = 0.1
+
+
+class TrialFailure(Exception):
+    def __init__(self, check: str, detail: str) -> None:
+        super().__init__(f"{check}: {detail}")
+        self.check, self.detail = check, detail
+
+
+class JobEnded(Exception):
+    """The job reached a terminal state while the trial waited for something else."""
+
+
+@dataclass
+class Settings:
+    max_steps: int = 1200
+    pace_s: float = 0.03
+    heartbeat_timeout_s: float = 3.0
+    collective_timeout_s: float = 30.0
+    checkpoint_every: int = 25
+    recovery_timeout_s: float = 90.0
+    train_seed: int = 0
+
+
+@dataclass
+class Event:
+    """One fault injection: what was done, when, and the pause it may cost."""
+
+    kind: str
+    faults: list[str]
+    count: int  # faults it counts for (two at once: 2)
+    bound_s: float
+    time: float = 0.0
+    expect_failure: bool = False  # the fault makes the job's failure inevitable
+    stall_s: float | None = None
+    recovered_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    setup: dict
+    events: list[Event]
+    seconds: float = 0.0
+    failure: TrialFailure | None = None
+    pauses: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    status_summary: str = ""
+    logs: str = ""
+
+    @property
+    def faults(self) -> int:
+        return sum(e.count for e in self.events)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def record(self) -> dict:
+        rec = {
+            "seed": self.seed,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 1),
+            "setup": self.setup,
+            "faults_injected": self.faults,
+            "events": [
+                {k: v for k, v in asdict(e).items() if v not in (None, [], False)}
+                for e in self.events
+            ],
+            "pauses": self.pauses,
+        }
+        if self.notes:
+            rec["notes"] = self.notes
+        if self.failure is not None:
+            rec |= {
+                "check": self.failure.check,
+                "why": self.failure.detail,
+                "replay": f"python -m bench.chaos --replay {self.seed} "
+                f"--faults {self.setup.get('budget')} --kinds {','.join(self.setup.get('kinds', []))}",
+                "status": self.status_summary,
+                "logs": self.logs,
+            }
+        return rec
+
+
+class Watch:
+    """Polls the job's status (in process: ``Job.poll``) and keeps (time, step) samples."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.samples: list[tuple[float, int]] = []
+        self.last: dict | None = None
+
+    def poll(self) -> dict:
+        s = self.job.poll()
+        self.samples.append((time.time(), s["step"]))
+        self.last = s
+        return s
+
+    def until(self, pred, timeout: float, what: str, *, ended_ok: bool = False) -> dict:
+        """Poll until ``pred(status)``; ``JobEnded`` if the job ends first (unless that is
+        what ``pred`` waits for), ``TrialFailure('recovery')`` after ``timeout`` s."""
+        deadline, error = time.monotonic() + timeout, None
+        while True:
+            try:
+                s = self.poll()
+                error = None
+                if pred(s):
+                    return s
+                if s["state"] in TERMINAL and not ended_ok:
+                    raise JobEnded(s["state"])
+            except (JobEnded, TrialFailure):
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported if it lasts
+                error = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise TrialFailure(
+                    "recovery",
+                    f"no {what} within {timeout:.0f} s"
+                    + (f" (last error: {error})" if error else ""),
+                )
+            time.sleep(POLL_S)
+
+    def idle(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - a coordinator between lives
+                pass
+            time.sleep(min(POLL_S, max(0.0, left)))
+
+    def stall(self, t0: float, t1: float) -> float:
+        """The longest time in [t0, t1] the job's step was seen not to move (a lower bound:
+        from the first to the last sample showing the same step)."""
+        worst, first, value = 0.0, None, None
+        for t, step in self.samples:
+            if t < t0 or t > t1:
+                continue
+            if step != value:
+                first, value = t, step
+            worst = max(worst, t - first)
+        return worst
+
+
+def members(s: dict) -> list[dict]:
+    """The running members of the job's newest generation, by rank."""
+    gens = s["generations"]
+    ids = gens[-1]["members"] if gens else []
+    by_id = {w["id"]: w for w in s["workers"]}
+    return [by_id[i] for i in ids if i in by_id and by_id[i]["state"] == "running"]
+
+
+def settled(s: dict, after_step: int = 0) -> bool:
+    """Running with as many members as the target, the newest generation trained >= 3 steps."""
+    gens = s["generations"]
+    if s["state"] != "running" or not gens or gens[-1]["start_step"] is None:
+        return False
+    g = gens[-1]
+    running = [w for w in s["workers"] if w["state"] == "running"]
+    return (
+        len(g["members"]) == s["target_workers"] == len(running)
+        and s["step"] >= max(after_step, g["start_step"]) + 3
+    )
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Trial:
+    """The job of one trial and what the fault kinds need to act on it."""
+
+    def __init__(self, seed: int, settings: Settings, root: Path, reference: Path) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.settings = settings
+        self.root = root
+        self.reference = reference
+        root.mkdir(parents=True, exist_ok=True)
+        self.home = Home(root / "home")
+        self.out = root / "out"
+        self.pace = root / "pace"
+        self.faults_file = root / "faults"
+        self.name = f"chaos-{seed}"
+        self.job: Job | None = None
+        self.watch: Watch | None = None
+        rng = self.rng
+        self.workers = rng.choice([2, 3])
+        self.min_workers = rng.choice([1, 2])
+        self.max_workers = 4
+
+    @property
+    def setup(self) -> dict:
+        return {
+            "workers": self.workers,
+            "min_workers": self.min_workers,
+            "max_workers": self.max_workers,
+            "max_steps": self.settings.max_steps,
+        }
+
+    # -- the job ---------------------------------------------------------------------------
+    def start(self) -> dict:
+        st = self.settings
+        write_atomic(self.pace, str(st.pace_s))
+        write_atomic(self.faults_file, "")
+        self.job = self.home.start(
+            self.name,
+            "--workers", str(self.workers),
+            "--min-workers", str(self.min_workers),
+            "--max-workers", str(self.max_workers),
+            "--heartbeat-timeout", str(st.heartbeat_timeout_s),
+            "--collective-timeout", str(st.collective_timeout_s),
+            "--max-restarts", "1000",
+            "--checkpoint-every", str(st.checkpoint_every),
+            "--keep-checkpoints", "2",
+            script=TRAIN,
+            script_args=[
+                "--max-steps", str(st.max_steps),
+                "--seed", str(st.train_seed),
+                "--out", str(self.out),
+                "--pace", str(self.pace),
+            ],
+            faults=f"@{self.faults_file}",
+        )  # fmt: skip
+        self.watch = Watch(self.job)
+        return self.watch.until(settled, 180, "first generation training")
+
+    def settle(self, after_step: int = 0, what: str = "recovery") -> dict:
+        return self.watch.until(
+            lambda s: settled(s, after_step), self.settings.recovery_timeout_s, what
+        )
+
+    def scale(self, n: int) -> None:
+        """``tidal scale`` through the CLI's own entry point (in process: no interpreter
+        start, so that several calls land in quick succession)."""
+        import contextlib
+        import io
+
+        from tidal.cli import main as cli_main
+
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = cli_main(["scale", "--home", str(self.home.path), self.name, str(n)])
+        if rc != 0:
+            raise TrialFailure("error", f"tidal scale {n} exited {rc}: {err.getvalue().strip()}")
+
+    def ensure_world(self, n: int) -> dict | None:
+        """At least ``n`` members (scaled up and settled if needed); None if above max."""
+        s = self.watch.last
+        if n > self.max_workers:
+            return None
+        if len(members(s)) >= n and settled(s):
+            return s
+        if s["target_workers"] < n:
+            self.scale(n)
+        return self.settle(s["step"], f"scale up to {n} workers")
+
+    def arm(self, spec: str) -> None:
+        write_atomic(self.faults_file, spec + "\n")
+
+    def fired(self, spec: str) -> float | None:
+        """When the armed fault ``spec`` fired (its line in a worker log), or None."""
+        logs = self.job.dir / "logs"
+        needle = f"tidal-fault: {spec} fired"
+        for path in logs.glob("worker-*.log") if logs.is_dir() else []:
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith(needle):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def wait_fired(self, spec: str, timeout: float) -> float | None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if (t := self.fired(spec)) is not None:
+                return t
+            self.watch.idle(0.2)
+            if self.watch.last["state"] in TERMINAL:
+                break
+        return self.fired(spec)
+
+    # -- the end ---------------------------------------------------------------------------
+    def finish(self, events: list[Event]) -> tuple[dict, list[dict]]:
+        """Run to the end at full speed, then every check; returns (status, pauses)."""
+        write_atomic(self.pace, "0")
+        write_atomic(self.faults_file, "")
+        s = self.watch.until(lambda s: s["state"] in TERMINAL, 300, "end of the job", ended_ok=True)
+        ended_at = time.monotonic()
+        s = self.job.status()  # the real CLI, as a user reads it
+        expect_failure = any(e.expect_failure for e in events)
+        if s["state"] != "succeeded":
+            lost = [m for m in _messages(s, "job") if "every worker was lost" in m]
+            if not (expect_failure and s["state"] == "failed" and lost):
+                why = next((m for m in reversed(_messages(s, "job")) if "job " in m), "")
+                raise TrialFailure("outcome", f"job {s['state']} ({why})")
+        try:
+            self.home.assert_no_processes(timeout=max(0.0, 15 - (time.monotonic() - ended_at)))
+        except AssertionError as exc:
+            raise TrialFailure("processes", str(exc)) from None
+        if s["state"] == "succeeded":
+            self.check_params(s)
+        pauses = self.check_pauses(s, events)
+        return s, pauses
+
+    def check_params(self, s: dict) -> None:
+        last = s["generations"][-1]["members"]
+        files = sorted(self.out.glob("worker-*.safetensors"))
+        wrote = sorted(int(f.stem.split("-")[1]) for f in files)
+        if wrote != sorted(last):
+            raise TrialFailure(
+                "params", f"members {sorted(last)} finished, parameters written by {wrote}"
+            )
+        for f in files:
+            facts = json.loads(f.with_suffix(".json").read_text())
+            if facts["step"] != self.settings.max_steps:
+                raise TrialFailure("params", f"{f.name}: final step {facts['step']}")
+            rel = relative_l2(f, self.reference)
+            if not rel <= EXACT:
+                raise TrialFailure("params", f"{f.name} differs from the 1-worker run: {rel:.3e}")
+
+    def check_pauses(self, s: dict, events: list[Event]) -> list[dict]:
+        """Each generation's pause against the bound of the newest fault injected before it
+        opened (a join with no fault before it: ``kinds.BOUNDS['join']``)."""
+        from bench.chaos.kinds import BOUNDS
+
+        pauses, worst = [], None
+        for g in s["generations"]:
+            if g["pause_s"] is None:
+                continue
+            cause = [e for e in events if e.time <= g["opened_at"] + 0.05]
+            event = cause[-1] if cause else None
+            bound = max(event.bound_s, BOUNDS["join"]) if event else BOUNDS["join"]
+            rec = {
+                "gen": g["id"],
+                "reason": g["reason"],
+                "pause_s": round(g["pause_s"], 3),
+                "bound_s": bound,
+                "fault": event.kind if event else None,
+            }
+            pauses.append(rec)
+            if g["pause_s"] > bound and worst is None:
+                worst = rec
+        for e in events:
+            if e.stall_s is not None and e.stall_s > e.bound_s and worst is None:
+                worst = {"fault": e.kind, "stall_s": round(e.stall_s, 2), "bound_s": e.bound_s}
+        if worst is not None:
+            raise TrialFailure("pause", json.dumps(worst))
+        return pauses
+
+    def close(self, keep: Path | None) -> None:
+        try:
+            self.home.cleanup()
+        finally:
+            if keep is not None:
+                shutil.copytree(self.root, keep, dirs_exist_ok=True, symlinks=True)
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def describe(self) -> tuple[str, str]:
+        try:
+            status = self.job.poll() if self.job else None
+        except Exception:  # noqa: BLE001
+            status = self.watch.last if self.watch else None
+        return summarize(status), self.job.logs_tail(12) if self.job else ""
+
+
+def _messages(s: dict, kind: str) -> list[str]:
+    return [e["message"] for e in s["events"] if e["kind"] == kind]

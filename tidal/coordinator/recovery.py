@@ -1,0 +1,133 @@
+"""What a restarted coordinator knows: the job's rows in SQLite, read back into records.
+
+A coordinator writes the job's rows (``db``) as it goes, and beside them a ``Control``
+record: what the rows do not hold but the control loop needs (the requested count, the
+failures so far, the job's length, the schedule's progress, a decided outcome, the latest
+generation's committed step, why workers were asked to leave). ``rebuild`` turns both into
+the records a new coordinator starts from; it is pure, so every rule has a table test.
+
+Rules (the new coordinator then applies them, see ``Coordinator._recover``):
+
+- Every worker that was live (not exited or failed) is kept, awaiting its re-registration
+  (``WorkerRecord.adopted`` False: its calls are answered 409 until it registers again).
+  Its heartbeat clock restarts now: one that does not come back within the heartbeat
+  timeout is killed as hung, like any silent worker.
+- The latest generation stays current if it had formed (a member completed a step in it):
+  its members train on through the restart and nothing is redone. One that had not formed
+  is re-opened with the same members: its rendezvous was in the dead coordinator's store.
+- A decided outcome (the job succeeded, failed or was stopped, and was winding down) stays
+  decided: the new coordinator finishes the wind-down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tidal.coordinator.records import GenerationRecord, WorkerRecord
+from tidal.protocol import JobState, JobStatus, WorkerState
+
+
+@dataclass(kw_only=True)
+class WorkerFlags:
+    retired: bool = False
+    preempted: bool = False
+    kill_reason: str | None = None
+
+
+@dataclass(kw_only=True)
+class Control:
+    """The control loop's state that the rows of ``db`` do not hold (``jobs.control``)."""
+
+    requested: int
+    failures: int = 0
+    job_length: int | None = None
+    settled_step: int = -1
+    schedule_done: int = 0
+    stop_requested: bool = False
+    outcome: str | None = None  # a decided ``JobState``, not yet reached
+    checkpoint_failed: dict[int, str] = field(default_factory=dict)
+    committed_step: int = 0  # the latest generation's
+    resume_from: str | None = None
+    resume_step: int | None = None
+    workers: dict[int, WorkerFlags] = field(default_factory=dict)  # only non-default flags
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Control:
+        data = dict(data)
+        data["checkpoint_failed"] = {int(k): v for k, v in data.get("checkpoint_failed", {}).items()}
+        data["workers"] = {int(k): WorkerFlags(**v) for k, v in data.get("workers", {}).items()}
+        return cls(**data)
+
+
+@dataclass(kw_only=True)
+class Rebuilt:
+    workers: dict[int, WorkerRecord]
+    generations: list[GenerationRecord]
+    reopen: bool  # the latest generation had not formed: open it again
+    state: JobState
+    outcome: JobState | None
+    step: int
+    control: Control
+
+
+LIVE = (
+    WorkerState.PENDING,
+    WorkerState.STARTING,
+    WorkerState.STANDBY,
+    WorkerState.RUNNING,
+    WorkerState.STOPPING,
+)
+
+
+def rebuild(status: JobStatus, control: Control, *, namespace: str, now: float) -> Rebuilt:
+    """The records a restarted coordinator starts from (see the module's rules). ``now``:
+    wall time, the restart of every heartbeat clock; ``namespace``: the new store's."""
+    workers: dict[int, WorkerRecord] = {}
+    for v in status.workers:
+        flags = control.workers.get(v.id, WorkerFlags())
+        live = v.state in LIVE
+        workers[v.id] = WorkerRecord(
+            id=v.id,
+            state=v.state,
+            pid=v.pid,
+            host=v.host,
+            node=v.node,
+            rank=v.rank,
+            last_heartbeat=now if live else v.last_heartbeat,
+            exit_code=v.exit_code,
+            retired=flags.retired,
+            preempted=flags.preempted,
+            kill_reason=flags.kill_reason,
+            adopted=not live,
+        )
+    generations = [
+        GenerationRecord(
+            id=g.id,
+            members=list(g.members),
+            reason=g.reason,
+            opened_at=g.opened_at,
+            namespace=namespace,
+            start_step=g.start_step,
+            pause_s=g.pause_s,
+            pause_phases=g.pause_phases,
+        )
+        for g in status.generations
+    ]
+    if generations:
+        latest = generations[-1]
+        latest.committed_step = control.committed_step
+        latest.resume_from, latest.resume_step = control.resume_from, control.resume_step
+    outcome = JobState(control.outcome) if control.outcome else None
+    reopen = bool(generations) and not generations[-1].formed and outcome is None
+    return Rebuilt(
+        workers=workers,
+        generations=generations,
+        reopen=reopen,
+        state=JobState(status.state),
+        outcome=outcome,
+        step=status.step,
+        control=control,
+    )
