@@ -374,8 +374,11 @@ class Home:
                     pass
         wait_gone(self.live_processes(), timeout=5)
         targets: set[int] = set()
+        supervisors: set[int] = set()  # first: they would restart a killed coordinator
         for job in jobs:
             info = job.coordinator_info()
+            if info and info.get("supervisor_pid"):
+                supervisors.add(int(info["supervisor_pid"]))
             if info and info.get("pid"):
                 targets.add(int(info["pid"]))
             try:
@@ -388,7 +391,7 @@ class Home:
         ours = set(self.live_processes())
         # The recorded coordinator and worker pids first, each only if it is still ours
         # (pids get reused), then anything else of ours (a worker the records missed).
-        for pid in sorted(targets & ours) + sorted(ours - targets):
+        for pid in sorted(supervisors & ours) + sorted(targets & ours) + sorted(ours - targets):
             kill_pid(pid)
         left = wait_gone(ours, timeout=10)
         left += [p for p in self.live_processes() if p not in left]

@@ -22,9 +22,10 @@ STEPS = "300"
 
 
 def kill_everything(job) -> None:
-    """kill -9 of the coordinator and all its workers: the machine died."""
+    """kill -9 of the coordinator, its supervisor and all its workers: the machine died."""
     status = job.poll()
-    pids = [job.coordinator_info()["pid"]] + [w["pid"] for w in status["workers"] if w["pid"]]
+    info = job.coordinator_info()
+    pids = [info["supervisor_pid"], info["pid"]] + [w["pid"] for w in status["workers"] if w["pid"]]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

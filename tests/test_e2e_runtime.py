@@ -22,7 +22,6 @@ from e2e_helpers import (
     relative_l2,
     running_workers,
     summarize,
-    wait_gone,
     workers_by_id,
 )
 
@@ -348,28 +347,6 @@ def test_bad_input_gets_one_line_and_harms_nothing(tidal_home: Home) -> None:
 
     assert job.stop().returncode == 0
     assert job.wait_state("stopped", "succeeded", "failed", timeout=60)["state"] == "stopped"
-
-
-# -- j -----------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_status_of_a_job_whose_coordinator_died_is_interrupted(tidal_home: Home) -> None:
-    job = tidal_home.start("orphan", "--workers", "2", script_args=["--max-steps", BIG])
-    status = job.wait_running(min_step=20, timeout=60)
-    worker_pids = [w["pid"] for w in running_workers(status)]
-    assert len(worker_pids) == 2, summarize(status)
-    coordinator = job.coordinator_info()["pid"]
-
-    os.kill(coordinator, signal.SIGKILL)
-    assert wait_gone([coordinator], timeout=10) == []
-    left = wait_gone(worker_pids, timeout=15)
-    assert not left, f"workers {left} outlived their coordinator"
-
-    status = job.status()
-    assert status["state"] == "interrupted", summarize(status)
-    assert status["world_size"] == 0, summarize(status)
-    assert status["step"] >= 20, summarize(status)
-    tidal_home.assert_no_processes()
 
 
 # -- k -----------------------------------------------------------------------------------

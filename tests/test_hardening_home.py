@@ -223,8 +223,9 @@ def test_records_that_cannot_be_written_stop_the_job_cleanly_in_one_line(
         worker = worker_pid(job, 0)
         wait_stopped(worker, timeout=90)
         # From now on the coordinator can write no file: SQLite's next write fails.
-        _, hard = resource.prlimit(proc.pid, resource.RLIMIT_FSIZE)
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (0, hard))
+        coordinator = job.coordinator_info()["pid"]  # a child of `tidal run`, its supervisor
+        _, hard = resource.prlimit(coordinator, resource.RLIMIT_FSIZE)
+        resource.prlimit(coordinator, resource.RLIMIT_FSIZE, (0, hard))
         line = first_stderr_line(proc, timeout=30)
         os.kill(worker, signal.SIGCONT)  # it learns of the stop, checkpoints, exits
         rest = proc.communicate(timeout=60)[1]

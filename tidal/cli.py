@@ -25,6 +25,7 @@ from tidal.coordinator.home import (
     resolve_home,
 )
 from tidal.coordinator.records import Resume
+from tidal.coordinator.supervisor import Attach
 from tidal.policy.inputs import parse_duration
 from tidal.protocol import CheckpointView, JobState, JobStatus, WorkerState
 
@@ -258,9 +259,11 @@ def _launch(
     args: argparse.Namespace,
     resume: Resume | None,
     lock: int | None = None,
+    attach: Attach | None = None,
 ) -> int:
     """Host the job here, or in a detached process. ``lock``: the job's lock (``_claim``;
-    ``cmd_resume`` takes it itself), handed to the coordinator's process."""
+    ``cmd_resume`` and ``tidal attach`` take it themselves), handed to the coordinator's
+    process. ``attach``: take over the live workers of a job whose coordinator died."""
     try:
         tensorboard = None
         if args.tensorboard:
@@ -270,21 +273,31 @@ def _launch(
             tensorboard = str(Path(args.tensorboard).resolve())
         if lock is None:
             lock = _claim(home, spec.name)
-        # We hold the lock: a coordinator.json left there is a dead coordinator's.
-        job_dir(home, spec.name).coordinator_file.unlink(missing_ok=True)
+        # We hold the lock: a coordinator.json left there is a dead coordinator's (whose URL
+        # and token an attach takes over).
+        if attach is None:
+            job_dir(home, spec.name).coordinator_file.unlink(missing_ok=True)
     except BaseException:
         if lock is not None:
             os.close(lock)
         raise
     if args.detach:
         try:
-            return _detach(spec, home, resume, tensorboard=tensorboard, lock=lock)
+            return _detach(
+                spec, home, resume, tensorboard=tensorboard, lock=lock, attach=attach
+            )
         finally:
             os.close(lock)  # the coordinator's process holds it now
     from tidal.coordinator.runner import run_job
 
     return run_job(
-        spec, home, quiet=args.quiet, resume=resume, tensorboard=tensorboard, lock_fd=lock
+        spec,
+        home,
+        quiet=args.quiet,
+        resume=resume,
+        tensorboard=tensorboard,
+        lock_fd=lock,
+        attach=attach,
     )
 
 
@@ -345,7 +358,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _detach(
-    spec: JobSpec, home: Path, resume: Resume | None, *, tensorboard: str | None, lock: int
+    spec: JobSpec,
+    home: Path,
+    resume: Resume | None,
+    *,
+    tensorboard: str | None,
+    lock: int,
+    attach: Attach | None = None,
 ) -> int:
     jd = job_dir(home, spec.name)
     jd.path.mkdir(parents=True, exist_ok=True)
@@ -359,6 +378,7 @@ def _detach(
                 json.dumps(spec.to_dict()),
                 *([json.dumps(vars(resume))] if resume else []),
                 *(["--tensorboard", tensorboard] if tensorboard else []),
+                *(["--attach", json.dumps(vars(attach))] if attach else []),
                 *["--lock-fd", str(lock)],
             ],
             stdin=subprocess.DEVNULL,
@@ -368,8 +388,10 @@ def _detach(
             pass_fds=(lock,),
         )
     deadline = time.monotonic() + 60
+    old = jd.read_coordinator()  # an attach's: the dead coordinator's, until replaced
     while time.monotonic() < deadline:
-        if jd.read_coordinator():
+        info = jd.read_coordinator()
+        if info and info != old:
             print(spec.name)
             return 0
         if proc.poll() is not None:
@@ -633,8 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs.set_defaults(fn=cmd_logs)
 
+    from tidal.attach_cli import add_parser as add_attach_parser
     from tidal.sim_cli import add_parser as add_simulate_parser
 
+    add_attach_parser(sub, common, _launch)
     add_simulate_parser(sub)
     return parser
 

@@ -57,7 +57,9 @@ class Control:
     @classmethod
     def from_dict(cls, data: dict) -> Control:
         data = dict(data)
-        data["checkpoint_failed"] = {int(k): v for k, v in data.get("checkpoint_failed", {}).items()}
+        data["checkpoint_failed"] = {
+            int(k): v for k, v in data.get("checkpoint_failed", {}).items()
+        }
         data["workers"] = {int(k): WorkerFlags(**v) for k, v in data.get("workers", {}).items()}
         return cls(**data)
 

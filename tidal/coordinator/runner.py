@@ -24,7 +24,6 @@ import signal
 import sqlite3
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import JobSpec
@@ -32,7 +31,7 @@ from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records import Resume
 from tidal.coordinator.server import ApiServer
-from tidal.coordinator.supervisor import Hosting, supervise
+from tidal.coordinator.supervisor import Attach, Hosting, supervise
 from tidal.dashboard.history import Recorder
 from tidal.protocol import JobState
 
@@ -91,14 +90,6 @@ def run_job(
         )
     finally:
         os.close(lock_fd)  # after the coordinator has recorded the end and closed
-
-
-@dataclass(frozen=True, kw_only=True)
-class Attach:
-    """The dead coordinator's token and API port, which its workers still use."""
-
-    token: str
-    api_port: int
 
 
 def _host(
@@ -228,7 +219,8 @@ def main() -> int:
     argv = sys.argv[1:]
     tensorboard = _option(argv, "--tensorboard")
     lock = _option(argv, "--lock-fd")
-    extra = {}
+    attach = _option(argv, "--attach")
+    extra: dict = {"attach": Attach(**json.loads(attach))} if attach else {}
     if lock is not None:  # the job's lock, taken by `tidal run`; not for our own children
         extra["lock_fd"] = int(lock)
         os.set_inheritable(extra["lock_fd"], False)

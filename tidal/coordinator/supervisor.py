@@ -56,6 +56,15 @@ class Hosting:
     incarnation: int = 0  # 0: the first coordinator; n: the n-th restart
 
 
+@dataclass(frozen=True, kw_only=True)
+class Attach:
+    """A dead coordinator's token and API port, which its live workers still use
+    (``tidal attach``)."""
+
+    token: str
+    api_port: int
+
+
 def listen(host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket on ``host`` (loopback for local workers); ``port`` 0: one the
     OS picks. ``OSError`` if it is taken."""
@@ -111,8 +120,14 @@ def supervise(
     """Run ``host_job(hosting, recover, stop_requested)`` in a forked coordinator until it
     returns; restart it when it dies. ``api_port``/``token``: those of a coordinator to take
     over (``tidal attach``), with ``recover`` True. Returns the job's exit code."""
+    try:
+        api_sock = listen(host, api_port)
+    except OSError as exc:  # an attach: another process took the workers' address
+        raise ValueError(
+            f"cannot listen on {host}:{api_port}, the address the job's workers call: "
+            f"{exc.strerror or exc}"
+        ) from None
     _become_subreaper()
-    api_sock = listen(host, api_port)
     store_sock = listen(host)
     reaped_r, reaped_w = os.pipe()
     os.set_blocking(reaped_r, False)

@@ -1,0 +1,118 @@
+"""``tidal attach JOB``: a new coordinator for a job whose coordinator and supervisor died.
+
+Its workers train on without them (until ``--orphan-timeout``), calling the URL they were
+launched with. ``attach`` takes the job's lock, serves that URL again with the job's token
+(both from ``HOME/jobs/NAME/coordinator.json``), and starts a supervised coordinator that
+rebuilds the job from SQLite and adopts the workers as they register again
+(``coordinator.recovery``), exactly as after a restart by the supervisor.
+
+Refused in one line: an unknown job, one whose coordinator still holds it, one that ended,
+one with no record of its coordinator's address, one with no live worker (``tidal resume``
+restarts it from a checkpoint), and a job of a cluster backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from tidal.config import JobSpec
+from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
+from tidal.coordinator.supervisor import Attach
+from tidal.protocol import JobState, JobStatus, WorkerState
+
+
+def add_parser(
+    sub: argparse._SubParsersAction, common: argparse.ArgumentParser, launch: Callable[..., int]
+) -> None:
+    """Register ``attach`` on the ``tidal`` subparsers; ``launch``: ``cli._launch``, which
+    hosts the job here or detached."""
+    attach = sub.add_parser(
+        "attach",
+        parents=[common],
+        help="take over the live workers of a job whose coordinator died",
+        description="Start a coordinator for JOB that adopts its live workers (they train on "
+        "after their coordinator and `tidal run` died, until --orphan-timeout).",
+    )
+    attach.add_argument("job")
+    attach.add_argument("--detach", action="store_true")
+    attach.add_argument("--quiet", action="store_true")
+    attach.set_defaults(fn=functools.partial(cmd_attach, launch=launch), tensorboard=None)
+
+
+def cmd_attach(args: argparse.Namespace, *, launch: Callable[..., int]) -> int:
+    """Errors are ``ValueError`` (the CLI prints the one line)."""
+    from tidal.coordinator.db import Database
+
+    home = resolve_home(args.home)
+    check_home(home)
+    if not db_path(home).exists():
+        raise ValueError(f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
+    jd = job_dir(home, args.job)
+    db = Database(db_path(home), readonly=True)
+    try:
+        if not db.has_job(args.job):
+            raise ValueError(f"unknown job {args.job!r} in {home} (`tidal jobs` lists them)")
+        try:
+            lock = jd.lock()
+        except JobBusy as exc:
+            raise ValueError(
+                f"job {args.job!r} has a live coordinator ({exc}); nothing to attach to"
+            ) from None
+        try:
+            status = db.load_status(args.job)
+            spec = JobSpec.from_dict(db.job_spec(args.job))
+        except BaseException:
+            os.close(lock)
+            raise
+    finally:
+        db.close()
+    try:
+        attach = check_attach(args.job, spec, status, jd.read_coordinator(), alive=_alive)
+    except BaseException:
+        os.close(lock)
+        raise
+    return launch(spec, home, args, None, lock, attach=attach)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def check_attach(
+    name: str, spec: JobSpec, status: JobStatus, info: dict | None, *, alive: Callable[[int], bool]
+) -> Attach:
+    """The ``Attach`` for the job, or ``ValueError`` (one line) saying why there is none;
+    ``info``: its coordinator file, ``alive``: whether a pid runs."""
+    if JobState(status.state).terminal:
+        raise ValueError(f"job {name!r} {JobState(status.state).value}; nothing to attach to")
+    if spec.backend != "local":
+        raise ValueError(
+            f"tidal attach takes over local workers only; job {name!r} runs on {spec.backend}"
+        )
+    if not info or not info.get("url") or not info.get("token"):
+        raise ValueError(
+            f"no record of job {name!r}'s coordinator address; its workers cannot be reached "
+            f"(`tidal resume {name}` restarts it from a checkpoint)"
+        )
+    live = [
+        w.id
+        for w in status.workers
+        if w.pid and w.state not in (WorkerState.EXITED, WorkerState.FAILED) and alive(w.pid)
+    ]
+    if not live:
+        raise ValueError(
+            f"no worker of job {name!r} is alive; `tidal resume {name}` restarts it from a "
+            "checkpoint"
+        )
+    port = urlsplit(info["url"]).port
+    return Attach(token=info["token"], api_port=port)
