@@ -29,6 +29,7 @@ MEASUREMENTS = (
     "state_transfer",
     "checkpoint_stall",
     "dataloader",
+    "control_plane",
 )
 
 SIZES = {
@@ -37,15 +38,15 @@ SIZES = {
     # run and its repetitions
     "full": dict(
         tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
-        loader_steps=150, loader_reps=3,
+        loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
-        loader_steps=80, loader_reps=1,
+        loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
-        loader_steps=20, loader_reps=1,
+        loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0,
     ),
 }  # fmt: skip
 
@@ -57,6 +58,7 @@ GOALS = {
     "state_transfer": "Tidal <= 2x raw (ratio >= 0.5)",
     "checkpoint_stall_pct": "Tidal <= 3.5 %",
     "dataloader_workers": "ratio >= 0.95",
+    "control_plane_1024": "Tidal p99 < 50 ms on one core",
 }
 
 
@@ -77,6 +79,8 @@ def met(r: dict, extra: dict) -> bool | None:
         return t <= 3.5
     if name == "dataloader_workers":
         return ratio >= 0.95
+    if name == "control_plane_1024":
+        return t < 50
     return None
 
 
@@ -175,6 +179,14 @@ def run_dataloader(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     return rows, res
 
 
+def run_control_plane(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import control_plane
+
+    return control_plane.run(
+        list(control_plane.SIZES), tmp, window_s=size["cp_window_s"], warmup_s=size["cp_warmup_s"]
+    )
+
+
 RUNNERS = {
     "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
     "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
@@ -185,6 +197,16 @@ RUNNERS = {
         run_dataloader,
         ["dataloader_workers", "dataloader_workers_0", "dataloader_speedup"],
         "samples/s",
+    ),
+    "control_plane": (
+        run_control_plane,
+        [
+            "control_plane_256",
+            "control_plane_256_cpu",
+            "control_plane_1024",
+            "control_plane_1024_cpu",
+        ],
+        "ms p99",
     ),
 }
 

@@ -74,3 +74,39 @@ def test_bench_tiny_dataloader(tmp_path: Path) -> None:
         for key in ("tidal", "peer", "ratio"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
     assert "dataloader_workers" in proc.stdout and "ratio >= 0.95" in proc.stdout
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(420)
+def test_bench_tiny_control_plane(tmp_path: Path) -> None:
+    """The control-plane rows: one real coordinator, 256 then 1,024 simulated workers
+    heartbeating over its HTTP API (~1 min on 2 cores: ``pytest -m bench`` runs it; CI does
+    not). Shape and sanity only: no latency is asserted."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--tiny", "--only", "control_plane", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    sizes = (256, 1024)
+    assert [r["name"] for r in rows] == [
+        name for n in sizes for name in (f"control_plane_{n}", f"control_plane_{n}_cpu")
+    ]
+    assert [r["unit"] for r in rows] == ["ms p99", "cores"] * len(sizes)
+    for r in rows:
+        for key in ("tidal", "peer", "ratio"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
+    details = json.loads(out.with_suffix(".details.json").read_text())["control_plane"]
+    for n in sizes:
+        d = details[str(n)]
+        assert d["workers"] == n and d["heartbeats"] > 0, d
+        assert d["errors"] == {} and d["failures"] == 0 and d["generations"] == 1, d
+        lat = d["latency_s"]
+        assert 0 < lat["p50"] <= lat["p99"] <= lat["max"], lat
+        assert d["floor_latency_s"]["n"] > 0 and d["probe_s"]["n"] > 0, d
+        assert 0 < d["coordinator_cpu"] < 2.5 and 0 < d["generator_cpu"] < 2.5, d
+    assert "control_plane_1024" in proc.stdout and "p99 < 50 ms" in proc.stdout
