@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write the report here")
     p.add_argument(
         "--kinds",
-        help=f"comma-separated subset of {','.join(KINDS)} (default: all but coordinator, "
-        "plus coordinator when tidal status reports coordinator_pid)",
+        help=f"comma-separated subset of {','.join(KINDS)} (default: all)",
     )
     p.add_argument("--max-steps", type=int, default=Settings.max_steps)
     p.add_argument("--heartbeat-timeout", type=float, default=Settings.heartbeat_timeout_s)

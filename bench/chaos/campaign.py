@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.chaos.kinds import AUTO, KINDS, WEIGHTS, bounds
+from bench.chaos.kinds import KINDS, WEIGHTS, bounds
 from bench.chaos.trial import (
     ROOT,
     TRAIN,
@@ -83,7 +83,7 @@ def _inject(
         result.events.append(event)
         if event.expect_failure:
             return
-        tr.settle(step, f"recovery from {kind} ({'; '.join(event.faults)})")
+        tr.settle_after(event.time, f"recovery from {kind} ({'; '.join(event.faults)})")
         now = time.time()
         event.recovered_s = round(now - event.time, 2)
         event.stall_s = round(tr.watch.stall(event.time, now), 2)
@@ -105,10 +105,9 @@ def run_trial(
     planned = tr.rng.randint(*EVENTS_PER_TRIAL)
     try:
         try:
-            s = tr.start()
+            tr.start()
             if kinds is None:
-                kinds = [k for k in KINDS if k not in AUTO]
-                kinds += [k for k in AUTO if k == "coordinator" and s.get("coordinator_pid")]
+                kinds = list(KINDS)
             result.setup["kinds"] = list(kinds)
             _inject(tr, result, kinds, budget, planned)
         except JobEnded:  # the outcome check says whether that was right
@@ -165,8 +164,7 @@ def report(
         "bounds_s": bounds(settings.heartbeat_timeout_s),
         "by_kind": _tally(results),
         "trial_log": [
-            {k: v for k, v in r.record().items() if k not in ("status", "logs")}
-            for r in results
+            {k: v for k, v in r.record().items() if k not in ("status", "logs")} for r in results
         ],
     }
 

@@ -255,6 +255,5 @@ WEIGHTS = {
     "coordinator": 1.5,
     "kill_all": 0.25,
 }
-# By default every kind but ``coordinator``, which is on by default only for a job whose
-# ``tidal status --json`` reports a ``coordinator_pid`` (coordinator crash survival).
-AUTO = ("coordinator",)
+# ``coordinator`` needs ``coordinator_pid`` in ``tidal status --json`` (coordinator crash
+# survival): on by default, it is not applicable (and not counted) where status lacks it.

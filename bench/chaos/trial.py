@@ -40,6 +40,7 @@ from e2e_helpers import Home, Job, relative_l2, summarize  # noqa: E402
 EXACT = 1e-12
 TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
 POLL_S = 0.1
+HEARTBEAT_LAG_S = 0.3
 
 
 class TrialFailure(Exception):
@@ -106,7 +107,7 @@ class TrialResult:
             "setup": self.setup,
             "faults_injected": self.faults,
             "events": [
-                {k: v for k, v in asdict(e).items() if v not in (None, [], False)}
+                {k: v for k, v in asdict(e).items() if v is not None and v != [] and v is not False}
                 for e in self.events
             ],
             "pauses": self.pauses,
@@ -274,6 +275,13 @@ class Trial:
         return self.watch.until(
             lambda s: settled(s, after_step), self.settings.recovery_timeout_s, what
         )
+
+    def settle_after(self, t: float, what: str) -> dict:
+        """Settled, with the step counted from what the job did after time ``t`` (status
+        steps come from heartbeats: they lag by a heartbeat and a poll)."""
+        self.watch.idle(max(0.0, t + HEARTBEAT_LAG_S - time.time()))
+        base = self.watch.until(lambda s: True, self.settings.recovery_timeout_s, "a status")
+        return self.settle(base["step"], what)
 
     def scale(self, n: int) -> None:
         """``tidal scale`` through the CLI's own entry point (in process: no interpreter
