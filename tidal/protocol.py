@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import os
+from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated
 
@@ -366,3 +368,32 @@ class JobStatus(BaseModel):
     # The process that hosts the job's control loop now (it changes when its supervisor
     # restarts it); None when no coordinator serves the job.
     coordinator_pid: int | None = None
+
+
+# -- a worker's launch environment ----------------------------------------------------
+ENV_URL = "TIDAL_COORDINATOR_URL"
+ENV_TOKEN = "TIDAL_TOKEN"
+ENV_WORKER_ID = "TIDAL_WORKER_ID"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What the backend puts in a worker's environment when it launches it."""
+
+    url: str
+    token: str
+    worker_id: int
+
+    @classmethod
+    def from_environ(cls) -> WorkerEnv | None:
+        """The launch environment, or None when the script runs outside ``tidal run``."""
+        if ENV_URL not in os.environ:
+            return None
+        return cls(
+            url=os.environ[ENV_URL],
+            token=os.environ.get(ENV_TOKEN, ""),
+            worker_id=int(os.environ[ENV_WORKER_ID]),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        return {ENV_URL: self.url, ENV_TOKEN: self.token, ENV_WORKER_ID: str(self.worker_id)}

@@ -26,6 +26,7 @@ from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
+from tidal.coordinator.rules import start_timed_out
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.supervisor import Hosting, listen, url_of
@@ -313,14 +314,13 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self._decide(JobState.FAILED, "every worker was lost; nothing holds the training state")
 
     def _check_start_timeout(self) -> None:
-        if (
-            self.state == JobState.PENDING
-            and time.time() - self.created > self.spec.start_timeout_s
-        ):
-            self._decide(
-                JobState.FAILED,
-                f"no generation formed within {self.spec.start_timeout_s:.0f} s; see the worker logs",
-            )
+        why = start_timed_out(
+            pending=self.state == JobState.PENDING,
+            waited_s=time.time() - self.created,
+            start_timeout_s=self.spec.start_timeout_s,
+        )
+        if why:
+            self._decide(JobState.FAILED, why)
 
     def _wind_down(self, now: float) -> bool:
         """Once the outcome is decided: let members finish, tell the rest to exit, kill

@@ -16,8 +16,8 @@ from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
-from tidal.protocol import JobState, WorkerState, worker_token
-from tidal.worker.agent import WorkerEnv
+from tidal.coordinator.rules import ExitFacts, HealthFacts, judge_exit, roll_back, to_kill
+from tidal.protocol import JobState, WorkerEnv, WorkerState, worker_token
 
 STOP_GRACE_S = 30.0
 # A longer gap between two passes of the control loop means the coordinator did not run
@@ -65,11 +65,15 @@ class Lifecycle:
             + (f"; {lost} gone" if lost else ""),
         )
         for wid in lost:
-            self._on_exit(Exit(worker_id=wid, returncode=-9, reason="gone when the coordinator restarted"))
+            self._on_exit(
+                Exit(worker_id=wid, returncode=-9, reason="gone when the coordinator restarted")
+            )
         latest = self.latest
         if r.reopen and latest is self.generations[-1] and self.outcome is None:
             live = [m for m in latest.members if self.workers[m].live]
-            self._open(live, f"re-formed: the coordinator restarted before generation {latest.id} formed")
+            self._open(
+                live, f"re-formed: the coordinator restarted before generation {latest.id} formed"
+            )
         self._save_control()
 
     def _save_control(self) -> None:
@@ -106,38 +110,40 @@ class Lifecycle:
             return
         w.exit_code = ex.returncode
         was_member = w.id in self.members
-        if ex.returncode == 0 and (w.state == WorkerState.STOPPING or w.retired):
-            w.state = WorkerState.EXITED
-            self.event("worker", f"worker {w.id} exited" + (f": {ex.reason}" if ex.reason else ""))
-        elif w.retired or (w.state == WorkerState.STOPPING and not was_member):
-            w.state = WorkerState.FAILED  # it was leaving anyway: no failure to recover from
-            self.event("worker", f"worker {w.id} {w.kill_reason or ex.describe()} while leaving")
-        else:
-            w.state = WorkerState.FAILED
-            why = w.kill_reason or ex.describe()
-            detail = self.backend.describe_exit(w.id) if ex.returncode > 0 else ""
-            self.event(
-                "failure", f"worker {w.id} failed ({why})" + (f": {detail}" if detail else "")
+        verdict = judge_exit(
+            ExitFacts(
+                worker_id=w.id,
+                returncode=ex.returncode,
+                how=ex.describe(),
+                reason=ex.reason,
+                detail=self.backend.describe_exit(w.id) if ex.returncode > 0 else "",
+                retired=w.retired,
+                leaving=w.state == WorkerState.STOPPING,
+                was_member=was_member,
+                kill_reason=w.kill_reason,
+                job_decided=self.outcome is not None,
+                failures=self.failures,
+                max_restarts=self.spec.max_restarts,
+                target=self.target,
+                min_workers=self.spec.min_workers,
+                alive_others=sum(
+                    1 for m in self.workers.values() if m.live and not m.retired and m.id != w.id
+                ),
             )
-            if self.outcome is None:
-                if ex.returncode > 0 and w.kill_reason is None:
-                    # The script raised: a bug every worker shares, not a lost machine.
-                    self._decide(
-                        JobState.FAILED, f"worker {w.id} {why}" + (f": {detail}" if detail else "")
-                    )
-                else:
-                    self.failures += 1
-                    if was_member:
-                        self._open(
-                            [m for m in self.members if m != w.id], f"worker {w.id} failed ({why})"
-                        )
-                    if self.failures > self.spec.max_restarts:
-                        alive = [m for m in self.workers.values() if m.live and not m.retired]
-                        self._set_target(
-                            max(1, min(self.target, len(alive))),
-                            f"restart budget of {self.spec.max_restarts} spent",
-                        )
-        w.rank = None
+        )
+        w.state, w.rank = verdict.state, None
+        self.event(verdict.kind, verdict.message)
+        if verdict.lost:
+            self.failures += 1
+        if verdict.reform:
+            self._open(
+                [m for m in self.members if m != w.id],
+                f"worker {w.id} failed ({w.kill_reason or ex.describe()})",
+            )
+        if verdict.fail_job and self.outcome is None:
+            self._decide(JobState.FAILED, verdict.fail_job)
+        if verdict.target is not None:
+            self._set_target(verdict.target, verdict.target_why)
         self.db.upsert_worker(self.spec.name, w.view())
 
     def _track_placement(self) -> None:
@@ -171,28 +177,23 @@ class Lifecycle:
                     w.last_heartbeat = max(w.last_heartbeat, now)
                 if w.stopping_since is not None:
                     w.stopping_since += gap
-        for w in self.workers.values():
-            if (
-                w.state == WorkerState.STOPPING
-                and w.kill_reason is None
-                and w.stopping_since is not None
-                and time.monotonic() - w.stopping_since > STOP_GRACE_S
-            ):
-                w.kill_reason = f"did not exit within {STOP_GRACE_S:.0f} s of being asked"
-                self.event("worker", f"worker {w.id} {w.kill_reason}; killing it")
-                self.backend.signal(w.id, signal.SIGKILL)
-                continue
-            if (
-                # A stopping worker has reported its end and stops heartbeating as it exits;
-                # the stop grace period, not the heartbeat timeout, bounds it.
-                w.state in (WorkerState.STANDBY, WorkerState.RUNNING)
-                and w.kill_reason is None
-                and w.last_heartbeat is not None
-                and now - w.last_heartbeat > self.spec.heartbeat_timeout_s
-            ):
-                w.kill_reason = f"missed heartbeats for {now - w.last_heartbeat:.1f} s"
-                self.event("failure", f"worker {w.id} {w.kill_reason}; killing it")
-                self.backend.signal(w.id, signal.SIGKILL)
+        mono = time.monotonic()
+        facts = [
+            HealthFacts(
+                worker_id=w.id,
+                state=w.state,
+                silent_s=now - w.last_heartbeat if w.last_heartbeat is not None else None,
+                stopping_s=mono - w.stopping_since if w.stopping_since is not None else None,
+                killed=w.kill_reason is not None,
+            )
+            for w in self.workers.values()
+        ]
+        for wid, kind, reason in to_kill(
+            facts, heartbeat_timeout_s=self.spec.heartbeat_timeout_s, stop_grace_s=STOP_GRACE_S
+        ):
+            self.workers[wid].kill_reason = reason
+            self.event(kind, f"worker {wid} {reason}; killing it")
+            self.backend.signal(wid, signal.SIGKILL)
 
     def _answer_state_lost(self) -> None:
         """No member of the latest generation holds the job's state (every holder was lost
@@ -211,19 +212,12 @@ class Lifecycle:
         path, warnings = newest_good(self.checkpoint_dir) if self.checkpoint_dir else (None, [])
         for line in warnings:
             self.event("checkpoint", line)
-        if path is None:
-            self._decide(
-                JobState.FAILED,
-                f"no live worker holds the training state of step {lost} (its holders were "
-                "lost) and there is no checkpoint to roll back to; run with --checkpoint-every",
-            )
+        step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
+        action, why = roll_back(lost_step=lost, checkpoint_step=step)
+        if action == "fail":
+            self._decide(JobState.FAILED, why)
             return
-        step = int(NAME_RE.match(path.name).group(1))
-        self.event(
-            "checkpoint",
-            f"no live worker holds step {lost}: rolling back to the checkpoint of step {step} "
-            f"({max(0, lost - step)} steps redone)",
-        )
+        self.event("checkpoint", why)
         self.step = step
         self._open(
             latest.members,

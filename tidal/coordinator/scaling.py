@@ -14,6 +14,7 @@ import math
 import signal
 import time
 
+from tidal.coordinator.rules import capacity_victims
 from tidal.protocol import WorkerState
 
 
@@ -71,16 +72,10 @@ class Scaling:
         if cap is None:
             return
         self._set_target(self.requested, f"capacity {cap} (--capacity)")
-        alive = [w for w in self.workers.values() if w.live and not w.retired and not w.preempted]
-        excess = len(alive) - cap
-        if excess <= 0:
-            return
-        members = self.members
-        # Spares first (nothing to hand over), then the highest ranks.
-        victims = [w for w in alive if w.id not in members][:excess]
-        victims += sorted(
-            (w for w in alive if w.id in members), key=lambda w: members.index(w.id), reverse=True
-        )[: excess - len(victims)]
+        alive = [
+            w.id for w in self.workers.values() if w.live and not w.retired and not w.preempted
+        ]
+        victims = [self.workers[wid] for wid in capacity_victims(alive, self.members, cap)]
         for w in victims:
             w.preempted = True
             self.event("capacity", f"capacity {cap}: preemption notice (SIGTERM) to worker {w.id}")

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
@@ -35,13 +34,10 @@ from tidal.protocol import (
     StepMetrics,
     StepReport,
     WorkerConfig,
+    WorkerEnv,
 )
 
 T = TypeVar("T")
-
-ENV_URL = "TIDAL_COORDINATOR_URL"
-ENV_TOKEN = "TIDAL_TOKEN"
-ENV_WORKER_ID = "TIDAL_WORKER_ID"
 
 # Before its first registration a worker knows no ``orphan_timeout_s``: it waits this long for
 # a coordinator (one restarted by its supervisor answers within a second or two).
@@ -51,29 +47,6 @@ RETRY_S = 0.05  # between two tries of a call through a coordinator outage
 # most ``protocol.MAX_STEP_RECORDS`` of them. Beyond this many (the coordinator unreachable
 # for long), the oldest are dropped, with one warning.
 MAX_STEP_OUTBOX = 20_000
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerEnv:
-    """What the backend puts in a worker's environment when it launches it."""
-
-    url: str
-    token: str
-    worker_id: int
-
-    @classmethod
-    def from_environ(cls) -> WorkerEnv | None:
-        """The launch environment, or None when the script runs outside ``tidal run``."""
-        if ENV_URL not in os.environ:
-            return None
-        return cls(
-            url=os.environ[ENV_URL],
-            token=os.environ.get(ENV_TOKEN, ""),
-            worker_id=int(os.environ[ENV_WORKER_ID]),
-        )
-
-    def to_environ(self) -> dict[str, str]:
-        return {ENV_URL: self.url, ENV_TOKEN: self.token, ENV_WORKER_ID: str(self.worker_id)}
 
 
 class Agent:

@@ -1,0 +1,281 @@
+"""Table tests of the control loop's rules about workers' lives (``coordinator.rules``):
+pure functions, milliseconds, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.coordinator.rules import (
+    ExitFacts,
+    HealthFacts,
+    capacity_victims,
+    judge_exit,
+    roll_back,
+    start_timed_out,
+    to_kill,
+)
+from tidal.protocol import WorkerState
+
+EXITED, FAILED = WorkerState.EXITED, WorkerState.FAILED
+KILLED = dict(returncode=-9, how="killed by SIGKILL")
+
+
+@pytest.mark.parametrize(
+    ("facts", "state", "message", "lost", "reform", "fail_job", "target"),
+    [
+        # asked to leave, exited cleanly: nothing to recover
+        (
+            dict(returncode=0, how="exited with code 0", leaving=True),
+            EXITED,
+            "worker 3 exited",
+            False,
+            False,
+            None,
+            None,
+        ),
+        (
+            dict(returncode=0, how="", retired=True, reason="node drained"),
+            EXITED,
+            "worker 3 exited: node drained",
+            False,
+            False,
+            None,
+            None,
+        ),
+        # leaving anyway: noted, costs nothing
+        (
+            dict(**KILLED, retired=True),
+            FAILED,
+            "worker 3 killed by SIGKILL while leaving",
+            False,
+            False,
+            None,
+            None,
+        ),
+        (
+            dict(**KILLED, leaving=True, was_member=False, kill_reason="did not exit"),
+            FAILED,
+            "worker 3 did not exit while leaving",
+            False,
+            False,
+            None,
+            None,
+        ),
+        # a member that crashed: re-form without it
+        (
+            dict(**KILLED, was_member=True),
+            FAILED,
+            "worker 3 failed (killed by SIGKILL)",
+            True,
+            True,
+            None,
+            None,
+        ),
+        # a standby that crashed: lost, no generation to re-form
+        (
+            dict(**KILLED, was_member=False),
+            FAILED,
+            "worker 3 failed (killed by SIGKILL)",
+            True,
+            False,
+            None,
+            None,
+        ),
+        # a stopping member (asked to exit with the job) that was killed: still a member
+        (
+            dict(**KILLED, leaving=True, was_member=True),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            None,
+        ),
+        # the script raised: every worker would; the job fails
+        (
+            dict(returncode=1, how="exited with code 1", detail="ValueError: x", was_member=True),
+            FAILED,
+            "worker 3 failed (exited with code 1): ValueError: x",
+            False,
+            False,
+            "worker 3 exited with code 1: ValueError: x",
+            None,
+        ),
+        # a positive code the coordinator caused (it killed it as hung) is a lost worker
+        (
+            dict(
+                returncode=1,
+                how="exited with code 1",
+                kill_reason="missed heartbeats for 11.0 s",
+                was_member=True,
+            ),
+            FAILED,
+            "worker 3 failed (missed heartbeats for 11.0 s)",
+            True,
+            True,
+            None,
+            None,
+        ),
+        # the job's outcome is decided: recorded, nothing else
+        (
+            dict(**KILLED, was_member=True, job_decided=True),
+            FAILED,
+            "worker 3 failed",
+            False,
+            False,
+            None,
+            None,
+        ),
+        # the restart budget is spent: the target shrinks to what is left, never below min
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=3,
+                max_restarts=3,
+                target=4,
+                alive_others=2,
+                min_workers=1,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            2,
+        ),
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=3,
+                max_restarts=3,
+                target=4,
+                alive_others=3,
+                min_workers=3,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            3,
+        ),
+        # ... and fewer left than --min-workers: the job fails rather than train below it
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=3,
+                max_restarts=3,
+                target=4,
+                alive_others=1,
+                min_workers=2,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            False,
+            "the restart budget of 3 is spent and 1 workers are left, fewer than --min-workers 2",
+            None,
+        ),
+        # within the budget, below min is only while a replacement starts: no failure
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=2,
+                max_restarts=3,
+                target=2,
+                alive_others=1,
+                min_workers=2,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            None,
+        ),
+    ],
+)
+def test_judge_exit(facts, state, message, lost, reform, fail_job, target) -> None:
+    v = judge_exit(ExitFacts(worker_id=3, **facts))
+    assert v.state == state
+    assert v.message.startswith(message), v.message
+    assert (v.lost, v.reform, v.fail_job, v.target) == (lost, reform, fail_job, target)
+
+
+RUNNING, STANDBY, STOPPING, STARTING = (
+    WorkerState.RUNNING,
+    WorkerState.STANDBY,
+    WorkerState.STOPPING,
+    WorkerState.STARTING,
+)
+
+
+@pytest.mark.parametrize(
+    ("worker", "kill"),
+    [
+        (
+            HealthFacts(worker_id=1, state=RUNNING, silent_s=10.5),
+            ("failure", "missed heartbeats for 10.5 s"),
+        ),
+        (
+            HealthFacts(worker_id=1, state=STANDBY, silent_s=11.0),
+            ("failure", "missed heartbeats for 11.0 s"),
+        ),
+        (HealthFacts(worker_id=1, state=RUNNING, silent_s=9.9), None),
+        (HealthFacts(worker_id=1, state=RUNNING, silent_s=None), None),  # never beat yet
+        (HealthFacts(worker_id=1, state=STARTING, silent_s=99.0), None),  # start timeout's
+        (HealthFacts(worker_id=1, state=RUNNING, silent_s=99.0, killed=True), None),  # once
+        # stopping: the grace period bounds it, not its silence
+        (HealthFacts(worker_id=1, state=STOPPING, silent_s=99.0, stopping_s=29.0), None),
+        (
+            HealthFacts(worker_id=1, state=STOPPING, stopping_s=31.0),
+            ("worker", "did not exit within 30 s of being asked"),
+        ),
+    ],
+)
+def test_to_kill(worker, kill) -> None:
+    got = to_kill([worker], heartbeat_timeout_s=10.0, stop_grace_s=30.0)
+    assert got == ([] if kill is None else [(1, *kill)])
+
+
+@pytest.mark.parametrize(
+    ("alive", "members", "cap", "victims"),
+    [
+        ([0, 1, 2], [0, 1, 2], 3, []),
+        ([0, 1, 2], [0, 1, 2], 2, [2]),  # the highest rank
+        ([0, 1, 2, 7], [0, 1, 2], 2, [7, 2]),  # a spare first
+        ([0, 1, 2, 7, 8], [2, 0, 1], 1, [7, 8, 1, 0]),  # ranks by member order, not id
+        ([0, 1], [0, 1], 0, [0, 1][::-1]),
+    ],
+)
+def test_capacity_victims(alive, members, cap, victims) -> None:
+    assert capacity_victims(alive, members, cap) == victims
+
+
+@pytest.mark.parametrize(
+    ("pending", "waited", "why"),
+    [
+        (True, 121.0, "no generation formed within 120 s; see the worker logs"),
+        (True, 119.0, None),
+        (False, 500.0, None),  # running: the start is over
+    ],
+)
+def test_start_timed_out(pending, waited, why) -> None:
+    assert start_timed_out(pending=pending, waited_s=waited, start_timeout_s=120.0) == why
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "action", "text"),
+    [
+        (None, "fail", "no live worker holds the training state of step 57"),
+        (50, "roll back", "rolling back to the checkpoint of step 50 (7 steps redone)"),
+        (57, "roll back", "(0 steps redone)"),
+    ],
+)
+def test_roll_back(checkpoint, action, text) -> None:
+    got, why = roll_back(lost_step=57, checkpoint_step=checkpoint)
+    assert got == action and text in why

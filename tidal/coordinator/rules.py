@@ -1,0 +1,193 @@
+"""The control loop's rules about workers' lives: pure functions from facts to verdicts.
+
+Each takes what the coordinator knows (a small frozen dataclass of facts, or plain values)
+and returns what to do, with the reason in words; the coordinator's executor methods
+(``lifecycle``, ``scaling``) carry verdicts out and are the only code with side effects.
+Every rule has a table test (``tests/test_rules.py``) that runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.protocol import WorkerState
+
+
+# -- a worker's process ended ------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ExitFacts:
+    """``how``: the exit in words (``killed by SIGKILL``, ``exited with code 1``);
+    ``kill_reason``: why the coordinator killed it, if it did; ``leaving``: it was asked to
+    exit (state stopping); ``alive_others``: live workers besides it, not retired."""
+
+    worker_id: int
+    returncode: int
+    how: str
+    reason: str = ""  # the backend's word on it (a lost node), if any
+    detail: str = ""  # a line of its log, for a failed script
+    retired: bool = False
+    leaving: bool = False
+    was_member: bool = False
+    kill_reason: str | None = None
+    job_decided: bool = False
+    failures: int = 0  # lost workers so far, this one not counted
+    max_restarts: int = 3
+    target: int = 1
+    min_workers: int = 1
+    alive_others: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExitVerdict:
+    state: WorkerState  # EXITED or FAILED
+    kind: str  # the event's kind: "worker" (expected) or "failure"
+    message: str
+    fail_job: str | None = None  # the job fails, for this reason
+    lost: bool = False  # a lost worker: counts against --max-restarts
+    reform: bool = False  # open a generation without it
+    target: int | None = None  # the new target (the restart budget is spent)
+    target_why: str = ""
+
+
+def judge_exit(f: ExitFacts) -> ExitVerdict:
+    """How a worker's end counts.
+
+    - Asked to leave (retired, or stopping and no longer a member) and exited 0: an exit.
+      Any other end while leaving is noted, but costs nothing: it was leaving anyway.
+    - A script that raised (a positive code the coordinator did not cause) fails the job:
+      every worker runs the same code, so a replacement would fail the same way.
+    - Anything else (a signal, a lost machine, a kill for missed heartbeats) is a lost
+      worker: a member's loss re-forms the group without it; past ``--max-restarts`` losses
+      the target shrinks to the workers left, and if fewer than ``--min-workers`` are left
+      the job fails (it may not train below that for longer than a replacement takes).
+    """
+    w = f.worker_id
+    if f.returncode == 0 and (f.leaving or f.retired):
+        return ExitVerdict(
+            state=WorkerState.EXITED,
+            kind="worker",
+            message=f"worker {w} exited" + (f": {f.reason}" if f.reason else ""),
+        )
+    if f.retired or (f.leaving and not f.was_member):
+        why = f.kill_reason or f.how
+        return ExitVerdict(
+            state=WorkerState.FAILED, kind="worker", message=f"worker {w} {why} while leaving"
+        )
+    why = f.kill_reason or f.how
+    message = f"worker {w} failed ({why})" + (f": {f.detail}" if f.detail else "")
+    if f.job_decided:
+        return ExitVerdict(state=WorkerState.FAILED, kind="failure", message=message)
+    if f.returncode > 0 and f.kill_reason is None:
+        return ExitVerdict(
+            state=WorkerState.FAILED,
+            kind="failure",
+            message=message,
+            fail_job=f"worker {w} {why}" + (f": {f.detail}" if f.detail else ""),
+        )
+    failures = f.failures + 1
+    if failures <= f.max_restarts:
+        return ExitVerdict(
+            state=WorkerState.FAILED,
+            kind="failure",
+            message=message,
+            lost=True,
+            reform=f.was_member,
+        )
+    if f.alive_others < f.min_workers:
+        return ExitVerdict(
+            state=WorkerState.FAILED,
+            kind="failure",
+            message=message,
+            lost=True,
+            fail_job=(
+                f"the restart budget of {f.max_restarts} is spent and {f.alive_others} "
+                f"workers are left, fewer than --min-workers {f.min_workers}"
+            ),
+        )
+    return ExitVerdict(
+        state=WorkerState.FAILED,
+        kind="failure",
+        message=message,
+        lost=True,
+        reform=f.was_member,
+        target=max(f.min_workers, min(f.target, f.alive_others)),
+        target_why=f"restart budget of {f.max_restarts} spent",
+    )
+
+
+# -- silent and lingering workers --------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class HealthFacts:
+    """``silent_s``: since its last heartbeat (None: it never sent one); ``stopping_s``: since
+    it was asked to exit (None: it was not)."""
+
+    worker_id: int
+    state: WorkerState
+    silent_s: float | None = None
+    stopping_s: float | None = None
+    killed: bool = False  # the coordinator already killed it
+
+
+def to_kill(
+    workers: list[HealthFacts], *, heartbeat_timeout_s: float, stop_grace_s: float
+) -> list[tuple[int, str, str]]:
+    """(worker, event kind, reason) for each worker to SIGKILL: a stopping one that did not
+    exit within the grace period, a registered one silent past the heartbeat timeout. A
+    stopping worker has reported its end and stops heartbeating as it exits: the grace
+    period, not the heartbeat timeout, bounds it. Never the same worker twice."""
+    kills = []
+    for w in workers:
+        if w.killed:
+            continue
+        if w.state == WorkerState.STOPPING:
+            if w.stopping_s is not None and w.stopping_s > stop_grace_s:
+                kills.append(
+                    (
+                        w.worker_id,
+                        "worker",
+                        f"did not exit within {stop_grace_s:.0f} s of being asked",
+                    )
+                )
+        elif w.state in (WorkerState.STANDBY, WorkerState.RUNNING):
+            if w.silent_s is not None and w.silent_s > heartbeat_timeout_s:
+                kills.append((w.worker_id, "failure", f"missed heartbeats for {w.silent_s:.1f} s"))
+    return kills
+
+
+# -- capacity -----------------------------------------------------------------------------
+def capacity_victims(alive: list[int], members: list[int], capacity: int) -> list[int]:
+    """Which of the ``alive`` workers (not yet told to leave) get a preemption notice when
+    only ``capacity`` may run: spares first (nothing to hand over), then the highest ranks
+    of ``members`` (rank order)."""
+    excess = len(alive) - capacity
+    if excess <= 0:
+        return []
+    spares = [w for w in alive if w not in members][:excess]
+    ranked = sorted((w for w in alive if w in members), key=members.index, reverse=True)
+    return spares + ranked[: excess - len(spares)]
+
+
+# -- the start ----------------------------------------------------------------------------
+def start_timed_out(*, pending: bool, waited_s: float, start_timeout_s: float) -> str | None:
+    """Why the job fails for never forming a generation, or None."""
+    if pending and waited_s > start_timeout_s:
+        return f"no generation formed within {start_timeout_s:.0f} s; see the worker logs"
+    return None
+
+
+# -- the state's holders were lost ---------------------------------------------------------
+def roll_back(*, lost_step: int, checkpoint_step: int | None) -> tuple[str, str]:
+    """``("fail", why)`` or ``("roll back", event)`` when no live worker holds the training
+    state of ``lost_step``: never train on from scratch; the newest verified checkpoint, if
+    any, is the state to go on from."""
+    if checkpoint_step is None:
+        return (
+            "fail",
+            f"no live worker holds the training state of step {lost_step} (its holders were "
+            "lost) and there is no checkpoint to roll back to; run with --checkpoint-every",
+        )
+    return (
+        "roll back",
+        f"no live worker holds step {lost_step}: rolling back to the checkpoint of step "
+        f"{checkpoint_step} ({max(0, lost_step - checkpoint_step)} steps redone)",
+    )
