@@ -9,7 +9,10 @@ from tidal.coordinator.rules import (
     ExitFacts,
     HealthFacts,
     capacity_victims,
+    completion_refused,
+    effective_target,
     judge_exit,
+    leaver_target,
     roll_back,
     start_timed_out,
     to_kill,
@@ -279,3 +282,32 @@ def test_start_timed_out(pending, waited, why) -> None:
 def test_roll_back(checkpoint, action, text) -> None:
     got, why = roll_back(lost_step=57, checkpoint_step=checkpoint)
     assert got == action and text in why
+
+
+@pytest.mark.parametrize(
+    ("wid", "step", "length", "why"),
+    [
+        (1, 100, 100, ""),
+        (1, 101, 100, ""),
+        (1, 99, 100, "the job has 100 steps"),
+        (5, 100, 100, "it is not a member of the current generation"),
+        (1, 100, None, "the job's length is unknown (no worker registered its max_steps)"),
+    ],
+)
+def test_completion_refused(wid, step, length, why) -> None:
+    assert completion_refused(worker_id=wid, step=step, current={0, 1}, job_length=length) == why
+
+
+@pytest.mark.parametrize(
+    ("ours", "requested", "minimum", "target"),
+    [(True, 3, 1, None), (False, 3, 1, 2), (False, 2, 2, 2), (False, 1, 1, 1)],
+)
+def test_leaver_target(ours, requested, minimum, target) -> None:
+    assert leaver_target(sent_by_us=ours, requested=requested, min_workers=minimum) == target
+
+
+@pytest.mark.parametrize(
+    ("requested", "capacity", "target"), [(4, None, 4), (4, 2, 2), (2, 5, 2), (3, 0, 0)]
+)
+def test_effective_target(requested, capacity, target) -> None:
+    assert effective_target(requested, capacity) == target

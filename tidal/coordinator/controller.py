@@ -26,7 +26,7 @@ from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
-from tidal.coordinator.rules import start_timed_out
+from tidal.coordinator.rules import effective_target, start_timed_out
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.supervisor import Hosting, listen, url_of
@@ -182,8 +182,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def _set_target(self, n: int, why: str) -> None:
         """The requested count; the target is that, within the capacity available now."""
         self.requested = n
-        cap = self.accounting.capacity()
-        effective = n if cap is None else max(0, min(n, cap))
+        effective = effective_target(n, self.accounting.capacity())
         if effective != self.target:
             self.event("scale", f"target {self.target} -> {effective} ({why})")
             self.target = effective

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.coordinator.rules import completion_refused
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -239,19 +240,12 @@ class Handlers:
             self.wake.set()
 
     def _completion_refused(self, wid: int, r: DoneReport) -> str:
-        """Why a completion report does not end the job ("" if it does): only a member of
-        the current generation (the newest, or the newest formed) that committed the job's
-        last step completes it, never a flag alone."""
         formed = [g for g in self.generations if g.formed]
         current = set(self.latest.members if self.latest else ())
         current |= set(formed[-1].members if formed else ())
-        if wid not in current:
-            return "it is not a member of the current generation"
-        if self.job_length is None:
-            return "the job's length is unknown (no worker registered its max_steps)"
-        if r.step < self.job_length:
-            return f"the job has {self.job_length} steps"
-        return ""
+        return completion_refused(
+            worker_id=wid, step=r.step, current=current, job_length=self.job_length
+        )
 
     # -- API: users ----------------------------------------------------------------------
     def on_scale(self, n: int) -> None:

@@ -191,3 +191,35 @@ def roll_back(*, lost_step: int, checkpoint_step: int | None) -> tuple[str, str]
         f"no live worker holds step {lost_step}: rolling back to the checkpoint of step "
         f"{checkpoint_step} ({max(0, lost_step - checkpoint_step)} steps redone)",
     )
+
+
+# -- completion ------------------------------------------------------------------------
+def completion_refused(
+    *, worker_id: int, step: int, current: set[int], job_length: int | None
+) -> str:
+    """Why a worker's completion report does not end the job ("" if it does): only a
+    member of the current generation (``current``: the newest's members and the newest
+    formed one's) that committed the job's last step completes it, never a flag alone."""
+    if worker_id not in current:
+        return "it is not a member of the current generation"
+    if job_length is None:
+        return "the job's length is unknown (no worker registered its max_steps)"
+    if step < job_length:
+        return f"the job has {job_length} steps"
+    return ""
+
+
+# -- preemption notices ------------------------------------------------------------------
+def leaver_target(*, sent_by_us: bool, requested: int, min_workers: int) -> int | None:
+    """The new requested count when a worker announces it leaves (SIGTERM): None when the
+    coordinator sent the notice itself (the target already counts it); one less, never
+    below ``--min-workers``, when the cloud did (capacity went away with it)."""
+    if sent_by_us:
+        return None
+    return max(min_workers, requested - 1)
+
+
+# -- the target ------------------------------------------------------------------------------
+def effective_target(requested: int, capacity: int | None) -> int:
+    """What the job runs: the requested count, within the capacity available now."""
+    return requested if capacity is None else max(0, min(requested, capacity))

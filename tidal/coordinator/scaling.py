@@ -14,7 +14,7 @@ import math
 import signal
 import time
 
-from tidal.coordinator.rules import capacity_victims
+from tidal.coordinator.rules import capacity_victims, leaver_target
 from tidal.protocol import WorkerState
 
 
@@ -91,10 +91,11 @@ class Scaling:
             w = self.workers[self.leaving.pop(0)]
             if not w.live or w.retired:
                 continue
-            if not w.preempted:
-                self._set_target(
-                    max(self.spec.min_workers, self.requested - 1), f"worker {w.id} preempted"
-                )
+            target = leaver_target(
+                sent_by_us=w.preempted, requested=self.requested, min_workers=self.spec.min_workers
+            )
+            if target is not None:
+                self._set_target(target, f"worker {w.id} preempted")
             was_member = w.id in self.members
             self._retire(w)
             if was_member:
