@@ -20,7 +20,7 @@ TensorBoard. Everything here runs under the coordinator's lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.protocol import StepMetrics
 
@@ -43,12 +43,22 @@ class StepValue:
     generation: int
 
 
+@dataclass(slots=True)
+class _Entry:
+    """The values of one (step, name) in ``generation``: each member's, and their sum."""
+
+    generation: int
+    members: dict[int, float] = field(default_factory=dict)
+    total: float = 0.0
+
+
 class StepLog:
     def __init__(self, *, max_open: int = MAX_OPEN, max_pending: int = MAX_PENDING) -> None:
         self._max_open, self._max_pending = max_open, max_pending
-        # (step, name) -> (generation, {worker: value})
-        self._open: OrderedDict[tuple[int, str], tuple[int, dict[int, float]]] = OrderedDict()
-        self._pending: OrderedDict[tuple[int, str], StepValue] = OrderedDict()
+        self._open: OrderedDict[tuple[int, str], _Entry] = OrderedDict()  # (step, name) ->
+        # (step, name) -> (value, generation): built into StepValues when taken, so that the
+        # many members' reports of one key between two takes build one
+        self._pending: OrderedDict[tuple[int, str], tuple[float, int]] = OrderedDict()
         self._gauge: dict[str, tuple[int, int]] = {}  # name -> (generation, step) it shows
         self.dropped = 0  # changed values dropped because nobody took them
 
@@ -56,24 +66,32 @@ class StepLog:
         """Take one worker's record; return the gauge values it moves (name -> value)."""
         step, gen = record.step, record.generation
         gauges: dict[str, float] = {}
+        opened, pending = self._open, self._pending
         for name, raw in record.values.items():
             key = (step, name)
-            entry = self._open.get(key)
-            if entry is not None and gen < entry[0]:
+            entry = opened.get(key)
+            if entry is not None and gen < entry.generation:
                 continue  # superseded: the step was redone in a newer generation
-            if entry is None or gen > entry[0]:
-                entry = (gen, {})
-                self._open[key] = entry
-            members = entry[1]
-            members[worker] = float(raw)
-            self._open.move_to_end(key)
-            while len(self._open) > self._max_open:
-                self._open.popitem(last=False)
-            value = sum(members.values()) / len(members)
-            self._pending[key] = StepValue(step=step, name=name, value=value, generation=gen)
-            self._pending.move_to_end(key)
-            while len(self._pending) > self._max_pending:
-                self._pending.popitem(last=False)
+            if entry is None or gen > entry.generation:
+                entry = opened[key] = _Entry(gen)
+            members, value = entry.members, float(raw)
+            # The mean in O(1) a value (every member of a large job may report each step):
+            # a new member's value is added to the sum, in the order sum() would add it; a
+            # value that replaces one is summed anew, so the mean is always sum() / count.
+            if worker in members:
+                members[worker] = value
+                entry.total = sum(members.values())
+            else:
+                members[worker] = value
+                entry.total += value
+            opened.move_to_end(key)
+            while len(opened) > self._max_open:
+                opened.popitem(last=False)
+            value = entry.total / len(members)
+            pending[key] = (value, gen)
+            pending.move_to_end(key)
+            while len(pending) > self._max_pending:
+                pending.popitem(last=False)
                 self.dropped += 1
             shown = self._gauge.get(name)
             if shown is None or (gen, step) >= shown:
@@ -83,6 +101,9 @@ class StepLog:
 
     def take(self) -> list[StepValue]:
         """The values changed since the last call, oldest change first."""
-        rows = list(self._pending.values())
+        rows = [
+            StepValue(step=step, name=name, value=value, generation=gen)
+            for (step, name), (value, gen) in self._pending.items()
+        ]
         self._pending.clear()
         return rows
