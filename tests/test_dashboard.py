@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -194,11 +193,10 @@ def test_recorder_samples_changes_and_writes_them_for_later(tmp_path, monkeypatc
 
     class FakeCoordinator:  # what Recorder reads of a Coordinator
         spec = SimpleNamespace(name="j")
-        lock = threading.RLock()
         step, target, world, metrics = 0, 2, 0, {}
 
-        def world_size(self) -> int:
-            return self.world
+        def sample(self) -> tuple:
+            return self.step, self.world, self.target, dict(self.metrics), []
 
     coord = FakeCoordinator()
     coord.metrics = {}

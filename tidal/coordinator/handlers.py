@@ -115,19 +115,13 @@ class Handlers:
             self.wake.set()  # a ready worker may complete the generation being formed
             return RegisterResponse(
                 job=self.spec.name,
-                config=WorkerConfig(
-                    heartbeat_interval_s=self.spec.heartbeat_interval_s,
-                    collective_timeout_s=self.spec.collective_timeout_s,
+                config=WorkerConfig.from_spec(
+                    self.spec,
                     store_host=self.host,
                     store_port=self.store.port,
                     store_namespace=self.store_namespace,
-                    hold_steps=[at for at, _ in self.spec.schedule],
                     checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
-                    checkpoint_every=self.spec.checkpoint_every,
-                    checkpoint_interval_s=self.spec.checkpoint_interval_s,
-                    keep_checkpoints=self.spec.keep_checkpoints,
                     resume_from=self.resume.path if self.resume else None,
-                    orphan_timeout_s=self.spec.orphan_timeout_s,
                 ),
             )
 
@@ -266,6 +260,24 @@ class Handlers:
                 self.stop_requested_at = time.monotonic()
                 self.event("stop", "stop requested: members stop after the current step")
                 self.wake.set()
+
+    # -- reads for the dashboard: plain values, under the coordinator's own lock ----------
+    def worker_steps(self) -> tuple[int, list[tuple[int, int, bool]]]:
+        """The job's step, and each live worker's (id, step, is a member)."""
+        with self.lock:
+            return self.step, [
+                (w.id, w.step, w.state == WorkerState.RUNNING)
+                for w in self.workers.values()
+                if w.live
+            ]
+
+    def sample(self) -> tuple[int, int, int, dict[str, float], list]:
+        """(step, world size, target, numeric metrics, the per-step values not yet taken)
+        for the dashboard's history (``tidal.dashboard.history.Recorder``)."""
+        with self.lock:
+            metrics = {k: v for k, v in self.metrics.items() if isinstance(v, (int, float))}
+            values = self.step_log.take()
+            return self.step, self.world_size(), self.target, metrics, values
 
     def status(self) -> JobStatus:
         with self.lock:

@@ -3,7 +3,7 @@ kept in SQLite so that a finished job still shows its charts.
 
 The coordinator itself keeps only the latest values (step, world size, target, metrics).
 ``Recorder.tick`` runs on the coordinator's loop thread (``runner.run_job``); every
-``SAMPLE_EVERY_S`` it reads those values under ``coord.lock`` and, when something changed
+``SAMPLE_EVERY_S`` it reads those values (``Coordinator.sample``) and, when something changed
 (or ``IDLE_EVERY_S`` passed), appends a point to a small in-memory buffer that goes to the
 ``dashboard_history`` table of ``HOME/tidal.db`` every ``WRITE_EVERY_S``, over its own
 connection. The same samples feed the TensorBoard sink (``--tensorboard``).
@@ -178,12 +178,7 @@ class Recorder:
                 print(f"tidal: warning: dashboard history: {exc}", file=sys.stderr)
 
     def _sample(self, now: float, force: bool) -> None:
-        c = self.coord
-        step_log = getattr(c, "step_log", None)
-        with c.lock:
-            step, world, target = c.step, c.world_size(), c.target
-            metrics = {k: v for k, v in c.metrics.items() if isinstance(v, (int, float))}
-            values = step_log.take() if step_log is not None else []
+        step, world, target, metrics, values = self.coord.sample()
         self._steps.extend(values)
         if self.sink is not None:  # before the sample: it skips the per-step names
             self.sink.record_steps(values, committed=step, force=force)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tidal.coordinator.db import Database, UnknownJob
 from tidal.coordinator.home import db_path, job_dir
 from tidal.dashboard.history import HistoryStore
-from tidal.protocol import JobState, JobStatus, WorkerState
+from tidal.protocol import JobState, JobStatus
 
 if TYPE_CHECKING:
     from tidal.coordinator.controller import Coordinator
@@ -152,13 +152,7 @@ class LiveSource(HomeSource):
         if name != self.job:
             return {}
         now = time.monotonic()
-        with self.coord.lock:
-            job_step = self.coord.step
-            workers = [
-                (w.id, w.step, w.state == WorkerState.RUNNING)
-                for w in self.coord.workers.values()
-                if w.live
-            ]
+        job_step, workers = self.coord.worker_steps()
         out = {}
         with self._lock:
             live = {wid for wid, _, _ in workers}
