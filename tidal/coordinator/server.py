@@ -1,8 +1,10 @@
 """The coordinator's HTTP API (FastAPI), served by uvicorn on a thread of ``tidal run``.
 
-Every mutating call needs a token (``Authorization: Bearer ...``); reads do not. ``/scale``
-and ``/stop`` need the job's token; ``/workers/ID/...`` only that worker's own credential
-(``protocol.worker_token``). Whatever a client sends that the wire messages refuse is a 422
+Every mutating call needs a token (``Authorization: Bearer ...``): ``/scale`` and ``/stop``
+the job's token; ``/workers/ID/...`` only that worker's own credential
+(``protocol.worker_token``). Reads (``/status``, ``/metrics``, the dashboard, the OpenAPI
+schema) are open on a loopback address and need the job's token on any other
+(``tidal.access``). Whatever a client sends that the wire messages refuse is a 422
 that names the field, never a 500 (a value JSON cannot spell back, like NaN, included).
 The server binds 127.0.0.1 unless told otherwise, on a port the OS picks. Beside the API it
 serves the read-only dashboard (``/``, ``/jobs/{name}``; ``tidal.dashboard``) and the
@@ -12,7 +14,6 @@ Prometheus exposition (``/metrics``; ``tidal.metrics``).
 from __future__ import annotations
 
 import re
-import secrets
 import socket
 import threading
 from typing import Annotated
@@ -22,6 +23,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from tidal.access import bearer_ok, read_ok, reads_need_token
 from tidal.coordinator.controller import Coordinator, RequestError
 from tidal.coordinator.handlers import ReRegister
 from tidal.coordinator.supervisor import listen, url_of
@@ -52,30 +54,45 @@ def validation_errors(exc: RequestValidationError) -> list[dict]:
     ]
 
 
-def make_app(coord: Coordinator) -> FastAPI:
+def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
+    """The API of ``coord`` for a server bound to ``host`` (default: ``coord.host``), which
+    decides whether reads need the job's token (``access.reads_need_token``)."""
     from tidal.dashboard import LiveSource, dashboard_router
 
-    app = FastAPI(title="Tidal coordinator", version="1")
+    bound = coord.host if host is None else host
+    guarded = reads_need_token(bound)
+    # Guarded, the schema is served by a route that asks the token (FastAPI's own cannot).
+    app = FastAPI(
+        title="Tidal coordinator", version="1", openapi_url=None if guarded else "/openapi.json"
+    )
     source = LiveSource(coord)
     app.state.dashboard_source = source
     app.include_router(
-        dashboard_router(source, metrics_statuses=lambda: [coord.status()], bound_host=coord.host)
+        dashboard_router(
+            source,
+            metrics_statuses=lambda: [coord.status()],
+            bound_host=bound,
+            read_token=coord.token if guarded else None,
+        )
     )
 
     def require_token(authorization: str | None = Header(default=None)) -> None:
-        expected = f"Bearer {coord.token}"
-        if authorization is None or not secrets.compare_digest(authorization, expected):
+        if not bearer_ok(authorization, coord.token):
+            raise HTTPException(status_code=401, detail="missing or wrong job token")
+
+    def require_read(authorization: str | None = Header(default=None)) -> None:
+        if guarded and not read_ok(authorization, coord.token):
             raise HTTPException(status_code=401, detail="missing or wrong job token")
 
     def worker_authorized(wid: int, authorization: str | None) -> bool:
-        expected = f"Bearer {worker_token(coord.token, wid)}"
-        return authorization is not None and secrets.compare_digest(authorization, expected)
+        return bearer_ok(authorization, worker_token(coord.token, wid))
 
     def require_worker(wid: WorkerId, authorization: str | None = Header(default=None)) -> None:
         if not worker_authorized(wid, authorization):
             raise HTTPException(status_code=401, detail=f"missing or wrong token of worker {wid}")
 
     auth = [Depends(require_token)]
+    read_auth = [Depends(require_read)] if guarded else []
     worker_auth = [Depends(require_worker)]
     refused: dict[int, str] = {}  # the last refusal recorded as an event, per worker
 
@@ -105,7 +122,13 @@ def make_app(coord: Coordinator) -> FastAPI:
         except ReRegister as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
 
-    @app.get(API_PREFIX + "/status", response_model=JobStatus)
+    if guarded:
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=read_auth)
+        def openapi() -> dict:
+            return app.openapi()
+
+    @app.get(API_PREFIX + "/status", response_model=JobStatus, dependencies=read_auth)
     def status() -> JobStatus:
         return coord.status()
 

@@ -8,9 +8,12 @@ worker's log tail:
 package: the pages load nothing from outside the server. ``/metrics`` is the Prometheus
 exposition (``tidal.metrics``).
 
-Nothing here mutates a job, so nothing needs the token. Requests must name the server by a
-loopback name (or the address it is bound to) in their ``Host`` header: a web page elsewhere
-cannot read the dashboard through DNS rebinding.
+Nothing here mutates a job. On a loopback address nothing needs the token; on any other
+every route needs the job's (``read_token``; ``tidal.access``): ``Authorization: Bearer
+TOKEN``, or HTTP Basic with the token as the password, which a browser asks for (a 401 says
+``WWW-Authenticate: Basic``) and then sends with each of the page's requests. Requests must
+name the server by a loopback name (or the address it is bound to) in their ``Host`` header:
+a web page elsewhere cannot read the dashboard through DNS rebinding.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from tidal import metrics as prom
+from tidal.access import read_ok, reads_need_token
 from tidal.coordinator.home import job_dir
 from tidal.dashboard.logs import tail, worker_logs
 from tidal.dashboard.sources import HomeSource, UnknownJob
@@ -101,8 +105,10 @@ def dashboard_router(
     *,
     metrics_statuses: Callable[[], Iterable[JobStatus]],
     bound_host: str = "127.0.0.1",
+    read_token: str | None = None,
 ) -> APIRouter:
-    """Routes of the dashboard over ``source``; ``/metrics`` exposes ``metrics_statuses()``."""
+    """Routes of the dashboard over ``source``; ``/metrics`` exposes ``metrics_statuses()``.
+    ``read_token``: every request must carry it (a server bound beyond loopback)."""
     allowed = LOOPBACK_NAMES | {bound_host, f"[{bound_host}]"}
 
     def check_host(request: Request) -> None:
@@ -110,6 +116,12 @@ def dashboard_router(
         name = urlsplit(f"//{host}").hostname if host else None
         if name is not None and name not in allowed and f"[{name}]" not in allowed:
             raise HTTPException(status_code=400, detail=f"unexpected Host header {host!r}")
+        if read_token is not None and not read_ok(request.headers.get("authorization"), read_token):
+            raise HTTPException(
+                status_code=401,
+                detail="missing or wrong job token",
+                headers={"WWW-Authenticate": 'Basic realm="tidal", charset="UTF-8"'},
+            )
 
     router = APIRouter(dependencies=[Depends(check_host)], include_in_schema=False)
     version = plotly_version()
@@ -186,11 +198,15 @@ def _no_store() -> dict[str, str]:
     return {"Cache-Control": "no-store"}
 
 
-def make_home_app(source: HomeSource, *, bound_host: str = "127.0.0.1") -> FastAPI:
+def make_home_app(
+    source: HomeSource, *, bound_host: str = "127.0.0.1", read_token: str | None = None
+) -> FastAPI:
     """The app of ``tidal dashboard``: every job of a home, read-only, from SQLite."""
     app = FastAPI(title="Tidal dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(
-        dashboard_router(source, metrics_statuses=source.statuses, bound_host=bound_host)
+        dashboard_router(
+            source, metrics_statuses=source.statuses, bound_host=bound_host, read_token=read_token
+        )
     )
     return app
 
@@ -199,9 +215,13 @@ class DashboardServer:
     """``tidal dashboard``: uvicorn serving a home's jobs on ``host:port`` (0: a free port).
 
     ``start()``/``stop()`` run it on a thread (tests); ``serve()`` blocks until SIGINT or
-    SIGTERM (the CLI)."""
+    SIGTERM (the CLI). Beyond loopback it needs a ``token`` that every request must carry."""
 
-    def __init__(self, home: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, home: Path, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    ) -> None:
+        if reads_need_token(host) and not token:
+            raise ValueError(f"serving on {host} (not a loopback address) needs a token")
         self.source = HomeSource(home)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -216,7 +236,9 @@ class DashboardServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(
-            make_home_app(self.source, bound_host=host), log_level="warning", access_log=False
+            make_home_app(self.source, bound_host=host, read_token=token if token else None),
+            log_level="warning",
+            access_log=False,
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
