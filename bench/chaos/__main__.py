@@ -23,7 +23,8 @@ from pathlib import Path
 
 from bench.chaos.campaign import log, reference, report, run_trial, trial_seed
 from bench.chaos.kinds import KINDS
-from bench.chaos.trial import ROOT, Settings
+from bench.chaos.records import Settings
+from bench.chaos.trial import ROOT
 
 
 def main(argv: list[str] | None = None) -> int:

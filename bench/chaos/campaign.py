@@ -11,17 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.chaos.kinds import KINDS, WEIGHTS, bounds
-from bench.chaos.trial import (
-    ROOT,
-    TRAIN,
-    Event,
-    JobEnded,
-    Settings,
-    Trial,
-    TrialFailure,
-    TrialResult,
-    settled,
-)
+from bench.chaos.records import Event, JobEnded, Settings, TrialFailure, TrialResult
+from bench.chaos.trial import ROOT, TRAIN, Trial, settled
 
 EVENTS_PER_TRIAL = (3, 5)
 TRIAL_SEED_STRIDE = 100_000
@@ -86,7 +77,7 @@ def _inject(
         tr.settle_after(event.time, f"recovery from {kind} ({'; '.join(event.faults)})")
         now = time.time()
         event.recovered_s = round(now - event.time, 2)
-        event.stall_s = round(tr.watch.stall(event.time, now), 2)
+        event.stall_s = round(tr.stall(event.time, now), 2)
 
 
 def run_trial(
@@ -106,6 +97,7 @@ def run_trial(
     try:
         try:
             tr.start()
+            result.setup["start_s"] = round(time.monotonic() - t0, 1)
             if kinds is None:
                 kinds = list(KINDS)
             result.setup["kinds"] = list(kinds)

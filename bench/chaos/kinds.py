@@ -40,7 +40,8 @@ import signal
 import time
 from collections.abc import Callable
 
-from bench.chaos.trial import Event, Trial, members
+from bench.chaos.records import Event, TrialFailure
+from bench.chaos.trial import Trial, members
 
 LOST_S = 2.0  # a member lost, a planned change, a join: what it may cost the others
 BOUNDS = {"join": LOST_S}
@@ -213,8 +214,6 @@ def coordinator(tr: Trial) -> Event | None:
     step = s["step"]
     t = time.time()
     _signal(pid, signal.SIGKILL)
-    from bench.chaos.trial import TrialFailure
-
     s = tr.watch.until(
         lambda s: s.get("coordinator_pid") not in (None, pid) and s["state"] == "running",
         tr.settings.recovery_timeout_s,
@@ -228,6 +227,10 @@ def coordinator(tr: Trial) -> Event | None:
     after = {w["id"]: w["pid"] for w in members(s)}
     if any(after.get(i) != p for i, p in before.items()):
         raise TrialFailure("recovery", f"workers {before} before the restart, {after} after")
+    trained = tr.commits_between(t + 0.1, t + back)
+    event.notes.append(f"{trained} steps committed while it was down")
+    if back > 0.5 and trained == 0:
+        raise TrialFailure("recovery", f"no step committed in the {back:.2f} s outage")
     return event
 
 

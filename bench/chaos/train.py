@@ -10,8 +10,10 @@ the parameters.
 file is missing). The campaign slows the job down while it injects faults and lets it run
 at full speed once the last fault has recovered; the sleep is outside the mathematics.
 
-Each member that finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters and
-momentum buffers) and ``OUT/worker-ID.json`` (its final step, the scheduler's epoch).
+Each member appends ``TIME STEP`` to ``OUT/steps-worker-ID.txt`` as it commits a step (the
+campaign's measure of stalls, whether or not the coordinator is up), and each member that
+finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters and momentum buffers)
+and ``OUT/worker-ID.json`` (its final step, the scheduler's epoch).
 """
 
 from __future__ import annotations
@@ -73,6 +75,19 @@ def main() -> None:
         seed=args.seed,
         lr_scheduler=sched,
     )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps_log = None
+
+    @trainer.after_step
+    def record(index: int) -> None:
+        nonlocal steps_log
+        if trainer.worker_id is None:
+            return
+        if steps_log is None:
+            steps_log = open(out / f"steps-worker-{trainer.worker_id}.txt", "a", buffering=1)  # noqa: SIM115
+        steps_log.write(f"{time.time():.4f} {index}\n")
+
     for step in trainer.run(max_steps=args.max_steps):
         for x, y in step.micro_batches():
             step.backward(F.cross_entropy(trainer.model(x), y))
@@ -80,8 +95,6 @@ def main() -> None:
             time.sleep(delay)
     if not trainer.completed:
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     wid = trainer.worker_id if trainer.worker_id is not None else f"alone-{os.getpid()}"
     tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
     for i, group in enumerate(opt.param_groups):

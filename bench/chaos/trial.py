@@ -10,8 +10,9 @@ checks run, in this order; the first that fails names the trial's failure:
 ``processes``  no process of the trial outlives the job's end by more than 15 s;
 ``params``     every member that finished wrote parameters equal to the 1-worker reference
                (relative L2 <= 1e-12 over parameters and momentum) at the final step;
-``pause``      no generation's ``pause_s`` and no stall of the step counter seen while a
-               fault recovered exceeded the fault's bound (``kinds.BOUNDS``);
+``pause``      no generation's ``pause_s`` and no stall (the longest time no new step was
+               committed, from the members' step logs) while a fault recovered exceeded
+               the fault's bound (``kinds.py``);
 ``recovery``   (during the trial) a fault was not recovered from within the time limit;
 ``error``      the trial itself could not be carried out (a CLI call failed, ...).
 
@@ -27,7 +28,6 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,108 +37,28 @@ if str(ROOT / "tests") not in sys.path:
 
 from e2e_helpers import Home, Job, relative_l2, summarize  # noqa: E402
 
+from bench.chaos.records import Event, JobEnded, Settings, TrialFailure  # noqa: E402
+
 EXACT = 1e-12
 TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
 POLL_S = 0.1
 HEARTBEAT_LAG_S = 0.3
-
-
-class TrialFailure(Exception):
-    def __init__(self, check: str, detail: str) -> None:
-        super().__init__(f"{check}: {detail}")
-        self.check, self.detail = check, detail
-
-
-class JobEnded(Exception):
-    """The job reached a terminal state while the trial waited for something else."""
-
-
-@dataclass
-class Settings:
-    max_steps: int = 1200
-    pace_s: float = 0.03
-    heartbeat_timeout_s: float = 3.0
-    collective_timeout_s: float = 30.0
-    checkpoint_every: int = 25
-    recovery_timeout_s: float = 90.0
-    train_seed: int = 0
-
-
-@dataclass
-class Event:
-    """One fault injection: what was done, when, and the pause it may cost."""
-
-    kind: str
-    faults: list[str]
-    count: int  # faults it counts for (two at once: 2)
-    bound_s: float
-    time: float = 0.0
-    expect_failure: bool = False  # the fault makes the job's failure inevitable
-    stall_s: float | None = None
-    recovered_s: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrialResult:
-    seed: int
-    setup: dict
-    events: list[Event]
-    seconds: float = 0.0
-    failure: TrialFailure | None = None
-    pauses: list[dict] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    status_summary: str = ""
-    logs: str = ""
-
-    @property
-    def faults(self) -> int:
-        return sum(e.count for e in self.events)
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
-    def record(self) -> dict:
-        rec = {
-            "seed": self.seed,
-            "ok": self.ok,
-            "seconds": round(self.seconds, 1),
-            "setup": self.setup,
-            "faults_injected": self.faults,
-            "events": [
-                {k: v for k, v in asdict(e).items() if v is not None and v != [] and v is not False}
-                for e in self.events
-            ],
-            "pauses": self.pauses,
-        }
-        if self.notes:
-            rec["notes"] = self.notes
-        if self.failure is not None:
-            rec |= {
-                "check": self.failure.check,
-                "why": self.failure.detail,
-                "replay": f"python -m bench.chaos --replay {self.seed} "
-                f"--faults {self.setup.get('budget')} --kinds {','.join(self.setup.get('kinds', []))}",
-                "status": self.status_summary,
-                "logs": self.logs,
-            }
-        return rec
+SLOW_PACE_S = 0.1
 
 
 class Watch:
-    """Polls the job's status (in process: ``Job.poll``) and keeps (time, step) samples."""
+    """Polls the job's status (in process: ``Job.poll``); ``last`` is the newest answer."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, on_poll=None) -> None:
         self.job = job
-        self.samples: list[tuple[float, int]] = []
         self.last: dict | None = None
+        self.on_poll = on_poll
 
     def poll(self) -> dict:
-        s = self.job.poll()
-        self.samples.append((time.time(), s["step"]))
-        self.last = s
-        return s
+        self.last = self.job.poll()
+        if self.on_poll is not None:
+            self.on_poll(self.last)
+        return self.last
 
     def until(self, pred, timeout: float, what: str, *, ended_ok: bool = False) -> dict:
         """Poll until ``pred(status)``; ``JobEnded`` if the job ends first (unless that is
@@ -172,18 +92,6 @@ class Watch:
             except Exception:  # noqa: BLE001 - a coordinator between lives
                 pass
             time.sleep(min(POLL_S, max(0.0, left)))
-
-    def stall(self, t0: float, t1: float) -> float:
-        """The longest time in [t0, t1] the job's step was seen not to move (a lower bound:
-        from the first to the last sample showing the same step)."""
-        worst, first, value = 0.0, None, None
-        for t, step in self.samples:
-            if t < t0 or t > t1:
-                continue
-            if step != value:
-                first, value = t, step
-            worst = max(worst, t - first)
-        return worst
 
 
 def members(s: dict) -> list[dict]:
@@ -230,6 +138,7 @@ class Trial:
         self.name = f"chaos-{seed}"
         self.job: Job | None = None
         self.watch: Watch | None = None
+        self._paced: float | None = None  # the pace written, None once the job runs free
         rng = self.rng
         self.workers = rng.choice([2, 3])
         self.min_workers = rng.choice([1, 2])
@@ -248,6 +157,7 @@ class Trial:
     def start(self) -> dict:
         st = self.settings
         write_atomic(self.pace, str(st.pace_s))
+        self._paced = st.pace_s
         write_atomic(self.faults_file, "")
         self.job = self.home.start(
             self.name,
@@ -268,13 +178,50 @@ class Trial:
             ],
             faults=f"@{self.faults_file}",
         )  # fmt: skip
-        self.watch = Watch(self.job)
+        self.watch = Watch(self.job, on_poll=self._pace)
         return self.watch.until(settled, 180, "first generation training")
+
+    def _pace(self, s: dict) -> None:
+        """Past half of its steps the job slows down (``SLOW_PACE_S``) so that it does not
+        run out of steps while faults are still to come; ``finish`` lets it run free."""
+        if self._paced is not None and s["step"] > self.settings.max_steps // 2:
+            if self._paced != SLOW_PACE_S:
+                self._paced = SLOW_PACE_S
+                write_atomic(self.pace, str(SLOW_PACE_S))
 
     def settle(self, after_step: int = 0, what: str = "recovery") -> dict:
         return self.watch.until(
             lambda s: settled(s, after_step), self.settings.recovery_timeout_s, what
         )
+
+    def stall(self, t0: float, t1: float) -> float:
+        """The longest time in [t0, t1] the job committed no new step, from the members' own
+        records (``train.py``'s step logs: true whether or not the coordinator is up)."""
+        commits = []
+        for path in self.out.glob("steps-worker-*.txt"):
+            for line in path.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 2:
+                    commits.append((float(parts[0]), int(parts[1])))
+        commits.sort()
+        newest, last, worst = -1, t0, 0.0
+        for t, step in commits:
+            if step <= newest:
+                continue  # a step redone after a failure, or another member's copy
+            newest = step
+            if t0 <= t <= t1:
+                worst, last = max(worst, t - last), t
+        return max(worst, t1 - last) if commits else 0.0
+
+    def commits_between(self, t0: float, t1: float) -> int:
+        """How many new steps the job committed in [t0, t1]."""
+        seen = set()
+        for path in self.out.glob("steps-worker-*.txt"):
+            for line in path.read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 2 and t0 <= float(parts[0]) <= t1:
+                    seen.add(int(parts[1]))
+        return len(seen)
 
     def settle_after(self, t: float, what: str) -> dict:
         """Settled, with the step counted from what the job did after time ``t`` (status
@@ -334,6 +281,7 @@ class Trial:
     # -- the end ---------------------------------------------------------------------------
     def finish(self, events: list[Event]) -> tuple[dict, list[dict]]:
         """Run to the end at full speed, then every check; returns (status, pauses)."""
+        self._paced = None
         write_atomic(self.pace, "0")
         write_atomic(self.faults_file, "")
         s = self.watch.until(lambda s: s["state"] in TERMINAL, 300, "end of the job", ended_ok=True)

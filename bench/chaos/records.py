@@ -1,0 +1,88 @@
+"""What a trial records: its settings, the events it injected, its result and failure."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+class TrialFailure(Exception):
+    def __init__(self, check: str, detail: str) -> None:
+        super().__init__(f"{check}: {detail}")
+        self.check, self.detail = check, detail
+
+
+class JobEnded(Exception):
+    """The job reached a terminal state while the trial waited for something else."""
+
+
+@dataclass
+class Settings:
+    max_steps: int = 1200
+    pace_s: float = 0.03
+    heartbeat_timeout_s: float = 3.0
+    collective_timeout_s: float = 30.0
+    checkpoint_every: int = 25
+    recovery_timeout_s: float = 90.0
+    train_seed: int = 0
+
+
+@dataclass
+class Event:
+    """One fault injection: what was done, when, and the pause it may cost."""
+
+    kind: str
+    faults: list[str]
+    count: int  # faults it counts for (two at once: 2)
+    bound_s: float
+    time: float = 0.0
+    expect_failure: bool = False  # the fault makes the job's failure inevitable
+    stall_s: float | None = None
+    recovered_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    setup: dict
+    events: list[Event]
+    seconds: float = 0.0
+    failure: TrialFailure | None = None
+    pauses: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    status_summary: str = ""
+    logs: str = ""
+
+    @property
+    def faults(self) -> int:
+        return sum(e.count for e in self.events)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def record(self) -> dict:
+        rec = {
+            "seed": self.seed,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 1),
+            "setup": self.setup,
+            "faults_injected": self.faults,
+            "events": [
+                {k: v for k, v in asdict(e).items() if v is not None and v != [] and v is not False}
+                for e in self.events
+            ],
+            "pauses": self.pauses,
+        }
+        if self.notes:
+            rec["notes"] = self.notes
+        if self.failure is not None:
+            rec |= {
+                "check": self.failure.check,
+                "why": self.failure.detail,
+                "replay": f"python -m bench.chaos --replay {self.seed} "
+                f"--faults {self.setup.get('budget')} --kinds {','.join(self.setup.get('kinds', []))}",
+                "status": self.status_summary,
+                "logs": self.logs,
+            }
+        return rec
