@@ -1,13 +1,26 @@
+import argparse
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 
 import pytest
 
 from tidal.backends import get_backend
-from tidal.config import _NUMBER_RULES, ClusterSpec, JobSpec, parse_schedule
-from tidal.policy import get_policy
+from tidal.cli import build_parser
+from tidal.config import (
+    ClusterSpec,
+    JobSpec,
+    add_flags,
+    check_numbers,
+    flag,
+    flag_fields,
+    flag_of,
+    from_flags,
+    parse_schedule,
+)
+from tidal.policy import PolicyParams, get_policy
+from tidal.protocol import WorkerConfig
 from tidal.worker.faults import Fault, parse_faults
 
 
@@ -95,7 +108,7 @@ def _make(cls, **kw):
 @pytest.mark.parametrize("cls, name", _float_fields())
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -1.0, 1e300])
 def test_every_float_setting_refuses_non_finite_negative_and_huge_values(cls, name, bad):
-    flag = _NUMBER_RULES[name][0]  # every float field has a rule, or this raises KeyError
+    flag = flag_of(next(f for f in fields(cls) if f.name == name)).said_as  # every float has one
     with pytest.raises(ValueError) as info:
         _make(cls, **{name: bad})
     assert flag in str(info.value) and "\n" not in str(info.value)
@@ -138,3 +151,107 @@ def test_cli_refuses_a_nan_setting_in_one_line_and_records_nothing(tmp_path):
         "tidal: error: --heartbeat-timeout must be a finite number, got nan"
     ]
     assert not (home / "tidal.db").exists() and not (home / "jobs").exists()
+
+
+# -- one source for each setting: JobSpec's fields make `tidal run`'s flags ---------------------
+def _run_parser():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices["run"]
+
+
+def _shown(default):
+    return f"{default:g}" if isinstance(default, (int, float)) else str(default)
+
+
+# Flags of `tidal run` that are not the job's spec: where it is kept and how it is hosted.
+NOT_SPEC = {"-h", "--help", "--home", "--detach", "--quiet", "--tensorboard"}
+
+
+@pytest.mark.parametrize(
+    "f, meta", list(flag_fields(JobSpec)), ids=lambda x: getattr(x, "name", "")
+)
+def test_every_spec_flag_is_in_run_help_with_its_default(f, meta):
+    run = _run_parser()
+    page = "".join(run.format_help().split())  # no spaces: argparse wraps lines at hyphens
+    action = next(a for a in run._actions if meta.name in a.option_strings)
+    assert meta.name in page and "".join((action.help or "").split()) in page
+    if not meta.derived and f.default not in (None, False):
+        assert _shown(f.default) in action.help  # "(default 10)", or its value in words
+    # the parser's default is the dataclass's (None where cmd_run converts or derives it)
+    assert action.default == (None if meta.derived else f.default)
+
+
+def test_run_has_no_job_flag_but_the_spec_fields():
+    run = _run_parser()
+    options = {o for a in run._actions for o in a.option_strings}
+    assert options - NOT_SPEC == {meta.name for _, meta in flag_fields(JobSpec)}
+
+
+def test_an_empty_command_line_gives_the_dataclass_defaults():
+    values = vars(_run_parser().parse_args(["x.py"]))
+    derived = dict(name="j", script="/x.py", max_workers=1, schedule=(), capacity_trace=None)
+    assert from_flags(JobSpec, values, **derived, deadline_s=None) == JobSpec(
+        name="j", script="/x.py"
+    )
+
+
+def test_flags_reach_the_spec_and_its_cluster():
+    args = ["--workers", "2", "--max-workers", "3", "--worker-gpus", "1", "--price", "2.5"]
+    values = vars(_run_parser().parse_args([*args, "--oversubscribe", "x.py", "--lr", "1"]))
+    s = from_flags(
+        JobSpec, values, name="j", script="/x.py", max_workers=3, schedule=(),
+        capacity_trace=None, deadline_s=None,
+    )  # fmt: skip
+    assert (s.workers, s.max_workers, s.price_per_worker_hour, s.oversubscribe) == (2, 3, 2.5, True)
+    assert s.cluster == ClusterSpec(worker_gpus=1.0) and values["script_args"] == ["--lr", "1"]
+
+
+def test_a_derived_flag_must_be_given_and_unknown_fields_are_refused():
+    values = vars(_run_parser().parse_args(["x.py"]))
+    with pytest.raises(TypeError, match="--deadline is derived"):
+        from_flags(JobSpec, values, name="j", script="/x.py", max_workers=1, schedule=(),
+                   capacity_trace=None)  # fmt: skip
+    with pytest.raises(TypeError, match="no field"):
+        from_flags(ClusterSpec, values, adress="x")
+
+
+def test_a_field_added_with_metadata_gets_a_flag():
+    knob = field(default=5, metadata=flag("--new-knob", "a knob (default {default})"))
+    spec_cls = make_dataclass(
+        "Spec", [("new_knob", "int", knob)], bases=(JobSpec,), frozen=True, kw_only=True
+    )
+    parser = argparse.ArgumentParser()
+    add_flags(parser, spec_cls)
+    assert "a knob (default 5)" in parser.format_help()
+    values = vars(parser.parse_args(["--new-knob", "7"]))
+    given = dict(name="j", script="/x.py", max_workers=1, schedule=(), capacity_trace=None)
+    assert from_flags(spec_cls, values, **given, deadline_s=None).new_knob == 7
+
+
+def test_a_float_setting_without_a_rule_is_a_programming_error():
+    bare = make_dataclass("Bare", [("x", "float", field(default=1.0))], frozen=True)
+    with pytest.raises(TypeError, match="needs a flag or a label"):
+        check_numbers(bare())
+
+
+RUNTIME = dict(store_host="h", store_port=1, store_namespace="ns", checkpoint_dir="/c",
+               resume_from=None)  # fmt: skip
+
+
+def test_worker_config_takes_every_shared_setting_from_the_spec():
+    s = spec(checkpoint_every=5, keep_checkpoints=2, orphan_timeout_s=60.0, schedule=((4, 2),))
+    cfg = WorkerConfig.from_spec(s, **RUNTIME)
+    shared = set(WorkerConfig.model_fields) & {f.name for f in fields(JobSpec)}
+    assert shared and all(getattr(cfg, n) == getattr(s, n) for n in shared)
+    # every field is the spec's, the schedule's steps, or the coordinator's own
+    assert set(WorkerConfig.model_fields) == shared | {"hold_steps"} | set(RUNTIME)
+    assert cfg.hold_steps == [4] and cfg.store_namespace == "ns"
+
+
+def test_policy_params_take_the_job_flags():
+    s = spec(min_efficiency=0.5, deadline_s=60.0, budget=9.0, decision_interval_s=7.0)
+    p = PolicyParams.from_spec(s, assumed_pause_s=1.0)
+    assert (p.min_efficiency, p.deadline_s, p.budget) == (0.5, 60.0, 9.0)
+    assert (p.cooldown_s, p.assumed_pause_s) == (7.0, 1.0)
+    # the defaults are the job's: one source
+    assert PolicyParams.from_spec(spec()) == PolicyParams()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tidal.config import ClusterSpec, JobSpec, parse_schedule
+from tidal.config import JobSpec, add_flags, from_flags, parse_schedule
 from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.coordinator.home import (
     JobBusy,
@@ -200,36 +200,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise CliError(f"script not found: {args.script}")
     home = resolve_home(args.home)
-    name = args.name or f"{script.stem}-{secrets.token_hex(2)}"
     schedule = parse_schedule(args.schedule) if args.schedule else ()
     peak = max([args.workers, *(c for _, c in schedule)])
-    spec = JobSpec(
-        name=name,
+    # Every flag field comes from its flag (config.from_flags); these few are converted here.
+    spec = from_flags(
+        JobSpec,
+        vars(args),
+        name=args.name or f"{script.stem}-{secrets.token_hex(2)}",
         script=str(script.resolve()),
         script_args=list(args.script_args),
-        workers=args.workers,
-        min_workers=args.min_workers,
         max_workers=args.max_workers if args.max_workers is not None else peak,
-        backend=args.backend,
-        cluster=ClusterSpec(
-            address=args.ray_address, worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus
-        ),
-        policy=args.policy,
         schedule=schedule,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        collective_timeout_s=args.collective_timeout,
-        orphan_timeout_s=args.orphan_timeout,
-        max_restarts=args.max_restarts,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_interval_s=args.checkpoint_interval,
-        keep_checkpoints=args.keep_checkpoints,
-        price_per_worker_hour=args.price,
         capacity_trace=_capacity(args.capacity),
-        min_efficiency=args.min_efficiency,
         deadline_s=parse_duration(args.deadline) if args.deadline else None,
-        budget=args.budget,
-        decision_interval_s=args.decision_interval,
-        oversubscribe=args.oversubscribe,
     )
     from tidal.backends import check_capacity
     from tidal.policy import get_policy
@@ -283,9 +266,7 @@ def _launch(
         raise
     if args.detach:
         try:
-            return _detach(
-                spec, home, resume, tensorboard=tensorboard, lock=lock, attach=attach
-            )
+            return _detach(spec, home, resume, tensorboard=tensorboard, lock=lock, attach=attach)
         finally:
             os.close(lock)  # the coordinator's process holds it now
     from tidal.coordinator.runner import run_job
@@ -531,6 +512,13 @@ TENSORBOARD_HELP = "write the metrics and world size as TensorBoard event files 
 
 
 # -- the parser ---------------------------------------------------------------------------
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """How ``run`` and ``resume`` host the job (``_launch``); not part of the job's spec."""
+    parser.add_argument("--detach", action="store_true", help="print the job name and return")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--tensorboard", metavar="DIR", help=TENSORBOARD_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--home", help="state folder (default ./.tidal, or $TIDAL_HOME)")
@@ -538,61 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", parents=[common], help="run a training script as an elastic job")
-    run.add_argument("--workers", type=int, default=1, help="initial worker count (default 1)")
-    run.add_argument("--min-workers", type=int, default=1)
-    run.add_argument(
-        "--max-workers", type=int, default=None, help="default: the largest count asked for"
-    )
-    run.add_argument(
-        "--backend", default="local", help="local (subprocesses, default) or ray (a Ray cluster)"
-    )
-    run.add_argument(
-        "--ray-address",
-        default="auto",
-        help="ray backend: the cluster, auto (the one this machine is in; default), "
-        "HOST:PORT, or local (a private one-node cluster)",
-    )
-    run.add_argument(
-        "--worker-cpus", type=float, default=1.0, help="ray backend: CPUs per worker (default 1)"
-    )
-    run.add_argument(
-        "--worker-gpus", type=float, default=0.0, help="ray backend: GPUs per worker (default 0)"
-    )
-    run.add_argument("--policy", default="static")
-    run.add_argument("--name", help="job name (default SCRIPT-xxxx)")
-    run.add_argument("--schedule", help="scripted scaling, STEP:WORKERS pairs, e.g. 50:3,120:1")
-    run.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds (default 10)")
-    run.add_argument(
-        "--collective-timeout", type=float, default=120.0, help="seconds (default 120)"
-    )
-    run.add_argument(
-        "--orphan-timeout",
-        type=float,
-        default=JobSpec.orphan_timeout_s,
-        help="seconds a worker trains on without any coordinator before it exits (default 600)",
-    )
-    run.add_argument(
-        "--max-restarts", type=int, default=3, help="replacements after failures (default 3)"
-    )
-    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps")
-    run.add_argument("--checkpoint-interval", type=float, help="checkpoint every S seconds")
-    run.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K (default 3)")
-    run.add_argument("--price", type=float, default=0.0, help="dollars per worker-hour")
-    run.add_argument("--capacity", help="CSV trace: time_s,capacity,price_per_worker_hour")
-    run.add_argument("--min-efficiency", type=float, default=0.7, help="throughput policy")
-    run.add_argument("--deadline", help="cost policy: finish within, e.g. 2h30m")
-    run.add_argument("--budget", type=float, help="cost policy: dollars for the whole job")
-    run.add_argument(
-        "--decision-interval", type=float, default=30.0, help="seconds between policy changes"
-    )
-    run.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        help="local backend: allow more than 4 workers per core (memory still limits them)",
-    )
-    run.add_argument("--detach", action="store_true", help="print the job name and return")
-    run.add_argument("--quiet", action="store_true", help="no progress output")
-    run.add_argument("--tensorboard", metavar="DIR", help=TENSORBOARD_HELP)
+    add_flags(run, JobSpec)  # one option per JobSpec field that is a flag (config.py)
+    _add_launch_flags(run)
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(fn=cmd_run)
@@ -602,10 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resume.add_argument("job")
     resume.add_argument("--workers", type=int, help="default: the job's recorded --workers")
-    resume.add_argument("--max-workers", type=int)
-    resume.add_argument("--detach", action="store_true")
-    resume.add_argument("--quiet", action="store_true")
-    resume.add_argument("--tensorboard", metavar="DIR", help=TENSORBOARD_HELP)
+    resume.add_argument("--max-workers", type=int, help="default: the job's recorded --max-workers")
+    _add_launch_flags(resume)
     resume.set_defaults(fn=cmd_resume)
 
     status = sub.add_parser("status", parents=[common], help="a job's state (default: the newest)")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass
+from typing import Any
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -15,46 +18,128 @@ MAX_SECONDS = 1e9
 # The largest amount of dollars (a price per worker-hour, a budget).
 MAX_DOLLARS = 1e12
 
-# Every float field of the specs: (its flag, its rule, its upper bound). Rules: ``>0``
-# positive, ``>=0`` at least 0. ``check_numbers`` refuses a float field missing here.
-_NUMBER_RULES: dict[str, tuple[str, str, float]] = {
-    "heartbeat_interval_s": ("the heartbeat interval", ">0", MAX_SECONDS),
-    "heartbeat_timeout_s": ("--heartbeat-timeout", ">0", MAX_SECONDS),
-    "collective_timeout_s": ("--collective-timeout", ">0", MAX_SECONDS),
-    "orphan_timeout_s": ("--orphan-timeout", ">0", MAX_SECONDS),
-    "start_timeout_s": ("the start timeout", ">0", MAX_SECONDS),
-    "checkpoint_interval_s": ("--checkpoint-interval", ">0", MAX_SECONDS),
-    "price_per_worker_hour": ("--price", ">=0", MAX_DOLLARS),
-    "min_efficiency": ("--min-efficiency", ">0", 1.0),
-    "deadline_s": ("--deadline", ">0", MAX_SECONDS),
-    "budget": ("--budget", ">0", MAX_DOLLARS),
-    "decision_interval_s": ("--decision-interval", ">=0", MAX_SECONDS),
-    "worker_cpus": ("--worker-cpus", ">0", 1e6),
-    "worker_gpus": ("--worker-gpus", ">=0", 1e6),
-}
+
+# -- one source for each setting: a spec field carries its flag, help and number rule --------
+@dataclass(frozen=True, kw_only=True)
+class Flag:
+    """What a spec field's ``metadata["tidal"]`` says about it. ``name``: its ``tidal run``
+    flag (None: no flag); ``help``: the flag's help, where ``{default}`` stands for the
+    field's default; ``type``: the parser's type where the field's own does not fit;
+    ``derived``: the parser keeps None and ``tidal run`` converts the text or derives the
+    value itself (``from_flags`` refuses to guess it). Float fields: ``label``, the name
+    their errors use (default: the flag), ``rule`` (``>0`` positive, ``>=0`` at least 0)
+    and ``upper``, the largest value allowed."""
+
+    name: str | None = None
+    help: str | None = None
+    type: Callable[[str], Any] | None = None
+    derived: bool = False
+    label: str | None = None
+    rule: str = ">0"
+    upper: float = MAX_SECONDS
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the flag's value under."""
+        return (self.name or "").lstrip("-").replace("-", "_")
+
+    @property
+    def said_as(self) -> str:
+        return self.label or self.name or "?"
+
+
+def flag(name: str | None = None, help: str | None = None, **kw: Any) -> dict[str, Flag]:
+    """A field's ``metadata``: ``field(default=3, metadata=flag("--keep", "keep K"))``."""
+    return {"tidal": Flag(name=name, help=help, **kw)}
+
+
+def flag_of(f: Field) -> Flag | None:
+    return f.metadata.get("tidal")
+
+
+def _nested(f: Field) -> type | None:
+    """The spec class of a field that holds one (``JobSpec.cluster``), else None."""
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and is_dataclass(factory) else None
+
+
+def flag_fields(cls: type) -> Iterator[tuple[Field, Flag]]:
+    """Every field of ``cls`` that is a flag, nested specs' inline, in declaration order."""
+    for f in fields(cls):
+        nested = _nested(f)
+        if nested is not None:
+            yield from flag_fields(nested)
+        elif (meta := flag_of(f)) is not None and meta.name:
+            yield f, meta
+
+
+_PARSER_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one option per flag field of ``cls``; its default is the field's own."""
+    for f, meta in flag_fields(cls):
+        hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        kind = _PARSER_TYPES.get(hint.removesuffix(" | None"))
+        default = None if meta.derived or f.default is MISSING else f.default
+        shown = f"{default:g}" if isinstance(default, (int, float)) else default
+        text = meta.help.format(default=shown) if meta.help else None
+        if kind is bool and meta.type is None:
+            if default is not False:
+                raise TypeError(f"{cls.__name__}.{f.name}: a switch must default to False")
+            parser.add_argument(meta.name, action="store_true", help=text)
+        elif meta.type is None and kind is None:
+            raise TypeError(f"{cls.__name__}.{f.name} ({f.type}) needs Flag.type")
+        else:
+            parser.add_argument(meta.name, type=meta.type or kind, default=default, help=text)
+
+
+def from_flags(cls: type, values: Mapping[str, Any], **given: Any) -> Any:
+    """A ``cls`` from parsed flags (``vars(args)``): each flag field takes its flag's value,
+    a nested spec is built the same way, ``given`` (by field name) wins over both, and the
+    fields with no flag keep their defaults. A ``derived`` flag must be ``given``."""
+    unknown = set(given) - {f.name for f in fields(cls)}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {sorted(unknown)}")
+    kwargs = dict(given)
+    for f in fields(cls):
+        meta, nested = flag_of(f), _nested(f)
+        if f.name in given:
+            continue
+        elif nested is not None:
+            kwargs[f.name] = from_flags(nested, values)
+        elif meta is not None and meta.name:
+            if meta.derived:
+                raise TypeError(f"{meta.name} is derived: give {cls.__name__}.{f.name}")
+            kwargs[f.name] = values[meta.dest]
+    return cls(**kwargs)
 
 
 def check_numbers(spec: object) -> None:
     """Refuse, with the flag to fix, any float field of ``spec`` (a dataclass) that is not a
-    finite number within its rule: NaN would pass every comparison (a NaN heartbeat timeout
-    never expires), infinity overflows timers."""
+    finite number within its rule (``Flag.rule``, ``Flag.upper``): NaN would pass every
+    comparison (a NaN heartbeat timeout never expires), infinity overflows timers. A float
+    field without a ``Flag`` is refused as a programming error."""
     for f in fields(spec):
         if "float" not in str(f.type):
             continue
-        flag, rule, upper = _NUMBER_RULES[f.name]
+        meta = flag_of(f)
+        if meta is None or not (meta.name or meta.label):
+            raise TypeError(f"{type(spec).__name__}.{f.name} needs a flag or a label")
+        label, rule, upper = meta.said_as, meta.rule, meta.upper
         value = getattr(spec, f.name)
         if value is None and "None" in str(f.type):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{flag} must be a number, got {value!r}")
+            raise ValueError(f"{label} must be a number, got {value!r}")
         if not math.isfinite(value):
-            raise ValueError(f"{flag} must be a finite number, got {value}")
+            raise ValueError(f"{label} must be a finite number, got {value}")
         if rule == ">0" and value <= 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
+            raise ValueError(f"{label} must be positive, got {value}")
         if rule == ">=0" and value < 0:
-            raise ValueError(f"{flag} must be at least 0, got {value}")
+            raise ValueError(f"{label} must be at least 0, got {value}")
         if value > upper:
-            raise ValueError(f"{flag} must be at most {upper:g}, got {value:g}")
+            raise ValueError(f"{label} must be at most {upper:g}, got {value:g}")
 
 
 def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
@@ -78,11 +163,30 @@ class ClusterSpec:
     """Where workers run on a cluster backend (``ray``): the cluster's address and what each
     worker asks the cluster for. The local backend ignores it."""
 
-    address: str = (
-        "auto"  # "auto": the running cluster this machine belongs to; "local": a private one
+    # "auto": the running cluster this machine belongs to; "local": a private one
+    address: str = field(
+        default="auto",
+        metadata=flag(
+            "--ray-address",
+            "ray backend: the cluster, auto (the one this machine is in; default), "
+            "HOST:PORT, or local (a private one-node cluster)",
+        ),
     )
-    worker_cpus: float = 1.0
-    worker_gpus: float = 0.0
+    worker_cpus: float = field(
+        default=1.0,
+        metadata=flag(
+            "--worker-cpus", "ray backend: CPUs per worker (default {default})", upper=1e6
+        ),
+    )
+    worker_gpus: float = field(
+        default=0.0,
+        metadata=flag(
+            "--worker-gpus",
+            "ray backend: GPUs per worker (default {default})",
+            rule=">=0",
+            upper=1e6,
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_numbers(self)
@@ -99,38 +203,112 @@ class JobSpec:
     """One job. Invariants: 1 <= min_workers <= workers <= max_workers, every scheduled
     count within [min_workers, max_workers]."""
 
-    name: str
+    name: str = field(metadata=flag("--name", "job name (default SCRIPT-xxxx)", derived=True))
     script: str
     script_args: list[str] = field(default_factory=list)
-    workers: int = 1
-    min_workers: int = 1
-    max_workers: int = 1
-    backend: str = "local"
+    workers: int = field(
+        default=1, metadata=flag("--workers", "initial worker count (default {default})")
+    )
+    min_workers: int = field(
+        default=1,
+        metadata=flag("--min-workers", "the fewest workers to run with (default {default})"),
+    )
+    max_workers: int = field(
+        default=1,
+        metadata=flag("--max-workers", "default: the largest count asked for", derived=True),
+    )
+    backend: str = field(
+        default="local",
+        metadata=flag("--backend", "local (subprocesses, default) or ray (a Ray cluster)"),
+    )
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    policy: str = "static"
-    schedule: tuple[tuple[int, int], ...] = ()
+    policy: str = field(
+        default="static", metadata=flag("--policy", "scaling policy (default {default})")
+    )
+    schedule: tuple[tuple[int, int], ...] = field(
+        default=(),
+        metadata=flag(
+            "--schedule",
+            "scripted scaling, STEP:WORKERS pairs, e.g. 50:3,120:1",
+            type=str,
+            derived=True,
+        ),
+    )
     # 0.1 s: a member learns of a new generation within it (training goes on meanwhile, so it
     # is no pause); at 0.05 s the heartbeats took ~3% of a core in the coordinator alone.
-    heartbeat_interval_s: float = 0.1
-    heartbeat_timeout_s: float = 10.0
-    collective_timeout_s: float = 120.0
-    start_timeout_s: float = 120.0
+    heartbeat_interval_s: float = field(default=0.1, metadata=flag(label="the heartbeat interval"))
+    heartbeat_timeout_s: float = field(
+        default=10.0, metadata=flag("--heartbeat-timeout", "seconds (default {default})")
+    )
+    collective_timeout_s: float = field(
+        default=120.0, metadata=flag("--collective-timeout", "seconds (default {default})")
+    )
+    start_timeout_s: float = field(default=120.0, metadata=flag(label="the start timeout"))
     # How long a worker trains on without reaching any coordinator before it exits: its
     # coordinator is restarted by its supervisor within a second or two, or re-attached by
     # ``tidal attach`` (``WorkerConfig.orphan_timeout_s``).
-    orphan_timeout_s: float = 600.0
-    max_restarts: int = 3
-    checkpoint_every: int | None = None
-    checkpoint_interval_s: float | None = None
-    keep_checkpoints: int = 3
-    price_per_worker_hour: float = 0.0
-    capacity_trace: str | None = None
-    min_efficiency: float = 0.7
-    deadline_s: float | None = None
-    budget: float | None = None
-    decision_interval_s: float = 30.0
-    # Local backend: allow more workers per core than ``backends.local.WORKERS_PER_CORE``.
-    oversubscribe: bool = False
+    orphan_timeout_s: float = field(
+        default=600.0,
+        metadata=flag(
+            "--orphan-timeout",
+            "seconds a worker trains on without any coordinator before it exits "
+            "(default {default})",
+        ),
+    )
+    max_restarts: int = field(
+        default=3,
+        metadata=flag("--max-restarts", "replacements after failures (default {default})"),
+    )
+    checkpoint_every: int | None = field(
+        default=None, metadata=flag("--checkpoint-every", "checkpoint every N steps")
+    )
+    checkpoint_interval_s: float | None = field(
+        default=None, metadata=flag("--checkpoint-interval", "checkpoint every S seconds")
+    )
+    keep_checkpoints: int = field(
+        default=3, metadata=flag("--keep-checkpoints", "keep the last K (default {default})")
+    )
+    price_per_worker_hour: float = field(
+        default=0.0,
+        metadata=flag(
+            "--price", "dollars per worker-hour (default {default})", rule=">=0", upper=MAX_DOLLARS
+        ),
+    )
+    capacity_trace: str | None = field(
+        default=None,
+        metadata=flag(
+            "--capacity", "CSV trace: time_s,capacity,price_per_worker_hour", derived=True
+        ),
+    )
+    min_efficiency: float = field(
+        default=0.7,
+        metadata=flag("--min-efficiency", "throughput policy (default {default})", upper=1.0),
+    )
+    deadline_s: float | None = field(
+        default=None,
+        metadata=flag(
+            "--deadline", "cost policy: finish within, e.g. 2h30m", type=str, derived=True
+        ),
+    )
+    budget: float | None = field(
+        default=None,
+        metadata=flag("--budget", "cost policy: dollars for the whole job", upper=MAX_DOLLARS),
+    )
+    decision_interval_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "--decision-interval",
+            "seconds between policy changes (default {default})",
+            rule=">=0",
+        ),
+    )
+    oversubscribe: bool = field(
+        default=False,
+        metadata=flag(
+            "--oversubscribe",
+            "local backend: allow more than 4 workers per core (memory still limits them)",
+        ),
+    )
     python: str = sys.executable
 
     def __post_init__(self) -> None:

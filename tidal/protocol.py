@@ -11,11 +11,14 @@ import hashlib
 import hmac
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import BaseModel, Field, PlainSerializer
+
+if TYPE_CHECKING:
+    from tidal.config import JobSpec
 
 API_PREFIX = "/api/v1"
 TOKEN_HEADER = "Authorization"
@@ -154,7 +157,7 @@ class GenerationInfo(BaseModel):
 
 
 class WorkerConfig(BaseModel):
-    """Runtime settings the coordinator hands a worker at registration.
+    """Runtime settings the coordinator hands a worker at registration (``from_spec``).
 
     ``hold_steps`` are the steps of ``--schedule``: a member that has committed one of them
     waits there until the coordinator has settled the membership the schedule asks for
@@ -168,13 +171,23 @@ class WorkerConfig(BaseModel):
     store_namespace: str  # every store key of the job lives under it (see generation_prefix)
     hold_steps: list[int] = Field(default_factory=list)
     checkpoint_dir: str | None = None  # None: no durable checkpoints
-    checkpoint_every: int | None = None
-    checkpoint_interval_s: float | None = None
-    keep_checkpoints: int = 3
+    checkpoint_every: int | None  # None: no step-based checkpoints
+    checkpoint_interval_s: float | None
+    keep_checkpoints: int
     resume_from: str | None = None  # a verified checkpoint every worker loads at start
     # A worker that reaches no coordinator for this long exits (its job was interrupted and
     # nobody else will stop it); meanwhile it trains on in its generation (``tidal attach``).
-    orphan_timeout_s: float = 600.0
+    orphan_timeout_s: float
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, **runtime: object) -> WorkerConfig:
+        """The one place a worker's settings are drawn from its job: every field named as a
+        ``JobSpec`` field takes the spec's value, ``hold_steps`` its schedule's steps;
+        ``runtime`` is what the coordinator chose (the store's address and namespace, the
+        checkpoint folder, a checkpoint to resume from)."""
+        names = {f.name for f in fields(spec)} & set(cls.model_fields)
+        shared = {name: getattr(spec, name) for name in names}
+        return cls(**shared, hold_steps=[at for at, _ in spec.schedule], **runtime)
 
 
 class RegisterRequest(BaseModel):

@@ -104,13 +104,8 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.accounting = Accounting(
             price=spec.price_per_worker_hour,
             trace=load_trace(spec.capacity_trace) if spec.capacity_trace else None,
-            params=PolicyParams(
-                min_efficiency=spec.min_efficiency,
-                deadline_s=spec.deadline_s,
-                budget=spec.budget,
-                cooldown_s=spec.decision_interval_s,
-                assumed_pause_s=1.0,  # joiners warm up before joining: pauses are short
-            ),
+            # joiners warm up before joining: pauses are short
+            params=PolicyParams.from_spec(spec, assumed_pause_s=1.0),
         )
         self.step = resume.step if resume else 0
         self.metrics: dict[str, float] = {}

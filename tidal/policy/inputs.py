@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from tidal.config import JobSpec
 from tidal.policy.market import Market
 
 
@@ -90,7 +92,7 @@ class SizeStats:
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyParams:
-    """The knobs of the policies; built once per job from its flags.
+    """The knobs of the policies; built once per job from its flags (``from_spec``).
 
     ``min_efficiency``: the throughput policy grows while the marginal scaling efficiency
     stays at or above ``min_efficiency + hysteresis`` and shrinks below
@@ -112,9 +114,9 @@ class PolicyParams:
     against rises it cannot foresee. 0 trusts the past entirely.
     """
 
-    min_efficiency: float = 0.7
+    min_efficiency: float = JobSpec.min_efficiency
     hysteresis: float = 0.05
-    cooldown_s: float = 30.0
+    cooldown_s: float = JobSpec.decision_interval_s
     min_steps: int = 20
     min_measure_s: float = 60.0
     deadline_s: float | None = None
@@ -124,6 +126,15 @@ class PolicyParams:
     grow_fraction: float = 0.25
     deadline_margin: float = 0.01
     price_premium: float = 0.25
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, **knobs: Any) -> PolicyParams:
+        """The one place a job's flags become policy knobs: every field named as a ``JobSpec``
+        field takes the spec's value (``min_efficiency``, ``deadline_s``, ``budget``),
+        ``cooldown_s`` is ``--decision-interval``; ``knobs`` set any other."""
+        names = {f.name for f in fields(spec)} & {f.name for f in fields(cls)}
+        shared = {name: getattr(spec, name) for name in names}
+        return cls(**shared, cooldown_s=spec.decision_interval_s, **knobs)
 
     def __post_init__(self) -> None:
         _check(
