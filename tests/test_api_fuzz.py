@@ -109,7 +109,7 @@ def bearer(token: str) -> dict[str, str]:
 
 def snapshot(coord) -> dict:
     """What an unauthorized call must not change (times of day excluded: cost accrues)."""
-    status = coord.status().model_dump(mode="json")
+    status = coord.status(fresh=True).model_dump(mode="json")
     keep = ("state", "step", "target_workers", "world_size", "workers", "generations")
     keep += ("events", "metrics", "checkpoints", "checkpoint_failures")
     with coord.lock:
@@ -236,7 +236,7 @@ def test_fuzz_with_the_credential_never_fails_the_server(fuzzed):
     # the calls reached the handlers: each operation was answered 2xx at least once
     assert all(any(200 <= c < 300 for c in codes) for codes in answered.values()), answered
     assert len(answered) == len(OPERATIONS)
-    assert coord.status().state.value == "pending" and coord.stop_requested_at is not None
+    assert coord.status(fresh=True).state.value == "pending" and coord.stop_requested_at is not None
 
 
 # -- the dashboard's routes (not in the schema: include_in_schema=False) ---------------------

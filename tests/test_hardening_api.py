@@ -73,7 +73,7 @@ def job_auth(coord) -> dict[str, str]:
 
 
 def events(coord, kind: str | None = None) -> list[str]:
-    return [e.message for e in coord.status().events if kind is None or e.kind == kind]
+    return [e.message for e in coord.status(fresh=True).events if kind is None or e.kind == kind]
 
 
 # -- finding 6: NaN and infinity metrics are carried ----------------------------------------
@@ -129,7 +129,7 @@ def test_a_refused_heartbeat_is_one_line_in_the_worker_log_and_an_event(served, 
         agent.close()
     err = capsys.readouterr().err
     assert "refused" not in err  # said once, not once per heartbeat
-    assert math.isnan(coord.status().metrics["loss"])
+    assert math.isnan(coord.status(fresh=True).metrics["loss"])
     refused = events(coord, "refused")
     assert len(refused) == 1 and "worker 0: heartbeat refused" in refused[0]
     assert "metrics" in refused[0] and "at most 200 characters" in refused[0]

@@ -267,7 +267,7 @@ def test_heartbeats_carry_step_values_to_the_status_dashboard_and_history(
     with coord.lock:
         coord.step = 3
     recorder.close()  # a last tick: the rows go to SQLite
-    assert coord.status().metrics["loss"] == 2.0  # the gauge: step 2's mean of 1.0 and 3.0
+    assert coord.status(fresh=True).metrics["loss"] == 2.0  # the gauge: step 2's mean of 1.0 and 3.0
     source = HomeSource(tmp_path)
     try:
         data = source.job_data("served")

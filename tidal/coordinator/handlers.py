@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from tidal.coordinator.step_metrics import StepLog
 
 
+STATUS_MAX_AGE_S = 0.5  # see ``Handlers.status``
+
+
 class RequestError(ValueError):
     """A client asked for something the job cannot do; the message says why."""
 
@@ -279,9 +282,20 @@ class Handlers:
             values = self.step_log.take()
             return self.step, self.world_size(), self.target, metrics, values
 
-    def status(self) -> JobStatus:
+    _status_cache: tuple[float, JobStatus] | None = None
+
+    def status(self, *, fresh: bool = False) -> JobStatus:
+        """The job's status (``tidal status --json``). Readers share one snapshot for up to
+        ``STATUS_MAX_AGE_S``: however many poll (the CLI, dashboards, Prometheus), the job
+        pays one flush to SQLite and one read of it per interval. ``fresh``: as of now (after
+        a change the caller made, e.g. ``tidal scale``). The snapshot is shared: callers
+        must not change it."""
+        cached = self._status_cache
+        if not fresh and cached is not None and time.monotonic() - cached[0] < STATUS_MAX_AGE_S:
+            return cached[1]
         with self.lock:
             self.flush()
         status = self.db.load_status(self.spec.name)
         status.coordinator_pid = os.getpid()
+        self._status_cache = (time.monotonic(), status)
         return status

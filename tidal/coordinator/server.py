@@ -135,12 +135,12 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
     @app.post(API_PREFIX + "/scale", response_model=JobStatus, dependencies=auth)
     def scale(req: ScaleRequest) -> JobStatus:
         call(coord.on_scale, req.workers)
-        return coord.status()
+        return coord.status(fresh=True)
 
     @app.post(API_PREFIX + "/stop", response_model=JobStatus, dependencies=auth)
     def stop() -> JobStatus:
         coord.on_stop()
-        return coord.status()
+        return coord.status(fresh=True)
 
     @app.post(
         API_PREFIX + "/workers/{wid}/register",
