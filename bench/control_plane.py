@@ -3,7 +3,7 @@
 ``python -m bench.control_plane [--workers 256,1024] [--window-s 20] [--json FILE]``
 (or ``python -m bench --only control_plane``).
 
-The coordinator is the real one (``tidal.coordinator.runner.run_job``: the ``Coordinator``,
+The coordinator is the real one (``tidal.host.runner.run_job``: the ``Coordinator``,
 its FastAPI/uvicorn server, the control loop every 20 ms, the dashboard's history recorder
 writing to SQLite) in its own process, with one difference: its backend starts no
 processes (``NullBackend``: a worker "runs" from ``start`` until it is signalled), so the
@@ -97,7 +97,7 @@ def host_main(home: str, n: int, cpus: str | None) -> int:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     from tidal.backends.base import register_backend
     from tidal.config import JobSpec
-    from tidal.coordinator.runner import run_job
+    from tidal.host.runner import run_job
 
     register_backend("bench-null", NullBackend)
     spec = JobSpec(

@@ -11,7 +11,7 @@ from e2e_helpers import Home
 
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.server import ApiServer
+from tidal.host.server import ApiServer
 
 
 @pytest.fixture

@@ -26,9 +26,9 @@ from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.db import Database
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.server import ApiServer
 from tidal.dashboard import DashboardServer, HistoryStore, Recorder
 from tidal.dashboard import history as history_mod
+from tidal.host.server import ApiServer
 from tidal.protocol import API_PREFIX, EventView, GenerationView, WorkerState
 
 ARTIFACTS = ROOT / "test-artifacts"

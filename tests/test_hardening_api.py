@@ -19,8 +19,8 @@ from e2e_helpers import DIGITS
 from tidal.backends import local as local_backend
 from tidal.backends.local import LocalBackend
 from tidal.cli import main as cli_main
+from tidal.client import CoordinatorClient, CoordinatorError
 from tidal.config import JobSpec
-from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.records import WorkerRecord
 from tidal.protocol import (

@@ -22,8 +22,8 @@ from tidal.access import is_loopback, read_ok, reads_need_token
 from tidal.cli import main as cli_main
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.server import ApiServer
 from tidal.dashboard import DashboardServer
+from tidal.host.server import ApiServer
 from tidal.protocol import API_PREFIX, worker_token
 
 READS = [

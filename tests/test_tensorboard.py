@@ -66,7 +66,7 @@ def test_run_with_tensorboard_writes_metrics_and_world_size(tidal_home: Home, tm
 
 def test_tensorboard_dir_reaches_a_detached_coordinator(monkeypatch) -> None:
     """``--detach`` hands ``--tensorboard`` to the runner process on its command line."""
-    from tidal.coordinator import runner
+    from tidal.host import runner
 
     seen = {}
     monkeypatch.setattr(runner, "run_job", lambda spec, home, **kw: seen.update(kw) or 0)

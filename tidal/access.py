@@ -1,6 +1,6 @@
 """Who may read a coordinator's answers: the decision and the credential check.
 
-Mutating calls always need a token (``tidal.coordinator.server``). Reads (``GET /status``,
+Mutating calls always need a token (``tidal.host.server``). Reads (``GET /status``,
 ``/metrics``, the dashboard's pages and JSON) are open while the server binds a loopback
 address, where only this machine's users reach it (the CLI's ``tidal status`` included). Once
 it binds anything else (the Ray backend binds the node's cluster address; ``0.0.0.0`` binds

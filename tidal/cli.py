@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tidal.client import CoordinatorClient, CoordinatorError
 from tidal.config import JobSpec, add_flags, from_flags, parse_schedule
-from tidal.coordinator.client import CoordinatorClient, CoordinatorError
 from tidal.coordinator.home import (
     JobBusy,
     check_home,
@@ -269,7 +269,7 @@ def _launch(
             return _detach(spec, home, resume, tensorboard=tensorboard, lock=lock, attach=attach)
         finally:
             os.close(lock)  # the coordinator's process holds it now
-    from tidal.coordinator.runner import run_job
+    from tidal.host.runner import run_job
 
     return run_job(
         spec,
@@ -354,7 +354,7 @@ def _detach(
             [
                 sys.executable,
                 "-m",
-                "tidal.coordinator.runner",
+                "tidal.host.runner",
                 str(home),
                 json.dumps(spec.to_dict()),
                 *([json.dumps(vars(resume))] if resume else []),

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import httpx
 
-from tidal.coordinator.client import CoordinatorClient, CoordinatorError
+from tidal.client import CoordinatorClient, CoordinatorError
 from tidal.protocol import (
     MAX_STEP_RECORDS,
     CheckpointFailure,

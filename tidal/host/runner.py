@@ -1,7 +1,7 @@
 """Hosting a job: the coordinator, its API server and the control loop in one process.
 
 ``tidal run`` calls ``run_job`` in the foreground; ``tidal run --detach`` starts this module
-as a background process (``python -m tidal.coordinator.runner HOME SPEC_JSON [RESUME_JSON]
+as a background process (``python -m tidal.host.runner HOME SPEC_JSON [RESUME_JSON]
 [--tensorboard DIR] [--lock-fd FD]``). The loop also feeds the dashboard's history
 (``Recorder``), which writes the TensorBoard events of ``--tensorboard``.
 
@@ -30,9 +30,9 @@ from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records import Resume
-from tidal.coordinator.server import ApiServer
 from tidal.coordinator.supervisor import Attach, Hosting, supervise
 from tidal.dashboard.history import Recorder
+from tidal.host.server import ApiServer
 from tidal.protocol import JobState
 
 # The longest the control loop sleeps. API calls that need a decision wake it at once

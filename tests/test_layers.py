@@ -1,0 +1,95 @@
+"""The package's layers: every module imports only from its own layer or the ones below it
+(function-level and type-checking imports included), read from the source with ``ast``.
+
+A module that imports upward would make the lower layer depend on what it serves: the
+coordinator on its dashboard or on worker code, the worker on the coordinator's server."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "tidal"
+
+# Bottom to top; a top-level module or package of ``tidal`` may import its own and lower
+# layers only. Packages of one layer are siblings: they import neither each other.
+LAYERS: list[set[str]] = [
+    {"config", "protocol", "access", "tracked"},
+    {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics"},
+    {"coordinator", "worker"},
+    {"dashboard", "tensorboard", "display"},
+    {"host"},
+    {"cli", "attach_cli", "sim_cli", "__init__"},
+]
+SIBLINGS_MAY_IMPORT = {
+    ("sim", "policy"),  # the simulator runs the policies' own code
+    ("backends", "config"),
+    ("checkpoint", "tracked"),
+    ("dashboard", "tensorboard"),  # the recorder feeds TensorBoard
+    ("display", "coordinator"),
+    ("cli", "attach_cli"),
+    ("cli", "sim_cli"),
+    ("protocol", "config"),
+    ("attach_cli", "cli"),
+}
+
+
+def _layer(name: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if name in layer:
+            return i
+    raise AssertionError(f"tidal.{name} is in no layer of tests/test_layers.py: add it")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tidal"):
+            # ``from tidal import metrics`` imports tidal.metrics, not the package's __init__
+            names = (
+                [f"tidal.{a.name}" for a in node.names] if node.module == "tidal" else [node.module]
+            )
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for n in names:
+            parts = n.split(".")
+            if parts[0] == "tidal":
+                found.add(parts[1] if len(parts) > 1 else "__init__")
+    return found
+
+
+def _top(path: Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    return rel[0].removesuffix(".py")
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_run_downward(path: Path) -> None:
+    me = _top(path)
+    for other in _imports(path) - {me}:
+        ok = _layer(other) < _layer(me) or (me, other) in SIBLINGS_MAY_IMPORT
+        assert ok, f"tidal/{path.relative_to(ROOT)} imports tidal.{other}, which is not below it"
+
+
+def test_the_coordinator_imports_no_dashboard_worker_or_host_code() -> None:
+    for path in (ROOT / "coordinator").rglob("*.py"):
+        bad = _imports(path) & {"dashboard", "worker", "host", "cli", "display", "tensorboard"}
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_the_dashboard_takes_no_coordinator_lock() -> None:
+    for path in (ROOT / "dashboard").rglob("*.py"):
+        assert ".lock" not in path.read_text().replace("_lock", ""), path.name
+
+
+def test_a_module_that_imports_upward_is_caught(tmp_path: Path) -> None:
+    bad = tmp_path / "coordinator_like.py"
+    bad.write_text("def f():\n    from tidal.dashboard import app\n    import tidal.worker.agent\n")
+    assert _imports(bad) == {"dashboard", "worker"}
