@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_helpers import Home
+from e2e_helpers import Home, standalone_params
 
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
@@ -27,33 +27,22 @@ def tidal_home(tmp_path: Path) -> Iterator[Home]:
 @pytest.fixture(scope="session")
 def reference_params(tmp_path_factory: pytest.TempPathFactory):
     """``reference_params(steps, seed, double=False)``: the path of the parameters a plain
-    ``--workers 1`` job saves after ``steps`` digits steps (``--double``: in float64); each
+    one-worker run saves after ``steps`` digits steps (``--double``: in float64); each
     (steps, seed, double) is trained once a session."""
     root = tmp_path_factory.mktemp("reference")
     cache: dict[tuple[int, int, bool], Path] = {}
-    homes: list[Home] = []
 
     def get(steps: int, seed: int = 0, double: bool = False) -> Path:
         key = (steps, seed, double)
         if key not in cache:
             tag = f"{steps}-{seed}" + ("-f64" if double else "")
-            home = Home(root / f"home-{tag}")
-            homes.append(home)
-            out = root / f"ref-{tag}.safetensors"
-            args = ["--max-steps", str(steps), "--seed", str(seed), "--save", str(out)]
-            proc, job = home.run(
-                "ref", "--workers", "1", script_args=args + (["--double"] if double else [])
+            args = ["--max-steps", str(steps), "--seed", str(seed)] + (
+                ["--double"] if double else []
             )
-            assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
-            assert out.is_file(), job.logs_tail()
-            cache[key] = out
+            cache[key] = standalone_params(root / f"ref-{tag}.safetensors", *args)
         return cache[key]
 
-    try:
-        yield get
-    finally:
-        for home in homes:
-            home.cleanup()
+    return get
 
 
 @pytest.fixture

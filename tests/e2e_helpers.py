@@ -34,6 +34,22 @@ MARKER_VAR = "TIDAL_E2E_TEST_OWNER"  # not read by the library; identifies our p
 Status = dict[str, Any]
 
 
+def standalone_params(out: Path, *script_args: str) -> Path:
+    """Train ``examples/digits.py`` alone (no ``tidal run``: the same mathematics as a
+    1-worker job, bitwise, at a fraction of the start-up) and return where it saved the
+    parameters."""
+    proc = subprocess.run(
+        [sys.executable, str(DIGITS), *script_args, "--save", str(out)],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
+    return out
+
+
 # -- processes ----------------------------------------------------------------------------
 def pid_alive(pid: int | None) -> bool:
     """True if ``pid`` runs (a zombie counts as gone: it holds no resources but its slot)."""

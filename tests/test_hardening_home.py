@@ -20,6 +20,7 @@ from e2e_helpers import (
     Home,
     event_messages,
     relative_l2,
+    standalone_params,
     summarize,
     wait_gone,
     wait_stopped,
@@ -32,21 +33,9 @@ STEPS = "1000"
 
 @pytest.fixture(scope="module")
 def reference64(tmp_path_factory: pytest.TempPathFactory):
-    """The float64 parameters a plain 1-worker job has after ``STEPS`` digits steps."""
+    """The float64 parameters a plain one-worker run has after ``STEPS`` digits steps."""
     root = tmp_path_factory.mktemp("reference64")
-    home = Home(root / "home")
-    out = root / "ref.safetensors"
-    try:
-        proc, job = home.run(
-            "ref",
-            "--workers",
-            "1",
-            script_args=["--max-steps", STEPS, "--double", "--save", str(out)],
-        )
-        assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
-        yield out
-    finally:
-        home.cleanup()
+    return standalone_params(root / "ref.safetensors", "--max-steps", STEPS, "--double")
 
 
 def one_line(proc: subprocess.CompletedProcess | tuple[int, str], *needles: str) -> str:
