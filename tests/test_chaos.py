@@ -1,7 +1,7 @@
 """The chaos campaign (issue 15) in CI: a small seeded campaign, and its fault hooks.
 
 The campaign test runs ``python -m bench.chaos`` on one real job with three seeded faults
-(seed 942 draws a coordinator SIGKILL, a worker SIGKILLed inside the gradient all-reduce
+(seed 891 draws a worker SIGKILLed inside the gradient all-reduce, a coordinator SIGKILL
 and a SIGTERM preemption); every fault must be recovered from cleanly: the job succeeds,
 every member's float64 parameters equal the 1-worker run, no process is left and no pause
 exceeds its bound. The long campaign is reported in docs/reliability.md.
@@ -73,7 +73,7 @@ def test_the_checkpoint_phase_fires_inside_the_write_and_leaves_no_checkpoint(
 @pytest.mark.timeout(240)
 def test_a_small_seeded_chaos_campaign_recovers_from_every_fault(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    cmd = [sys.executable, "-m", "bench.chaos", "--faults", "3", "--seed", "942"]
+    cmd = [sys.executable, "-m", "bench.chaos", "--faults", "3", "--seed", "891"]
     cmd += ["--kinds", ",".join(KINDS), "--max-steps", "600", "--json", str(out)]
     cmd += ["--workdir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)

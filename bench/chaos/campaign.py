@@ -15,6 +15,10 @@ from bench.chaos.records import Event, JobEnded, Settings, TrialFailure, TrialRe
 from bench.chaos.trial import ROOT, TRAIN, Trial, settled
 
 EVENTS_PER_TRIAL = (3, 5)
+# How often the next fault comes as soon as the job trains again (its replacement may still
+# be starting), for the kinds whose fault opens a generation.
+OVERLAP = 0.3
+OPENS_GENERATION = ("kill", "stop", "term", "point", "joiner", "double")
 TRIAL_SEED_STRIDE = 100_000
 
 
@@ -44,11 +48,10 @@ def reference(settings: Settings, cache: Path) -> Path:
 
 
 def _choose(tr: Trial, kinds: Sequence[str], budget: int, planned_left: int) -> str:
-    allowed = [
-        k
-        for k in kinds
-        if not (k == "double" and budget < 2) and not (k == "kill_all" and planned_left > 1)
-    ]
+    """A kind by weight: ``double`` only if two faults are left in the budget, ``kill_all``
+    (which ends the trial) only as its last event unless it is the only kind."""
+    fits = [k for k in kinds if not (k == "double" and budget < 2)] or list(kinds)
+    allowed = [k for k in fits if not (k == "kill_all" and planned_left > 1)] or fits
     return tr.rng.choices(allowed, weights=[WEIGHTS[k] for k in allowed])[0]
 
 
@@ -66,6 +69,8 @@ def _inject(
         kind = _choose(tr, kinds, budget - result.faults, planned - len(result.events))
         tr.watch.idle(tr.rng.uniform(0, 1.0))  # a random moment
         step = tr.watch.last["step"]
+        generations = len(tr.watch.last["generations"])
+        overlap = tr.rng.random() < OVERLAP  # the next fault comes before full recovery
         event = KINDS[kind](tr)
         if event is None:
             result.notes.append(f"{kind}: not applicable or did not fire")
@@ -74,7 +79,13 @@ def _inject(
         result.events.append(event)
         if event.expect_failure:
             return
-        tr.settle_after(event.time, f"recovery from {kind} ({'; '.join(event.faults)})")
+        what = f"recovery from {kind} ({'; '.join(event.faults)})"
+        last = len(result.events) == planned or result.faults >= budget
+        if overlap and kind in OPENS_GENERATION and not last:
+            event.notes.append("the next fault came before full recovery")
+            tr.training_again(event.time, generations, what)
+        else:
+            tr.settle_after(event.time, what)
         now = time.time()
         event.recovered_s = round(now - event.time, 2)
         event.stall_s = round(tr.stall(event.time, now), 2)

@@ -20,7 +20,8 @@ point    SIGKILL, SIGSTOP or SIGTERM at an exact protocol point, armed while   2
          rendezvous, the heal (a scale up or down makes the membership change;
          the target is a survivor or the joiner) or inside a checkpoint write
 joiner   SIGKILL of a worker joining after a scale up, 0-4 s after it started  2 s
-double   two of kill/stop/term at once, on two of at least 3 members          the larger
+double   two of kill/stop/term at once, on two of at least 3 members, or  the larger
+         one of them and a SIGKILL of the coordinator                         (+2 s)
 coordinator SIGKILL of the coordinator (``coordinator_pid``); it must be back  2 s
          within 2 s, with the same worker processes
 kill_all SIGKILL of every member at once: the job must fail saying every      --
@@ -35,7 +36,6 @@ the others train, so a replacement's join is bounded by 2 s too (``join``).
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -71,13 +71,6 @@ def _bound(kind: str, hb: float) -> float:
     return hb + LOST_S if kind == "stop" else LOST_S
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def _pick(tr: Trial, s: dict) -> dict:
     return tr.rng.choice(members(s))
 
@@ -100,7 +93,8 @@ def _one(tr: Trial, kind: str) -> Event | None:
         return None
     w = _pick(tr, s)
     t = time.time()
-    _signal(w["pid"], SIGNALS[kind])
+    if not tr.signal(w["pid"], SIGNALS[kind]):
+        return None
     hb = tr.settings.heartbeat_timeout_s
     what = f"{SIGNALS[kind].name} worker {w['id']} (rank {w['rank']} of {len(members(s))})"
     return Event(kind, [what], 1, _bound(kind, hb), time=t)
@@ -111,9 +105,10 @@ def stop_cont(tr: Trial) -> Event | None:
     w = _pick(tr, s)
     delay = tr.rng.uniform(0.3, tr.settings.heartbeat_timeout_s / 2)
     t = time.time()
-    _signal(w["pid"], signal.SIGSTOP)
+    if not tr.signal(w["pid"], signal.SIGSTOP):
+        return None
     tr.watch.idle(delay)
-    _signal(w["pid"], signal.SIGCONT)
+    tr.signal(w["pid"], signal.SIGCONT)
     what = f"SIGSTOP worker {w['id']} (rank {w['rank']}), SIGCONT after {delay:.2f} s"
     return Event("stop_cont", [what], 1, round(delay + LOST_S, 2), time=t)
 
@@ -174,33 +169,43 @@ def joiner(tr: Trial) -> Event | None:
     tr.watch.idle(delay)
     w = next(w for w in tr.watch.last["workers"] if w["id"] == wid)
     t = time.time()
-    _signal(w["pid"], signal.SIGKILL)
+    if not tr.signal(w["pid"], signal.SIGKILL):
+        return None
     what = f"SIGKILL worker {wid} joining ({delay:.1f} s after its start, state {w['state']})"
     return Event("joiner", [what], 1, LOST_S, time=t)
 
 
 def double(tr: Trial) -> Event | None:
+    """Two faults at once: two of kill/stop/term on two members, or (one time in three,
+    where status names the coordinator) one of them and a SIGKILL of the coordinator."""
     s = tr.ensure_world(3)
     if s is None:
         return None
-    pair = tr.rng.sample(members(s), 2)
+    hb = tr.settings.heartbeat_timeout_s
+    coord = s.get("coordinator_pid") if tr.rng.random() < 1 / 3 else None
+    pair = tr.rng.sample(members(s), 1 if coord else 2)
     kinds = [tr.rng.choice(list(SIGNALS)) for _ in pair]
     t = time.time()
-    for w, k in zip(pair, kinds, strict=True):
-        _signal(w["pid"], SIGNALS[k])
-    hb = tr.settings.heartbeat_timeout_s
+    sent = [tr.signal(w["pid"], SIGNALS[k]) for w, k in zip(pair, kinds, strict=True)]
     what = [
         f"{SIGNALS[k].name} worker {w['id']} (rank {w['rank']})"
-        for w, k in zip(pair, kinds, strict=True)
+        for w, k, ok in zip(pair, kinds, sent, strict=True)
+        if ok
     ]
-    return Event("double", what, 2, max(_bound(k, hb) for k in kinds), time=t)
+    bound = max(_bound(k, hb) for k in kinds)
+    if coord and tr.signal(coord, signal.SIGKILL):
+        what.append(f"SIGKILL coordinator (pid {coord})")
+        bound += LOST_S  # the membership change waits for the coordinator's return
+    if len(what) < 2:
+        return Event("double", what, len(what), bound, time=t) if what else None
+    return Event("double", what, 2, bound, time=t)
 
 
 def kill_all(tr: Trial) -> Event | None:
     ms = members(tr.watch.last)
     t = time.time()
     for w in ms:
-        _signal(w["pid"], signal.SIGKILL)
+        tr.signal(w["pid"], signal.SIGKILL)
     what = [f"SIGKILL every member: workers {[w['id'] for w in ms]}"]
     return Event("kill_all", what, 1, 60.0, time=t, expect_failure=True)
 
@@ -213,7 +218,8 @@ def coordinator(tr: Trial) -> Event | None:
     before = {w["id"]: w["pid"] for w in members(s)}
     step = s["step"]
     t = time.time()
-    _signal(pid, signal.SIGKILL)
+    if not tr.signal(pid, signal.SIGKILL):
+        return None
     s = tr.watch.until(
         lambda s: s.get("coordinator_pid") not in (None, pid) and s["state"] == "running",
         tr.settings.recovery_timeout_s,

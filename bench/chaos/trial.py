@@ -35,14 +35,14 @@ TRAIN = ROOT / "bench" / "chaos" / "train.py"
 if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
 
-from e2e_helpers import Home, Job, relative_l2, summarize  # noqa: E402
+from e2e_helpers import MARKER_VAR, Home, Job, pid_alive, relative_l2, summarize  # noqa: E402
 
 from bench.chaos.records import Event, JobEnded, Settings, TrialFailure  # noqa: E402
 
 EXACT = 1e-12
 TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
 POLL_S = 0.1
-HEARTBEAT_LAG_S = 0.3
+HEARTBEAT_LAG_S = 0.8  # a heartbeat, a status snapshot (up to 0.5 s old), a poll
 SLOW_PACE_S = 0.1
 
 
@@ -225,7 +225,7 @@ class Trial:
 
     def settle_after(self, t: float, what: str) -> dict:
         """Settled, with the step counted from what the job did after time ``t`` (status
-        steps come from heartbeats: they lag by a heartbeat and a poll)."""
+        steps come from heartbeats and status answers are shared snapshots: they lag)."""
         self.watch.idle(max(0.0, t + HEARTBEAT_LAG_S - time.time()))
         base = self.watch.until(lambda s: True, self.settings.recovery_timeout_s, "a status")
         return self.settle(base["step"], what)
@@ -244,12 +244,41 @@ class Trial:
         if rc != 0:
             raise TrialFailure("error", f"tidal scale {n} exited {rc}: {err.getvalue().strip()}")
 
+    def signal(self, pid: int | None, sig: int) -> bool:
+        """Send ``sig`` to ``pid`` if it is a live process of this trial (its environment
+        carries the home's marker: a pid read from a lagging status may have been reused)."""
+        if not pid or not pid_alive(pid):
+            return False
+        needle = f"{MARKER_VAR}={self.home.marker}".encode() + b"\0"
+        try:
+            if needle not in Path(f"/proc/{pid}/environ").read_bytes():
+                return False
+            os.kill(pid, sig)
+        except OSError:
+            return False
+        return True
+
+    def training_again(self, t: float, generations: int, what: str) -> dict:
+        """A generation newer than the first ``generations`` has trained, and the job
+        committed a step after ``t``: the fault was answered (its replacement may still be
+        starting)."""
+        end = time.monotonic() + self.settings.recovery_timeout_s
+
+        def answered(s: dict) -> bool:
+            gens = s["generations"]
+            newer = len(gens) > generations and gens[-1]["start_step"] is not None
+            return newer and self.commits_between(t, time.time()) > 0
+
+        s = self.watch.until(answered, self.settings.recovery_timeout_s, what)
+        self.watch.idle(min(0.5, max(0.0, end - time.monotonic())))
+        return s
+
     def ensure_world(self, n: int) -> dict | None:
         """At least ``n`` members (scaled up and settled if needed); None if above max."""
         s = self.watch.last
         if n > self.max_workers:
             return None
-        if len(members(s)) >= n and settled(s):
+        if len(members(s)) >= n:
             return s
         if s["target_workers"] < n:
             self.scale(n)
