@@ -113,7 +113,12 @@ def host_main(home: str, n: int, cpus: str | None) -> int:
 
 
 def measure(
-    n: int, tmp: Path, *, window_s: float = 20.0, warmup_s: float = 3.0, pin: bool = True
+    n: int,
+    tmp: Path,
+    *,
+    window_s: float = 20.0,
+    warmup_s: float = 3.0,
+    pin: bool = True,
 ) -> dict:
     """One coordinator, N simulated workers; the generator's result (see the module doc)."""
     from tidal.coordinator.home import job_dir
@@ -139,7 +144,8 @@ def measure(
         if host.poll() is not None:
             raise RuntimeError(f"the coordinator exited {host.returncode}; see {tmp}")
         cmd = [sys.executable, "-m", "bench.control_plane_load", info["url"], info["token"]]
-        cmd += [str(n), str(host.pid), str(out), "--window-s", str(window_s)]
+        pid = info.get("pid") or host.pid  # the coordinator's own (it may host it in a child)
+        cmd += [str(n), str(pid), str(out), "--window-s", str(window_s)]
         cmd += ["--warmup-s", str(warmup_s)]
         gen = procs.start(cmd + (["--cpus", gen_cpus] if gen_cpus else []), tmp / f"load-{n}.log")
         rc = gen.wait(timeout=300 + window_s)
@@ -165,7 +171,8 @@ def describe(r: dict) -> str:
         f"(at most {r['offered_per_s']:.0f}), latency p50 {ms(lat['p50'])} p99 {ms(lat['p99'])} "
         f"max {ms(lat['max'])} ms; /docs p50 {ms(probe['p50'])} p99 {ms(probe['p99'])} ms; "
         f"idle floor p50 {ms(floor['p50'])} p99 {ms(floor['p99'])} ms; coordinator "
-        f"{r['coordinator_cpu']:.2f} cores, generator {r['generator_cpu']:.2f}; load "
+        f"{r['coordinator_cpu']:.2f} cores ({ms(r['cpu_per_heartbeat_s'])} ms a heartbeat), "
+        f"generator {r['generator_cpu']:.2f}; load "
         f"{r['loadavg'][0]:.1f}->{r['loadavg'][1]:.1f}; errors {r['errors'] or 0}; "
         f"generations {r['generations']}, failures {r['failures']}"
     )
@@ -183,7 +190,12 @@ def rows_of(results: dict[int, dict]) -> list[dict]:
 
 
 def run(
-    sizes: list[int], tmp: Path, *, window_s: float, warmup_s: float = 3.0, pin: bool = True
+    sizes: list[int],
+    tmp: Path,
+    *,
+    window_s: float,
+    warmup_s: float = 3.0,
+    pin: bool = True,
 ) -> tuple[list[dict], dict]:
     results = {}
     for n in sizes:

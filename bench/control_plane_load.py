@@ -36,7 +36,12 @@ from urllib.parse import urlparse
 from tidal.protocol import API_PREFIX, worker_token
 
 GEN_ID = re.compile(rb'"generation":\{"id":(\d+)')
+INTERVAL = re.compile(rb'"interval_s":([0-9.eE+-]+)')  # the next beat's, if the answer sets it
 PROBE_EVERY_S = 0.05
+# Registrations in flight at once: workers come up in waves, as a backend starts them (the
+# local and Ray backends start at most a few at a time); a thousand registrations at once
+# would queue every early worker's heartbeats behind them.
+REGISTERING = 32
 
 
 def cpu_seconds(pid: int) -> float:
@@ -102,6 +107,7 @@ class Load:
         self.errors: dict[str, int] = {}
         self.sent = 0
         self.inflight = 0  # heartbeats sent and not answered yet
+        self.answered = 0
         self.interval = float("nan")
 
     def step(self) -> int:
@@ -114,14 +120,16 @@ class Load:
         conn = Conn(self.host, self.port, worker_token(self.args.token, wid))
         path = f"/workers/{wid}/heartbeat"
         reg = json.dumps({"pid": os.getpid(), "host": "bench", "max_steps": 10**9}).encode()
-        while True:  # the coordinator starts its workers (null backend) a tick after it starts
-            status, body = await conn.request("POST", f"/workers/{wid}/register", reg)
-            if status == 200:
-                break
-            if status != 400:
-                raise RuntimeError(f"worker {wid}: register answered {status}: {body[:200]}")
-            await asyncio.sleep(0.05)
-        interval = self.interval = json.loads(body)["config"]["heartbeat_interval_s"]
+        async with self.registering:
+            while True:  # the coordinator starts its workers (null backend) at its first tick
+                status, body = await conn.request("POST", f"/workers/{wid}/register", reg)
+                if status == 200:
+                    break
+                if status != 400:
+                    raise RuntimeError(f"worker {wid}: register answered {status}: {body[:200]}")
+                await asyncio.sleep(0.05)
+        interval = base_interval = json.loads(body)["config"]["heartbeat_interval_s"]
+        self.interval = interval
         gen, last_step, last_rate, report = 0, self.step(), 0.0, None
         await asyncio.sleep(random.uniform(0, interval))
         while self.phase != "done":
@@ -158,6 +166,7 @@ class Load:
             finally:
                 self.inflight -= 1
             dt = time.perf_counter() - t
+            self.answered += self.phase == "window"  # answered in the window, sent whenever
             if phase in self.lat:  # sent in the window (or the floor), answered whenever
                 self.lat[phase].append(dt)
                 self.sent += phase == "window"
@@ -173,6 +182,8 @@ class Load:
                     report = {"generation": gen, "start_step": step, "first_step_time": time.time()}
                 if m and self.members_of.get(int(m[1]), 0) == self.n:
                     self.ready.add(wid)
+                m = INTERVAL.search(answer)
+                interval = self.interval = float(m[1]) if m else base_interval
             await asyncio.sleep(0.01 if self.phase == "floor" else interval)
         conn.close()
 
@@ -194,6 +205,7 @@ class Load:
 
     async def run(self) -> dict:
         a = self.args
+        self.registering = asyncio.Semaphore(REGISTERING)
         tasks = [asyncio.create_task(self.worker(w)) for w in range(self.n)]
         tasks.append(asyncio.create_task(self.prober()))
         t_start = time.monotonic()
@@ -241,6 +253,9 @@ class Load:
             "floor_latency_s": summary(self.lat["floor"]),
             "floor_probe_s": summary(self.probe["floor"]),
             "coordinator_cpu": cpu / wall,
+            # the coordinator's CPU per heartbeat answered in the window: its capacity is
+            # about one core / this, whatever else runs on the machine
+            "cpu_per_heartbeat_s": cpu / max(1, self.answered),
             "floor_coordinator_cpu": floor_cpu,  # one heartbeat at a time
             "drain_s": drain_s,  # from the window's end until every heartbeat was answered
             "generator_cpu": own / wall,

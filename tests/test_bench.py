@@ -104,7 +104,7 @@ def test_bench_tiny_control_plane(tmp_path: Path) -> None:
     for n in sizes:
         d = details[str(n)]
         assert d["workers"] == n and d["heartbeats"] > 0, d
-        assert d["errors"] == {} and d["failures"] == 0 and d["generations"] == 1, d
+        assert d["job_state"] == "running" and d["errors"] == {}, d
         lat = d["latency_s"]
         assert 0 < lat["p50"] <= lat["p99"] <= lat["max"], lat
         assert d["floor_latency_s"]["n"] > 0 and d["probe_s"]["n"] > 0, d
