@@ -111,9 +111,11 @@ def test_attach_takes_over_workers_whose_coordinator_and_supervisor_died(
 
     proc = tidal_home.cli("attach", "orphans", "--detach")
     assert proc.returncode == 0 and proc.stdout.strip() == "orphans", proc.stderr
-    again = tidal_home.cli("attach", "orphans")  # it has a coordinator now: one line
+    # It has a coordinator now (or, on a slow machine, the workers had finished while
+    # orphaned and the job ended at once): refused in one line either way.
+    again = tidal_home.cli("attach", "orphans")
     assert again.returncode == 1 and again.stderr.count("\n") == 1, again.stderr
-    assert "has a live coordinator" in again.stderr, again.stderr
+    assert "has a live coordinator" in again.stderr or "succeeded" in again.stderr, again.stderr
 
     status = job.wait_state("succeeded", "failed", "stopped", timeout=180)
     assert status["state"] == "succeeded" and status["step"] == STEPS, summarize(status)

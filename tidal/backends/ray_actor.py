@@ -22,6 +22,7 @@ Contracts:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import signal
@@ -32,7 +33,20 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tidal.backends.local import _die_with_parent
+_PR_SET_PDEATHSIG = 1
+try:  # loaded here, not in the forked child, where loading could deadlock
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: kill the script when the thread that forked it (the actor's launcher) dies.
+    Local workers outlive their coordinator (it is restarted and adopts them); a Ray
+    actor's script must not outlive its actor, which nobody could adopt."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 RAYLET_CHECK_S = 0.1
 
