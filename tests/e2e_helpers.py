@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from tidal.testing import fault_env
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits.py"
 MARKER_VAR = "TIDAL_E2E_TEST_OWNER"  # not read by the library; identifies our processes
@@ -282,8 +284,8 @@ class Home:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")}
         env["PYTHONUNBUFFERED"] = "1"
         env[MARKER_VAR] = self.marker
-        if faults is not None:
-            env["TIDAL_FAULTS"] = faults
+        if faults is not None:  # armed in the workers by a sitecustomize (tidal.testing)
+            env.update(fault_env(faults, env))
         return env
 
     def cli(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tidal.checkpoint.writer import AsyncCheckpointer
-from tidal.worker.faults import FaultInjector
+from tidal.testing.faults import FaultInjector
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["point", "coordinator", "term"]

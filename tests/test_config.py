@@ -21,7 +21,7 @@ from tidal.config import (
 )
 from tidal.policy import PolicyParams, get_policy
 from tidal.protocol import WorkerConfig
-from tidal.worker.faults import Fault, parse_faults
+from tidal.testing.faults import Fault, parse_faults
 
 
 def spec(**kw):
@@ -70,7 +70,7 @@ def test_unknown_names_list_the_known_ones():
 
 
 def test_faults_may_name_a_generation_and_leave_the_step_open():
-    from tidal.worker.faults import FaultInjector
+    from tidal.testing.faults import FaultInjector
 
     fault = parse_faults("sigkill@worker=2,phase=rendezvous,gen=2,step=0")[0]
     assert fault == Fault(kind="sigkill", worker=2, step=0, phase="rendezvous", gen=2)

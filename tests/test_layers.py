@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics"},
     {"coordinator", "worker"},
     {"dashboard", "tensorboard", "display"},
-    {"host"},
+    {"host", "testing"},
     {"cli", "attach_cli", "sim_cli", "__init__"},
 ]
 SIBLINGS_MAY_IMPORT = {

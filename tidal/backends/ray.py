@@ -102,8 +102,11 @@ class RayBackend(Backend):
     # -- the Backend interface -----------------------------------------------------------
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:
         """The worker's environment is its node's, plus this process's ``TIDAL_*`` variables
-        (``TIDAL_FAULTS``, as the local backend passes them on), plus ``env``."""
-        ours = {k: v for k, v in os.environ.items() if k.startswith("TIDAL_")}
+        and ``PYTHONPATH`` (a test's armed faults, ``tidal.testing.fault_env``, as the local
+        backend passes them on), plus ``env``."""
+        ours = {
+            k: v for k, v in os.environ.items() if k.startswith("TIDAL_") or k == "PYTHONPATH"
+        }
         handle = self._host_cls.remote(str(self._log_dir / f"worker-{worker_id}.log"))
         ref = handle.start.remote(self._command, {**ours, **env}, self._cwd)
         with self._lock:

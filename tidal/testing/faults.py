@@ -1,7 +1,9 @@
-"""Deterministic fault injection for tests and benchmarks.
+"""Deterministic fault injection for tests and benchmarks, on the worker's probe points
+(``tidal.worker.probes``).
 
-Faults are named in ``TIDAL_FAULTS``, which the launcher passes through to every worker; it
-is a test hook, not a setting, and no argument reads it. The format is a ``;``-separated
+Faults are named in ``TIDAL_FAULTS``, which the launcher passes through to every worker;
+``tidal.testing.fault_env`` sets it together with the ``PYTHONPATH`` whose ``sitecustomize``
+calls ``install_from_environ`` in each worker. The library never reads it. The format is a ``;``-separated
 list of ``KIND@worker=W[,step=S][,phase=P][,gen=G][,id=X]`` where KIND is ``sigkill``,
 ``sigstop``, ``sigterm`` (a preemption notice to itself) or ``raise``, ``step`` is the
 0-based global step (omitted: any), ``gen`` the generation being joined or trained in
@@ -37,8 +39,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tidal.worker import probes
+from tidal.worker.probes import PHASES
+
 KINDS = ("sigkill", "sigstop", "sigterm", "raise")
-PHASES = ("step", "allreduce", "join", "rendezvous", "heal", "first", "checkpoint")
 FIRED_PREFIX = "tidal-fault:"
 
 
@@ -141,3 +145,13 @@ class FaultInjector:
                 else:
                     raise RuntimeError(f"injected fault at step {step} ({phase})")
                 return
+
+
+def install_from_environ() -> FaultInjector | None:
+    """In a worker launched with ``TIDAL_FAULTS``: fire its faults at its probe points."""
+    spec, wid = os.environ.get("TIDAL_FAULTS"), os.environ.get("TIDAL_WORKER_ID")
+    if not spec or wid is None:
+        return None
+    injector = FaultInjector.from_environ(int(wid))
+    probes.install(lambda phase, step, gen: injector.maybe_fire(step, phase, gen))
+    return injector

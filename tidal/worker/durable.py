@@ -18,8 +18,8 @@ from tidal.checkpoint import store
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.protocol import CheckpointView, WorkerConfig
 from tidal.tracked import TrackedState
+from tidal.worker import probes
 from tidal.worker.agent import Agent
-from tidal.worker.faults import FaultInjector
 
 
 class Durable:
@@ -28,7 +28,6 @@ class Durable:
         self._last_time = time.monotonic()
         self._writer: AsyncCheckpointer | None = None
         if cfg.checkpoint_dir is not None:
-            faults = FaultInjector.from_environ(agent.worker_id)  # the ``checkpoint`` phase
             self._writer = AsyncCheckpointer(
                 Path(cfg.checkpoint_dir),
                 keep=cfg.keep_checkpoints,
@@ -38,7 +37,7 @@ class Durable:
                     )
                 ),
                 on_failed=agent.post_checkpoint_failure,
-                during_write=lambda step: faults.maybe_fire(step, "checkpoint"),
+                during_write=lambda step: probes.point("checkpoint", step),
             )
 
     def resume(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, Role
 from tidal.worker import group as grp
+from tidal.worker import probes
 from tidal.worker.heal import StateLost, heal
 from tidal.worker.step import _one_line
 
@@ -110,7 +111,7 @@ class Membership:
                 self._debug(f"join gen {info.id}")
                 # Fatal, not a failure to heal from: every member would refuse the same way.
                 self.sampler.check_world_size(len(info.members))
-                self._faults.maybe_fire(self.step, "join", info.id)
+                probes.point("join", self.step, info.id)
                 if not grp.rendezvous(
                     self._store, info, timeout_s=self._cfg.collective_timeout_s
                 ):
@@ -124,7 +125,7 @@ class Membership:
                 continue
             self._t_rendezvous = time.time()
             self._debug(f"rendezvous gen {info.id} done")
-            self._faults.maybe_fire(self.step, "rendezvous", info.id)
+            probes.point("rendezvous", self.step, info.id)
             try:
                 self._form(info)
                 return True
@@ -152,7 +153,7 @@ class Membership:
         )
         self._t_formed = time.time()
         self._debug("group formed")
-        self._faults.maybe_fire(self.step, "heal", info.id)
+        probes.point("heal", self.step, info.id)
         result = heal(
             module=self.module,
             optimizer=self.optimizer,

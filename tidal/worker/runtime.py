@@ -34,10 +34,10 @@ import torch.distributed as dist
 from tidal.protocol import PAUSE_PHASES, Role, StepReport
 from tidal.tracked import Stateful, TrackedState
 from tidal.worker import group as grp
+from tidal.worker import probes
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
-from tidal.worker.faults import FaultInjector
 from tidal.worker.membership import Membership
 from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
 from tidal.worker.step import Step
@@ -216,7 +216,6 @@ class Trainer(Membership):
     # -- elastic ---------------------------------------------------------------------
     def _run_elastic(self, max_steps: int) -> Iterator[Step]:
         assert self._env is not None
-        self._faults = FaultInjector.from_environ(self._env.worker_id)
         grp.warm_up(self.module)
         self._agent = Agent(self._env)
         self._agent.install_preemption_handler()
@@ -239,7 +238,7 @@ class Trainer(Membership):
                     member = self._join()
                     continue
                 index = self.step
-                self._faults.maybe_fire(index, "step", self.generation)
+                probes.point("step", index, self.generation)
                 step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
                 mark = self._tracked.mark() if self._tracked else None
                 yield step
@@ -310,7 +309,7 @@ class Trainer(Membership):
         stop = latest is not None and latest.stop
         self._control.set(switch=newer, stop=stop)
         index, gen = step.index, self.generation
-        self._control.before_allreduce = lambda: self._faults.maybe_fire(index, "allreduce", gen)
+        self._control.before_allreduce = lambda: probes.point("allreduce", index, gen)
 
     def _commit(self) -> None:
         if self._durable is not None:
@@ -326,7 +325,7 @@ class Trainer(Membership):
             self._debug(f"first step {self.step} in gen {self.generation}")
             self._gen_first_pending = False
             self._buckets_pending = True
-            self._faults.maybe_fire(self.step - 1, "first", self.generation)
+            probes.point("first", self.step - 1, self.generation)
             self._agent.post_report(
                 StepReport(
                     generation=self.generation,
