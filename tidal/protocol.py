@@ -284,10 +284,17 @@ class HeartbeatRequest(BaseModel):
 
 
 class HeartbeatResponse(BaseModel):
+    """``interval_s``: when to send the next heartbeat, if the coordinator paces them (None:
+    the ``WorkerConfig.heartbeat_interval_s`` of the registration). Any one member's
+    heartbeat is enough to switch every member (the control word), so a large generation's
+    members can each beat less often without learning of a change later; see
+    docs/benchmarks.md, "Control plane capacity"."""
+
     role: Role
     generation: GenerationInfo | None = None
     stop: bool = False
     settled_step: int = -1
+    interval_s: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
 
 
 class FailureKind(str, Enum):
