@@ -175,12 +175,23 @@ def describe(r: dict) -> str:
         f"generator {r['generator_cpu']:.2f}; load "
         f"{r['loadavg'][0]:.1f}->{r['loadavg'][1]:.1f}; errors {r['errors'] or 0}; "
         f"generations {r['generations']}, failures {r['failures']}"
+        + (
+            ""
+            if r["members_ready"] == r["workers"]
+            else f"; NOT FORMED: {r['members_ready']} members"
+        )
     )
 
 
 def rows_of(results: dict[int, dict]) -> list[dict]:
     rows = []
     for n, r in sorted(results.items()):
+        if "error" in r:  # this size could not be measured: its rows say so ("-")
+            rows += [
+                {"name": f"control_plane_{n}{s}", "tidal": None, "peer": None, "ratio": None,
+                 "unit": u} for s, u in (("", "ms p99"), ("_cpu", "cores"))
+            ]  # fmt: skip
+            continue
         lat, floor = r["latency_s"]["p99"], r["floor_latency_s"]["p99"]
         rows.append(row(f"control_plane_{n}", lat * 1000, floor * 1000, "ms p99",
                         higher_is_better=False))  # fmt: skip
@@ -200,7 +211,12 @@ def run(
     results = {}
     for n in sizes:
         t0 = time.monotonic()
-        results[n] = measure(n, tmp / f"n{n}", window_s=window_s, warmup_s=warmup_s, pin=pin)
+        try:
+            results[n] = measure(n, tmp / f"n{n}", window_s=window_s, warmup_s=warmup_s, pin=pin)
+        except Exception as exc:  # noqa: BLE001 - one size failing does not lose the others
+            results[n] = {"workers": n, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+            log(f"control plane, {n} workers: FAILED {results[n]['error']}")
+            continue
         log(f"control plane, {describe(results[n])} ({time.monotonic() - t0:.0f} s)")
     return rows_of(results), {str(n): r for n, r in results.items()}
 
@@ -219,12 +235,16 @@ def main() -> None:
         sizes = [int(x) for x in args.workers.split(",")]
         rows, details = run(sizes, Path(tmp), window_s=args.window_s, pin=not args.no_pin)
     for r in rows:
+        if r["tidal"] is None:
+            print(f"{r['name']:<22} failed")
+            continue
         print(
             f"{r['name']:<22} {r['tidal']:>9.3f} {r['peer']:>9.3f} {r['unit']:<8} {r['ratio']:.3g}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
         args.json.with_suffix(".details.json").write_text(json.dumps(details, indent=2))
+    sys.exit(1 if any(r["tidal"] is None for r in rows) else 0)
 
 
 if __name__ == "__main__":
