@@ -13,7 +13,10 @@ from tidal.coordinator.rules import (
     effective_target,
     judge_exit,
     leaver_target,
+    reform_due,
     roll_back,
+    schedule_due,
+    schedule_settled,
     start_timed_out,
     to_kill,
 )
@@ -311,3 +314,53 @@ def test_leaver_target(ours, requested, minimum, target) -> None:
 )
 def test_effective_target(requested, capacity, target) -> None:
     assert effective_target(requested, capacity) == target
+
+
+SCHEDULE = ((20, 3), (40, 1), (60, 2))
+
+
+@pytest.mark.parametrize(
+    ("done", "step", "due"),
+    [
+        (0, 19, []),
+        (0, 20, [(20, 3)]),
+        (0, 45, [(20, 3), (40, 1)]),  # a resumed job passes several at once, in order
+        (1, 45, [(40, 1)]),
+        (3, 99, []),
+    ],
+)
+def test_schedule_due(done, step, due) -> None:
+    assert schedule_due(SCHEDULE, done, step) == due
+
+
+@pytest.mark.parametrize(
+    ("held_at", "settled", "members", "target", "waited", "go"),
+    [
+        (None, -1, 2, 2, 0.0, False),  # no schedule applied yet
+        (20, -1, 3, 3, 0.1, True),  # the generation has the target
+        (20, -1, 2, 3, 5.0, False),  # still joining
+        (20, -1, 2, 3, 121.0, True),  # it could not: train on with what it has
+        (20, 20, 3, 3, 0.1, False),  # already settled
+    ],
+)
+def test_schedule_settled(held_at, settled, members, target, waited, go) -> None:
+    got = schedule_settled(
+        held_at=held_at,
+        settled=settled,
+        members=members,
+        target=target,
+        waited_s=waited,
+        timeout_s=120.0,
+    )
+    assert got is go
+
+
+@pytest.mark.parametrize(
+    ("age", "reported", "latest", "due"),
+    [(0.05, 4, 4, False), (0.15, 4, 4, True), (0.2, 3, 4, None), (0.05, 3, 4, False)],
+)
+def test_reform_due(age, reported, latest, due) -> None:
+    got = reform_due(
+        requested_at=10.0, now=10.0 + age, grace_s=0.1, reported_gen=reported, latest_gen=latest
+    )
+    assert got is due

@@ -26,7 +26,12 @@ from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
-from tidal.coordinator.rules import effective_target, start_timed_out
+from tidal.coordinator.rules import (
+    effective_target,
+    reform_due,
+    schedule_settled,
+    start_timed_out,
+)
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.supervisor import Hosting, listen, url_of
@@ -221,10 +226,17 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         if self.reform_requested is None:
             return
         at, gen_id, why = self.reform_requested
-        if now - at >= REFORM_GRACE_S:
+        due = reform_due(
+            requested_at=at,
+            now=now,
+            grace_s=REFORM_GRACE_S,
+            reported_gen=gen_id,
+            latest_gen=self.latest.id if self.latest else 0,
+        )
+        if due is not False:
             self.reform_requested = None
-            if self.latest is not None and self.latest.id == gen_id:  # else already superseded
-                self._open(self.members, why)
+        if due:
+            self._open(self.members, why)
 
     def _reconcile(self) -> None:
         members = [m for m in self.members if self.workers[m].live]
@@ -255,12 +267,14 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def _settle_schedule(self) -> None:
         """Release members held at the last applied --schedule step once the generation has
         the target count (or it cannot get there within the start timeout)."""
-        if self._schedule_done == 0:
-            return
-        at = self.spec.schedule[self._schedule_done - 1][0]
-        if at > self.settled_step and (
-            len(self.members) == self.target
-            or time.monotonic() - self._schedule_applied_at > self.spec.start_timeout_s
+        at = self.spec.schedule[self._schedule_done - 1][0] if self._schedule_done else None
+        if schedule_settled(
+            held_at=at,
+            settled=self.settled_step,
+            members=len(self.members),
+            target=self.target,
+            waited_s=time.monotonic() - self._schedule_applied_at,
+            timeout_s=self.spec.start_timeout_s,
         ):
             self.settled_step = at
 

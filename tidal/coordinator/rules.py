@@ -223,3 +223,46 @@ def leaver_target(*, sent_by_us: bool, requested: int, min_workers: int) -> int 
 def effective_target(requested: int, capacity: int | None) -> int:
     """What the job runs: the requested count, within the capacity available now."""
     return requested if capacity is None else max(0, min(requested, capacity))
+
+
+# -- --schedule ------------------------------------------------------------------------------
+def schedule_due(
+    schedule: tuple[tuple[int, int], ...], done: int, step: int
+) -> list[tuple[int, int]]:
+    """The entries of ``--schedule`` (after the first ``done``) the job has reached at
+    ``step``, in order: each sets the target when its step is committed."""
+    due = []
+    while done < len(schedule) and step >= schedule[done][0]:
+        due.append(schedule[done])
+        done += 1
+    return due
+
+
+def schedule_settled(
+    *,
+    held_at: int | None,
+    settled: int,
+    members: int,
+    target: int,
+    waited_s: float,
+    timeout_s: float,
+) -> bool:
+    """Whether members held at scheduled step ``held_at`` may go on: the generation has
+    the target count, or it could not get there within the start timeout (the job trains
+    on with what it has rather than wait forever)."""
+    if held_at is None or held_at <= settled:
+        return False
+    return members == target or waited_s > timeout_s
+
+
+# -- a failed collective ---------------------------------------------------------------------
+def reform_due(
+    *, requested_at: float, now: float, grace_s: float, reported_gen: int, latest_gen: int
+) -> bool | None:
+    """A member reported a failed collective in ``reported_gen`` at ``requested_at``: True
+    to re-form the latest generation now, False to wait (a dead peer's exit may be seen
+    within the grace period, and then the generation re-forms without it), None to drop the
+    request (a newer generation already answers it)."""
+    if now - requested_at < grace_s:
+        return False
+    return True if reported_gen == latest_gen else None

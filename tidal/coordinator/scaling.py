@@ -14,7 +14,7 @@ import math
 import signal
 import time
 
-from tidal.coordinator.rules import capacity_victims, leaver_target
+from tidal.coordinator.rules import capacity_victims, leaver_target, schedule_due
 from tidal.protocol import WorkerState
 
 
@@ -41,9 +41,7 @@ class Scaling:
         )
 
     def _apply_schedule(self) -> None:
-        sched = self.spec.schedule
-        while self._schedule_done < len(sched) and self.step >= sched[self._schedule_done][0]:
-            at, count = sched[self._schedule_done]
+        for at, count in schedule_due(self.spec.schedule, self._schedule_done, self.step):
             self._schedule_done += 1
             self._schedule_applied_at = time.monotonic()
             self._set_target(count, f"--schedule at step {at}")
