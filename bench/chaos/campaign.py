@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.chaos.kinds import KINDS, WEIGHTS, bounds
+from bench.chaos.kinds import FINAL, KINDS, WEIGHTS, bounds
 from bench.chaos.records import Event, JobEnded, Settings, TrialFailure, TrialResult
 from bench.chaos.trial import ROOT, TRAIN, Trial, settled
 
@@ -48,10 +48,10 @@ def reference(settings: Settings, cache: Path) -> Path:
 
 
 def _choose(tr: Trial, kinds: Sequence[str], budget: int, planned_left: int) -> str:
-    """A kind by weight: ``double`` only if two faults are left in the budget, ``kill_all``
-    (which ends the trial) only as its last event unless it is the only kind."""
+    """A kind by weight: ``double`` only if two faults are left in the budget, the kinds
+    that end a trial (``FINAL``) only as its last event unless nothing else is allowed."""
     fits = [k for k in kinds if not (k == "double" and budget < 2)] or list(kinds)
-    allowed = [k for k in fits if not (k == "kill_all" and planned_left > 1)] or fits
+    allowed = [k for k in fits if not (k in FINAL and planned_left > 1)] or fits
     return tr.rng.choices(allowed, weights=[WEIGHTS[k] for k in allowed])[0]
 
 
@@ -77,7 +77,7 @@ def _inject(
             tr.settle(step, f"recovery after a {kind} that did not apply")
             continue
         result.events.append(event)
-        if event.expect_failure:
+        if event.final:
             return
         what = f"recovery from {kind} ({'; '.join(event.faults)})"
         last = len(result.events) == planned or result.faults >= budget
@@ -115,7 +115,7 @@ def run_trial(
             _inject(tr, result, kinds, budget, planned)
         except JobEnded:  # the outcome check says whether that was right
             pass
-        result.pauses = tr.finish(result.events)[1]
+        result.pauses = tr.finish(result.events, result.notes)[1]
     except TrialFailure as exc:
         result.failure = exc
     except Exception as exc:  # noqa: BLE001 - the trial's own failure, reported as such
@@ -123,7 +123,7 @@ def run_trial(
         result.failure = TrialFailure("error", "".join(tb[-3:]).strip())
     finally:
         if result.failure is not None:
-            result.status_summary, result.logs = tr.describe()
+            result.status_summary, result.logs, result.stacks = tr.describe()
         try:
             tr.close(keep / f"trial-{seed}" if keep is not None and not result.ok else None)
         except Exception as exc:  # noqa: BLE001 - cleanup that failed is a failed check
@@ -160,6 +160,9 @@ def report(
         "expected_failures": sum(
             1 for r in results if r.ok and any(e.expect_failure for e in r.events)
         ),
+        "trials_with_temporary_checkpoint_folders_left": sum(
+            1 for r in results if any(n.startswith("temporary checkpoint") for n in r.notes)
+        ),
         "seed": seed,
         "command": "python -m bench.chaos " + " ".join(argv),
         "elapsed_s": round(time.monotonic() - started, 1),
@@ -167,7 +170,8 @@ def report(
         "bounds_s": bounds(settings.heartbeat_timeout_s),
         "by_kind": _tally(results),
         "trial_log": [
-            {k: v for k, v in r.record().items() if k not in ("status", "logs")} for r in results
+            {k: v for k, v in r.record().items() if k not in ("status", "logs", "stacks")}
+            for r in results
         ],
     }
 

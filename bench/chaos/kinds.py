@@ -26,6 +26,8 @@ coordinator SIGKILL of the coordinator (``coordinator_pid``); it must be back  2
          within 2 s, with the same worker processes
 kill_all SIGKILL of every member at once: the job must fail saying every      --
          worker was lost (or recover from its checkpoint)
+late     SIGKILL of a member or of the coordinator 2-25 steps before the   2 s
+         end, or of rank 0 inside the write of the job's final checkpoint
 ======== ==================================================================== ==========
 
 The bound applies to every generation the fault opened (``pause_s``: from the last step of
@@ -41,10 +43,9 @@ import time
 from collections.abc import Callable
 
 from bench.chaos.records import Event, TrialFailure
-from bench.chaos.trial import Trial, members
+from bench.chaos.trial import SLOW_PACE_S, Trial, members
 
 LOST_S = 2.0  # a member lost, a planned change, a join: what it may cost the others
-BOUNDS = {"join": LOST_S}
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 POINT_PHASES = ("allreduce", "step", "first", "join", "rendezvous", "heal", "checkpoint")
 MEMBERSHIP_PHASES = ("first", "join", "rendezvous", "heal")
@@ -63,6 +64,7 @@ def bounds(hb: float) -> dict[str, object]:
         "double": "the larger of its two",
         "coordinator": f"{LOST_S:g} (back within {LOST_S:g} s, no generation needed)",
         "kill_all": "none (the job fails, saying every worker was lost)",
+        "late": LOST_S,
         "join": LOST_S,
     }
 
@@ -207,7 +209,36 @@ def kill_all(tr: Trial) -> Event | None:
     for w in ms:
         tr.signal(w["pid"], signal.SIGKILL)
     what = [f"SIGKILL every member: workers {[w['id'] for w in ms]}"]
-    return Event("kill_all", what, 1, 60.0, time=t, expect_failure=True)
+    return Event("kill_all", what, 1, 60.0, time=t, expect_failure=True, final=True)
+
+
+def late(tr: Trial) -> Event | None:
+    """In the job's last steps: SIGKILL of a member or of the coordinator 2-25 steps before
+    the end (the job runs free to near its end, then at ``SLOW_PACE_S`` a step), or of
+    rank 0 inside the write of the job's final checkpoint."""
+    s = tr.ensure_world(2)
+    if s is None:
+        return None
+    left = tr.rng.randint(2, 25)
+    target = tr.rng.choice(["member", "coordinator", "final checkpoint"])
+    end = tr.settings.max_steps
+    if target == "final checkpoint":
+        spec = f"sigkill@worker={members(s)[0]['id']},phase=checkpoint,step={end},id=late"
+        tr.arm(spec)
+        tr.set_pace(0.0)
+        fired = tr.wait_fired(spec, timeout=120)
+        return Event("late", [spec], 1, LOST_S, time=fired, final=True) if fired else None
+    tr.set_pace(0.0)
+    tr.until_committed(end - 80)
+    tr.set_pace(SLOW_PACE_S)
+    tr.until_committed(end - left)
+    s = tr.watch.poll()
+    pid = s.get("coordinator_pid") if target == "coordinator" else tr.rng.choice(members(s))["pid"]
+    t = time.time()
+    if not tr.signal(pid, signal.SIGKILL):
+        return None
+    what = f"SIGKILL {target} (pid {pid}) {left} steps before the end"
+    return Event("late", [what], 1, LOST_S, time=t, final=True)
 
 
 def coordinator(tr: Trial) -> Event | None:
@@ -251,6 +282,7 @@ KINDS: dict[str, Callable[[Trial], Event | None]] = {
     "double": double,
     "coordinator": coordinator,
     "kill_all": kill_all,
+    "late": late,
 }
 WEIGHTS = {
     "kill": 3,
@@ -263,6 +295,8 @@ WEIGHTS = {
     "double": 1.5,
     "coordinator": 1.5,
     "kill_all": 0.25,
+    "late": 0.5,
 }
+FINAL = ("kill_all", "late")  # only as a trial's last fault
 # ``coordinator`` needs ``coordinator_pid`` in ``tidal status --json`` (coordinator crash
 # survival): on by default, it is not applicable (and not counted) where status lacks it.

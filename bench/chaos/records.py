@@ -36,6 +36,7 @@ class Event:
     bound_s: float
     time: float = 0.0
     expect_failure: bool = False  # the fault makes the job's failure inevitable
+    final: bool = False  # no fault follows it: the job runs to its end
     stall_s: float | None = None
     recovered_s: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -52,6 +53,7 @@ class TrialResult:
     notes: list[str] = field(default_factory=list)
     status_summary: str = ""
     logs: str = ""
+    stacks: str = ""
 
     @property
     def faults(self) -> int:
@@ -84,5 +86,6 @@ class TrialResult:
                 f"--faults {self.setup.get('budget')} --kinds {','.join(self.setup.get('kinds', []))}",
                 "status": self.status_summary,
                 "logs": self.logs,
+                **({"stacks": self.stacks} if self.stacks else {}),
             }
         return rec

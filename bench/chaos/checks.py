@@ -1,0 +1,62 @@
+"""The checks after a trial's job ended (the order and meaning: ``trial.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from e2e_helpers import relative_l2
+
+from bench.chaos.records import Event, TrialFailure
+
+EXACT = 1e-12
+JOIN_BOUND_S = 2.0  # a join with no fault before it (``kinds.LOST_S``)
+
+
+def params(s: dict, out: Path, reference: Path, max_steps: int) -> None:
+    """Every member of the last generation that exited normally wrote its parameters
+    (one killed at the very end is excused), and every file written equals the
+    reference."""
+    last = set(s["generations"][-1]["members"])
+    exited = sorted(w["id"] for w in s["workers"] if w["id"] in last and w["exit_code"] == 0)
+    files = sorted(out.glob("worker-*.safetensors"))
+    wrote = sorted(int(f.stem.split("-")[1]) for f in files)
+    if not files or not set(exited) <= set(wrote):
+        raise TrialFailure(
+            "params", f"members {exited} exited normally, parameters written by {wrote}"
+        )
+    for f in files:
+        facts = json.loads(f.with_suffix(".json").read_text())
+        if facts["step"] != max_steps:
+            raise TrialFailure("params", f"{f.name}: final step {facts['step']}")
+        rel = relative_l2(f, reference)
+        if not rel <= EXACT:
+            raise TrialFailure("params", f"{f.name} differs from the 1-worker run: {rel:.3e}")
+
+
+def pauses(s: dict, events: list[Event]) -> list[dict]:
+    """Each generation's pause against the bound of the newest fault injected before it
+    opened (a join with no fault before it: ``JOIN_BOUND_S``)."""
+    pauses, worst = [], None
+    for g in s["generations"]:
+        if g["pause_s"] is None:
+            continue
+        cause = [e for e in events if e.time <= g["opened_at"] + 0.05]
+        event = cause[-1] if cause else None
+        bound = max(event.bound_s, JOIN_BOUND_S) if event else JOIN_BOUND_S
+        rec = {
+            "gen": g["id"],
+            "reason": g["reason"],
+            "pause_s": round(g["pause_s"], 3),
+            "bound_s": bound,
+            "fault": event.kind if event else None,
+        }
+        pauses.append(rec)
+        if g["pause_s"] > bound and worst is None:
+            worst = rec
+    for e in events:
+        if e.stall_s is not None and e.stall_s > e.bound_s and worst is None:
+            worst = {"fault": e.kind, "stall_s": round(e.stall_s, 2), "bound_s": e.bound_s}
+    if worst is not None:
+        raise TrialFailure("pause", json.dumps(worst))
+    return pauses
