@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from tidal.coordinator.rules import (
+    HEARTBEATS_PER_S,
     ExitFacts,
     HealthFacts,
     capacity_victims,
     completion_refused,
     effective_target,
+    heartbeat_interval,
     judge_exit,
     leaver_target,
     reform_due,
@@ -364,3 +366,23 @@ def test_reform_due(age, reported, latest, due) -> None:
         requested_at=10.0, now=10.0 + age, grace_s=0.1, reported_gen=reported, latest_gen=latest
     )
     assert got is due
+
+
+@pytest.mark.parametrize(
+    ("peers", "interval"),
+    [
+        (2, 0.1),  # a small job beats at its own interval
+        (20, 0.1),
+        (400, 2.0),  # 400 members: 200 a second in all, half a core's budget
+        (1024, 2.0),  # never slower than a fifth of the heartbeat timeout
+    ],
+)
+def test_heartbeat_interval(peers, interval) -> None:
+    got = heartbeat_interval(base_s=0.1, peers=peers, timeout_s=10.0)
+    assert got == pytest.approx(interval)
+
+
+def test_heartbeat_pacing_keeps_the_job_within_budget() -> None:
+    for peers in (50, 100, 200, 300):
+        got = heartbeat_interval(base_s=0.1, peers=peers, timeout_s=1e9)
+        assert peers / got == pytest.approx(HEARTBEATS_PER_S / 2)

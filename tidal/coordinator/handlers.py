@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.coordinator.rules import completion_refused
+from tidal.coordinator.rules import completion_refused, heartbeat_interval
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -64,15 +64,20 @@ class Handlers:
         if w.retired or self.outcome is not None:
             return HeartbeatResponse(role=Role.EXIT, stop=stop)
         settled = self.settled_step
-        if latest is not None and w.id in latest.members:
-            return HeartbeatResponse(
-                role=Role.MEMBER, generation=latest.info(), stop=stop, settled_step=settled
-            )
+        members = latest.member_set() if latest is not None else set()
+        member = w.id in members
+        peers = len(members) if member else len(self.workers) - len(members)
+        interval = heartbeat_interval(
+            base_s=self.spec.heartbeat_interval_s,
+            peers=peers,
+            timeout_s=self.spec.heartbeat_timeout_s,
+        )
         return HeartbeatResponse(
-            role=Role.STANDBY,
-            generation=latest.info() if latest else None,
+            role=Role.MEMBER if member else Role.STANDBY,
+            generation=latest.info() if latest is not None else None,
             stop=stop,
             settled_step=settled,
+            interval_s=interval if interval != self.spec.heartbeat_interval_s else None,
         )
 
     # -- API: workers --------------------------------------------------------------------

@@ -73,6 +73,13 @@ class GenerationRecord:
         """True once a member completed a step in it."""
         return self.start_step is not None
 
+    def member_set(self) -> frozenset[int]:
+        """The members as a set (built once: membership is tested on every heartbeat)."""
+        cached = self.__dict__.get("_member_set")
+        if cached is None:
+            cached = self.__dict__["_member_set"] = frozenset(self.members)
+        return cached
+
     def info(self) -> GenerationInfo:
         return GenerationInfo(
             id=self.id,

@@ -201,7 +201,8 @@ class Agent:
                 else:
                     self._requeue(req)
                 self._exit_if_orphaned(exc)
-            self._wake.wait(self._interval)
+            latest = self._latest  # a large generation's coordinator paces its heartbeats
+            self._wake.wait(latest.interval_s if latest and latest.interval_s else self._interval)
             self._wake.clear()
 
     def _requeue(self, req: HeartbeatRequest) -> None:
