@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.chaos.kinds import FINAL, KINDS, WEIGHTS, bounds
-from bench.chaos.records import Event, JobEnded, Settings, TrialFailure, TrialResult
-from bench.chaos.trial import ROOT, TRAIN, Trial, settled
+from bench.chaos.records import JobEnded, Settings, TrialFailure, TrialResult
+from bench.chaos.trial import ROOT, TRAIN, Trial
 
 EVENTS_PER_TRIAL = (3, 5)
 # How often the next fault comes as soon as the job trains again (its replacement may still
@@ -174,6 +174,3 @@ def report(
             for r in results
         ],
     }
-
-
-__all__ = ["Event", "report", "run_trial", "reference", "settled", "trial_seed", "log"]

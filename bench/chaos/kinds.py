@@ -4,36 +4,34 @@ Every kind acts on a settled job (``trial.settled``) at a random moment (the cam
 0-1 s first) and returns the ``Event`` it injected, or None when it could not apply (then
 nothing is counted). Targets are drawn from the trial's seeded generator.
 
-======== ==================================================================== ==========
-kind     what                                                                 bound
-======== ==================================================================== ==========
-kill     SIGKILL of a random member                                           2 s
-stop     SIGSTOP of a random member, left stopped: the coordinator kills it   hb + 2 s
-         after ``--heartbeat-timeout`` (hb)
-stop_cont SIGSTOP of a random member, SIGCONT after 0.3 s to hb/2 (no member  delay + 2 s
-         should be lost)
-term     SIGTERM of a random member: a spot preemption notice                 2 s
-storm    2-5 ``tidal scale`` calls in quick succession within min..max        2 s
-point    SIGKILL, SIGSTOP or SIGTERM at an exact protocol point, armed while   2 s (SIGSTOP:
-         the job runs (``TIDAL_FAULTS=@FILE``): inside the all-reduce, before hb + 2 s)
-         a step, after a generation's first step, at the join, the
-         rendezvous, the heal (a scale up or down makes the membership change;
-         the target is a survivor or the joiner) or inside a checkpoint write
-joiner   SIGKILL of a worker joining after a scale up, 0-4 s after it started  2 s
-double   two of kill/stop/term at once, on two of at least 3 members, or  the larger
-         one of them and a SIGKILL of the coordinator                         (+2 s)
-coordinator SIGKILL of the coordinator (``coordinator_pid``); it must be back  2 s
-         within 2 s, with the same worker processes
-kill_all SIGKILL of every member at once: the job must fail saying every      --
-         worker was lost (or recover from its checkpoint)
-late     SIGKILL of a member or of the coordinator 2-25 steps before the   2 s
-         end, or of rank 0 inside the write of the job's final checkpoint
-======== ==================================================================== ==========
+Kinds (and the bound on each pause they cause; hb is ``--heartbeat-timeout``):
+
+- ``kill``: SIGKILL of a random member (2 s).
+- ``stop``: SIGSTOP of a random member, left stopped: the coordinator kills it after hb
+  (hb + 2 s).
+- ``stop_cont``: SIGSTOP of a random member, SIGCONT after 0.3 s to hb/2; no member should
+  be lost (the delay + 2 s).
+- ``term``: SIGTERM of a random member, a spot preemption notice (2 s).
+- ``storm``: 2-5 ``tidal scale`` calls in quick succession within min..max (2 s).
+- ``point``: SIGKILL, SIGSTOP or SIGTERM at an exact protocol point, armed while the job
+  runs (``TIDAL_FAULTS=@FILE``): inside the all-reduce, before a step, after a
+  generation's first step, at the join, the rendezvous or the heal (a scale up or down
+  makes the membership change; the target is a survivor or the joiner), or inside a
+  checkpoint write (2 s; SIGSTOP: hb + 2 s).
+- ``joiner``: SIGKILL of a worker joining after a scale up, 0-4 s after its start (2 s).
+- ``double``: two of kill/stop/term at once on two of at least 3 members, or one of them
+  and a SIGKILL of the coordinator (the larger bound; +2 s with the coordinator).
+- ``coordinator``: SIGKILL of the coordinator (``coordinator_pid``): back within 2 s with
+  the same worker processes, which committed steps meanwhile (2 s).
+- ``late``: SIGKILL of a member or of the coordinator 2-25 steps before the end, or of
+  rank 0 inside the write of the job's final checkpoint (2 s).
+- ``kill_all``: SIGKILL of every member at once: the job must fail, saying every worker
+  was lost (or recover from its checkpoint).
 
 The bound applies to every generation the fault opened (``pause_s``: from the last step of
-the previous generation to the first of the new one) and to the longest stall of the job's
-step counter seen while it recovered. A joiner starts its process and imports torch while
-the others train, so a replacement's join is bounded by 2 s too (``join``).
+the previous generation to the first of the new one) and to the longest time the job
+committed no new step while it recovered (the members' step logs). A joiner starts its
+process and imports torch while the others train, so a join is bounded by 2 s too.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ from bench.chaos.trial import SLOW_PACE_S, Trial, members
 LOST_S = 2.0  # a member lost, a planned change, a join: what it may cost the others
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 POINT_PHASES = ("allreduce", "step", "first", "join", "rendezvous", "heal", "checkpoint")
-MEMBERSHIP_PHASES = ("first", "join", "rendezvous", "heal")
 
 
 def bounds(hb: float) -> dict[str, object]:
