@@ -12,6 +12,7 @@ from tidal.coordinator.rules import (
     capacity_victims,
     completion_refused,
     effective_target,
+    final_checkpoint,
     heartbeat_interval,
     judge_exit,
     leaver_target,
@@ -386,3 +387,22 @@ def test_heartbeat_pacing_keeps_the_job_within_budget() -> None:
     for peers in (50, 100, 200, 300):
         got = heartbeat_interval(base_s=0.1, peers=peers, timeout_s=1e9)
         assert peers / got == pytest.approx(HEARTBEATS_PER_S / 2)
+
+
+@pytest.mark.parametrize(
+    ("written", "error", "writer", "live", "action", "text"),
+    [
+        (True, None, 0, False, "succeed", ""),  # recorded: success, whoever is left
+        (False, None, 0, True, "wait", ""),  # its report may come after the completion's
+        (False, "disk full", 0, True, "fail", "could not be written: disk full"),
+        (False, None, 3, False, "fail", "worker 3, its writer, was lost while writing it"),
+        (False, None, None, False, "fail", "its writer was lost"),
+    ],
+)
+def test_final_checkpoint(written, error, writer, live, action, text) -> None:
+    got, why = final_checkpoint(
+        step=1200, written=written, error=error, writer=writer, writer_live=live
+    )
+    assert got == action and text in why
+    if action == "fail":
+        assert "last step (1200)" in why

@@ -28,6 +28,7 @@ from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
 from tidal.coordinator.rules import (
     effective_target,
+    final_checkpoint,
     reform_due,
     schedule_settled,
     start_timed_out,
@@ -210,6 +211,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                 self._last_health = now
                 self._check_heartbeats()
             self._answer_state_lost()
+            self._finish()
             if self.outcome is None:
                 self._observe(now)
                 self._release_leavers()
@@ -227,6 +229,25 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
                 self.flush()
             return True
+
+    def _finish(self) -> None:
+        """Decide a completed job's outcome by its final checkpoint (``rules``)."""
+        if self.completing is None or self.outcome is not None:
+            return
+        wid, step = self.completing
+        formed = [g for g in self.generations if g.formed]
+        writer = formed[-1].members[0] if formed else None
+        action, why = final_checkpoint(
+            step=step,
+            written=step in self.checkpointed,
+            error=(self.checkpoint_failed or {}).get(step),
+            writer=writer,
+            writer_live=writer is not None and self.workers[writer].live,
+        )
+        if action == "succeed":
+            self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {step}")
+        elif action == "fail":
+            self._decide(JobState.FAILED, why)
 
     def _maybe_reform(self, now: float) -> None:
         if self.reform_requested is None:

@@ -156,6 +156,7 @@ class Handlers:
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
         self.db.add_checkpoint(self.spec.name, c)
+        self.checkpointed = {*self.checkpointed, c.step}
         for old in self.db.checkpoints(self.spec.name):  # pruned by the writer
             if not Path(old.path).exists():
                 self.db.drop_checkpoint(self.spec.name, old.step)
@@ -165,6 +166,11 @@ class Handlers:
 
     #: Checkpoints of this run that could not be written: step -> the error (one line).
     checkpoint_failed: dict[int, str] | None = None
+    #: Steps whose checkpoint this run recorded.
+    checkpointed: set[int] = frozenset()
+    #: (worker, step): a member completed the job's last step; with durable checkpoints the
+    #: job succeeds once that step's checkpoint is recorded (``rules.final_checkpoint``).
+    completing: tuple[int, int] | None = None
 
     def _on_checkpoint_failure(self, f: CheckpointFailure) -> None:
         """An event and the status fields; the job fails if it is its last step's checkpoint
@@ -233,9 +239,8 @@ class Handlers:
                         "worker",
                         f"worker {wid} reported completion at step {r.step}; ignored: {refused}",
                     )
-                elif r.step in (self.checkpoint_failed or {}):
-                    error = self.checkpoint_failed[r.step]
-                    self._decide(JobState.FAILED, final_checkpoint_failed(r.step, error))
+                elif self.spec.checkpoints:  # the final checkpoint decides (``_finish``)
+                    self.completing = (wid, r.step)
                 else:
                     self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
             self.db.upsert_worker(self.spec.name, w.view())

@@ -283,3 +283,26 @@ def heartbeat_interval(*, base_s: float, peers: int, timeout_s: float) -> float:
     fifth of the heartbeat timeout: a silent worker is still told apart from a slow one."""
     paced = max(base_s, peers / (HEARTBEATS_PER_S / 2))
     return min(paced, timeout_s / 5)
+
+
+# -- the final checkpoint ----------------------------------------------------------------------
+def final_checkpoint(
+    *, step: int, written: bool, error: str | None, writer: int | None, writer_live: bool
+) -> tuple[str, str]:
+    """A job with durable checkpoints completed ``step``: ``("succeed", "")`` once its final
+    checkpoint is recorded, ``("fail", why)`` if it failed or its writer (rank 0 of the last
+    generation) ended without it, ``("wait", "")`` meanwhile (the checkpoint's report rides
+    a heartbeat and may come after the completion report). Never a success without the
+    checkpoint the job promised: ``tidal resume`` then redoes the steps since the newest."""
+    if written:
+        return ("succeed", "")
+    if error is not None:
+        return ("fail", f"the checkpoint of its last step ({step}) could not be written: {error}")
+    if writer is None or not writer_live:
+        who = f"worker {writer}, its writer," if writer is not None else "its writer"
+        return (
+            "fail",
+            f"the checkpoint of its last step ({step}) was not written: {who} was lost "
+            "while writing it (`tidal resume` redoes the steps since the newest checkpoint)",
+        )
+    return ("wait", "")
