@@ -114,6 +114,7 @@ def test_control_round_trips_through_json_keys() -> None:
         schedule_done=1,
         stop_requested=True,
         outcome="failed",
+        completing=(2, 500),
         checkpoint_failed={40: "disk full"},
         workers={7: WorkerFlags(retired=True, kill_reason="missed heartbeats")},
     )

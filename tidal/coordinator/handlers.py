@@ -241,6 +241,7 @@ class Handlers:
                     )
                 elif self.spec.checkpoints:  # the final checkpoint decides (``_finish``)
                     self.completing = (wid, r.step)
+                    self._save_control()
                 else:
                     self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
             self.db.upsert_worker(self.spec.name, w.view())

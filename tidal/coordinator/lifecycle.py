@@ -43,6 +43,8 @@ class Lifecycle:
         self.failures, self.job_length = control.failures, control.job_length
         self.settled_step, self._schedule_done = control.settled_step, control.schedule_done
         self.checkpoint_failed = control.checkpoint_failed or None
+        self.checkpointed = {c.step for c in status.checkpoints}
+        self.completing = control.completing
         if control.stop_requested:
             self.stop_requested_at = time.monotonic()
         self.created = status.created
@@ -91,6 +93,7 @@ class Lifecycle:
             schedule_done=self._schedule_done,
             stop_requested=self.stop_requested_at is not None,
             outcome=self.outcome.value if self.outcome else None,
+            completing=self.completing,
             checkpoint_failed=self.checkpoint_failed or {},
             committed_step=latest.committed_step if latest else 0,
             resume_from=latest.resume_from if latest else None,

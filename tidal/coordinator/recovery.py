@@ -45,6 +45,7 @@ class Control:
     schedule_done: int = 0
     stop_requested: bool = False
     outcome: str | None = None  # a decided ``JobState``, not yet reached
+    completing: tuple[int, int] | None = None  # (worker, step): awaiting the final checkpoint
     checkpoint_failed: dict[int, str] = field(default_factory=dict)
     committed_step: int = 0  # the latest generation's
     resume_from: str | None = None
@@ -61,6 +62,8 @@ class Control:
             int(k): v for k, v in data.get("checkpoint_failed", {}).items()
         }
         data["workers"] = {int(k): WorkerFlags(**v) for k, v in data.get("workers", {}).items()}
+        if data.get("completing") is not None:
+            data["completing"] = tuple(data["completing"])
         return cls(**data)
 
 
