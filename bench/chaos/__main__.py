@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=Settings.heartbeat_timeout_s)
     p.add_argument("--workdir", help="where trials run (default: a temporary folder)")
     p.add_argument("--keep-failed", metavar="DIR", help="copy each failed trial's folder here")
+    p.add_argument(
+        "--debug", action="store_true", help="TIDAL_DEBUG=1 in the jobs (a membership trace)"
+    )
     args = p.parse_args(argv)
     kinds = None
     if args.kinds:
@@ -54,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
     )  # the training script imports tidal from this checkout
-    settings = Settings(max_steps=args.max_steps, heartbeat_timeout_s=args.heartbeat_timeout)
+    settings = Settings(
+        max_steps=args.max_steps, heartbeat_timeout_s=args.heartbeat_timeout, debug=args.debug
+    )
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tidal-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     keep = Path(args.keep_failed) if args.keep_failed else None

@@ -135,12 +135,12 @@ def point(tr: Trial) -> Event | None:
         target = rng.choice(ms)["id"]
     elif phase == "checkpoint":
         target = ms[0]["id"]  # rank 0 writes
-    elif len(ms) < tr.max_workers:  # a scale up: a survivor or the joiner
-        resize = len(ms) + 1
+    elif s["target_workers"] < tr.max_workers:  # a scale up: a survivor or the joiner
+        resize = s["target_workers"] + 1  # a replacement may still be starting (overlap)
         joiner = max(w["id"] for w in s["workers"]) + 1
         target = rng.choice([joiner, rng.choice(ms)["id"]])
     else:  # a scale down: rank 0 survives it
-        resize, target = len(ms) - 1, ms[0]["id"]
+        resize, target = s["target_workers"] - 1, ms[0]["id"]
     spec = f"{sig}@worker={target},phase={phase},id={tr.seed}-{len(s['generations'])}-{s['step']}"
     tr.arm(spec)
     if resize is not None:
@@ -156,14 +156,16 @@ def point(tr: Trial) -> Event | None:
 
 def joiner(tr: Trial) -> Event | None:
     s = tr.watch.last
-    n = len(members(s))
+    n = s["target_workers"]  # not the members: a replacement may be starting (overlap)
     if n >= tr.max_workers:
         return None
     wid = max(w["id"] for w in s["workers"]) + 1
     delay = tr.rng.uniform(0, 4)
     tr.scale(n + 1)
     s = tr.watch.until(
-        lambda s: any(w["id"] == wid and w["pid"] for w in s["workers"]), 30, "the joiner's start"
+        lambda s: any(w["id"] == wid and w["pid"] for w in s["workers"]),
+        30,
+        f"start of worker {wid} after tidal scale {n + 1}",
     )
     tr.watch.idle(delay)
     w = next(w for w in tr.watch.last["workers"] if w["id"] == wid)

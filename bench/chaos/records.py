@@ -24,6 +24,7 @@ class Settings:
     checkpoint_every: int = 25
     recovery_timeout_s: float = 90.0
     train_seed: int = 0
+    debug: bool = False  # TIDAL_DEBUG=1 in the jobs: the workers trace their membership
 
 
 @dataclass

@@ -120,6 +120,18 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class ChaosHome(Home):
+    """A ``Home`` whose jobs also get ``extra`` in their environment (``--debug``:
+    ``TIDAL_DEBUG=1``, the workers' membership trace in their logs)."""
+
+    def __init__(self, path: Path, extra: dict[str, str]) -> None:
+        super().__init__(path)
+        self.extra = extra
+
+    def env(self, faults: str | None = None) -> dict[str, str]:
+        return super().env(faults) | self.extra
+
+
 class Trial:
     """The job of one trial and what the fault kinds need to act on it."""
 
@@ -130,7 +142,7 @@ class Trial:
         self.root = root
         self.reference = reference
         root.mkdir(parents=True, exist_ok=True)
-        self.home = Home(root / "home")
+        self.home = ChaosHome(root / "home", {"TIDAL_DEBUG": "1"} if settings.debug else {})
         self.out = root / "out"
         self.pace = root / "pace"
         self.faults_file = root / "faults"
@@ -357,7 +369,7 @@ class Trial:
             except subprocess.TimeoutExpired:
                 dump = "(py-spy timed out)"
             stacks.append(f"--- pid {pid} ---\n{dump.strip()[-4000:]}")
-        logs = self.job.logs_tail(12) if self.job else ""
+        logs = self.job.logs_tail(20) if self.job else ""
         return summarize(status), logs, "\n".join(stacks)
 
 
