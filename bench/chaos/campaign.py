@@ -115,7 +115,8 @@ def run_trial(
             _inject(tr, result, kinds, budget, planned)
         except JobEnded:  # the outcome check says whether that was right
             pass
-        result.pauses = tr.finish(result.events, result.notes)[1]
+        status, result.pauses = tr.finish(result.events, result.notes)
+        result.state = status["state"]
     except TrialFailure as exc:
         result.failure = exc
     except Exception as exc:  # noqa: BLE001 - the trial's own failure, reported as such
@@ -157,9 +158,7 @@ def report(
         "clean_recoveries": sum(r.faults for r in results if r.ok),
         "trials": len(results),
         "failed_trials": [r.record() for r in failed],
-        "expected_failures": sum(
-            1 for r in results if r.ok and any(e.expect_failure for e in r.events)
-        ),
+        "expected_failures": sum(1 for r in results if r.ok and r.state == "failed"),
         "trials_with_temporary_checkpoint_folders_left": sum(
             1 for r in results if any(n.startswith("temporary checkpoint") for n in r.notes)
         ),

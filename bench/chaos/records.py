@@ -36,7 +36,9 @@ class Event:
     count: int  # faults it counts for (two at once: 2)
     bound_s: float
     time: float = 0.0
-    expect_failure: bool = False  # the fault makes the job's failure inevitable
+    # The job may fail because of this fault, saying so: a part of its failure message
+    # (every member killed: "every worker was lost").
+    may_fail: str = ""
     final: bool = False  # no fault follows it: the job runs to its end
     stall_s: float | None = None
     recovered_s: float | None = None
@@ -52,6 +54,7 @@ class TrialResult:
     failure: TrialFailure | None = None
     pauses: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    state: str = ""  # the job's final state
     status_summary: str = ""
     logs: str = ""
     stacks: str = ""
