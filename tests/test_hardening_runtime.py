@@ -17,6 +17,8 @@ import torch.distributed as dist
 from e2e_helpers import Home, event_messages, relative_l2, summarize, workers_by_id
 from ranks import run_ranks
 
+from tidal.worker import group as grp
+
 STEPS = 60
 EXACT = 1e-12  # float64, a different micro-batch split (DESIGN.md section 4)
 # Far below any collective timeout the tests set: a member lost while the others form or
@@ -48,17 +50,21 @@ def _no_store_warnings(job, worker_ids) -> None:
 # -- finding 1 ---------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("phase", ["rendezvous", "connect"])
 def test_joiner_lost_mid_rendezvous_costs_no_timeout(
-    tidal_home: Home, tmp_path: Path, reference_params
+    tidal_home: Home, tmp_path: Path, reference_params, phase: str
 ) -> None:
     """Scale 2 -> 3 at step 20; the joiner is SIGKILLed after every member arrived at the
-    new generation's rendezvous, before it connects (a joiner lost before arriving is the
-    easy case: nobody waits for it to connect; 29d3f20 survived it). The members hold
-    at step 40 until a replacement joined: a fresh process forms a group with survivors
-    whose forming failed (c10d's group names must still agree)."""
+    new generation's rendezvous, before it connects (``rendezvous``: its peers wait for its
+    address), or right after it published its address (``connect``: its peers are inside
+    gloo's connect, which nothing interrupts; a chaos finding, where this cost 5x the
+    collective timeout). A joiner lost before arriving is the easy case: nobody waits for
+    it to connect; 29d3f20 survived it. The members hold at step 40 until a replacement
+    joined: a fresh process forms a group with survivors whose forming failed (c10d's group
+    names must still agree)."""
     proc, job, out = _run_exact(
         tidal_home,
-        "joiner",
+        f"joiner-{phase}",
         "--workers",
         "2",
         "--max-workers",
@@ -69,7 +75,7 @@ def test_joiner_lost_mid_rendezvous_costs_no_timeout(
         "100",
         # Whichever worker joins generation 2 without state (the spare may have been in
         # generation 1: the first two to register start the job).
-        faults=";".join(f"sigkill@worker={w},phase=rendezvous,gen=2,step=0" for w in range(3)),
+        faults=";".join(f"sigkill@worker={w},phase={phase},gen=2,step=0" for w in range(3)),
         tmp_path=tmp_path,
         steps=STEPS,
     )
@@ -106,14 +112,14 @@ if rank == 0:  # generation 1 waits for member 9, which never comes; generation 
     threading.Timer(0.5, lambda: store.set("ns/gen2/state", "open")).start()
     t = time.monotonic()
     try:
-        grp.form_group(store, info(1, [0, 9]), 0, namespace="ns", timeout_s=60)
+        grp.form_group(store, info(1, [0, 9]), 0, namespace="ns", timeout_s=60, connect_s=1)
     except grp.Superseded:
         out["gave_up_after_s"] = time.monotonic() - t
     store.set("go", "1")
 else:  # a fresh process: it never tried generation 1
     store.wait(["go"])
 try:
-    grp.form_group(store, info(3, [0, 1]), rank, namespace="ns", timeout_s=10)
+    grp.form_group(store, info(3, [0, 1]), rank, namespace="ns", timeout_s=10, connect_s=1)
     x = torch.ones(2); dist.all_reduce(x); out["sum"] = x.tolist()
     dist.destroy_process_group()
 except Exception as exc:
@@ -130,6 +136,58 @@ def test_forming_gives_up_when_superseded_and_leaves_nothing_behind() -> None:
     first, fresh = run_ranks(FORM_AFTER_FAILED_FORM, 2, timeout=60)
     assert first.get("gave_up_after_s", 99) < 10, first
     assert first.get("sum") == fresh.get("sum") == [2.0, 2.0], (first, fresh)
+
+
+PEER_LOST_WHILE_CONNECTING = r"""
+import json, os, signal, sys, time, datetime, torch, torch.distributed as dist
+from tidal.worker import group as grp
+from tidal.protocol import GenerationInfo, generation_prefix
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+def info(g, members):
+    return GenerationInfo(id=g, members=members, store_prefix=generation_prefix("ns", g), reason="")
+def lost():  # rank 2 dies right after publishing its address: its peers are connecting to it
+    print(json.dumps({"lost": True}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+out = {}
+t = time.monotonic()
+try:
+    grp.form_group(store, info(1, [0, 1, 2]), rank, namespace="ns", timeout_s=120,
+                   connect_s=0.3, on_published=lost if rank == 2 else lambda: None)
+    out["formed"] = True
+except Exception as exc:
+    out["failed_after_s"] = time.monotonic() - t
+# The survivors form the next generation; the group keeps the collective timeout, not the
+# connect window: rank 1 enters the all-reduce 2 s (> 5 x 0.3 s) after rank 0.
+grp.form_group(store, info(2, [0, 1]), rank, namespace="ns", timeout_s=120, connect_s=0.3)
+if rank == 1:
+    time.sleep(2.0)
+x = torch.ones(2); dist.all_reduce(x); out["sum"] = x.tolist()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_a_peer_lost_while_connecting_costs_the_connect_window_not_the_timeout() -> None:
+    """Chaos finding (docs/reliability.md): a member lost after publishing its address left
+    its peers in gloo's connect for 5x the collective timeout (10 min at 120 s), where
+    ``Superseded`` cannot reach them. They now fail within about 5x the connect window
+    (0.3 s) and form the next generation, whose collectives still wait the full timeout."""
+    first, second, lost = run_ranks(PEER_LOST_WHILE_CONNECTING, 3, timeout=100)
+    assert lost == {"lost": True}
+    for out in (first, second):
+        assert "formed" not in out, out
+        assert out["failed_after_s"] < 10, out  # ~1.5 s; unbounded it is 600 s
+        assert out["sum"] == [2.0, 2.0], out
+
+
+def test_the_connect_window_widens_with_each_failed_forming_in_a_row() -> None:
+    assert grp.connect_timeout(0, 120) == grp.CONNECT_S
+    assert grp.connect_timeout(1, 120) == 2 * grp.CONNECT_S
+    assert grp.connect_timeout(3, 120) == 8 * grp.CONNECT_S
+    assert grp.connect_timeout(10, 120) == 120  # never above the collective timeout
+    assert grp.connect_timeout(10_000, 30) == 30
 
 
 # -- finding 2 ---------------------------------------------------------------------------

@@ -15,6 +15,8 @@ one of:
   are already waiting in the collective);
 - ``join``: a member of a new generation, before it arrives at the rendezvous;
 - ``rendezvous``: every member arrived, before this one connects to the process group;
+- ``connect``: this worker published its address for the group and its peers may be
+  connecting to it (gloo's ``connectFullMesh``), before it connects to them;
 - ``heal``: the group formed, before the state transfer;
 - ``first``: right after this worker's first step in a generation is committed;
 - ``checkpoint``: inside a checkpoint write (rank 0's writer thread, the model file written

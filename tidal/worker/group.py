@@ -8,17 +8,32 @@ Both swaps are compare-and-set on the store, so every member sees the same outco
 form the group, or all move on to a newer generation. Nobody forms a group with a member
 that never arrived.
 
-A member can still die (or hang) between arriving and connecting. Its peers then wait in
-``init_process_group`` for an address it will never publish; they stop waiting as soon as
-the coordinator opens a newer generation (it does so when it sees the death, or kills the
-hung member after its missed heartbeats): ``form_group`` reads the store through
-``_Superseded``, which gives up on any wait once ``{namespace}/gen{N+1}/state`` exists.
-Without it the survivors would wait for the whole collective timeout.
+A member can still die (or hang) between arriving and connecting. Forming has two phases,
+bounded apart:
+
+- **Addresses.** Each member publishes its address in the store and reads its peers'. A
+  peer lost before publishing leaves the others waiting for an address it will never
+  write; they stop waiting as soon as the coordinator opens a newer generation (it does so
+  when it sees the death, or kills the hung member after its missed heartbeats):
+  ``form_group`` reads the store through ``_Superseded``, which gives up on any wait once
+  ``{namespace}/gen{N+1}/state`` exists, and otherwise after the collective timeout (a
+  peer may legitimately be slow here: loading a checkpoint to roll back to).
+- **Connecting.** Then gloo connects every pair, in C++, where nothing can interrupt it: a
+  peer lost after publishing its address leaves the others in ``connectFullMesh`` for about
+  five times the group's timeout (measured: 1.0 s at 0.2 s, 2.5 s at 0.5 s, 4-4.5 s at
+  1 s; 10 min at the default collective timeout of 120 s). So the group is made with the
+  short ``connect_timeout`` and given the collective timeout once it is formed
+  (``_set_pg_timeout``). A connect that times out fails the forming like any lost peer:
+  the member reports it and the coordinator re-forms. Connecting live processes takes
+  milliseconds, so the window only matters on a machine too loaded to schedule a peer in
+  time: each failed forming in a row doubles it (``connect_timeout``), so a slow machine
+  still forms, a few re-forms later.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
 import threading
 import time
 import warnings
@@ -40,16 +55,48 @@ from tidal.protocol import (
 )
 
 POLL_S = 0.002  # store polls while waiting (check() never blocks, so c10d logs nothing)
+#: The first connect window (gloo waits about 5x this for a peer lost after publishing its
+#: address: ~1.5 s, within the ~2 s a lost member may cost the others).
+CONNECT_S = 0.3
+
+
+def connect_timeout(failed_forms: int, collective_timeout_s: float) -> float:
+    """The connect window of a member whose last ``failed_forms`` attempts to form a group
+    failed in a row: ``CONNECT_S``, doubled for each, never above the collective timeout."""
+    return min(collective_timeout_s, CONNECT_S * 2 ** min(failed_forms, 30))
 
 
 class Superseded(RuntimeError):
     """A newer generation was opened while this one was forming: give up on it."""
 
 
+class Arrival(enum.Enum):
+    """How a rendezvous ended for the member that arrived at it."""
+
+    FORMED = "formed"  # every member arrived: form the group
+    ABANDONED = "abandoned"  # the coordinator superseded the generation: join the next
+    TIMED_OUT = "timed out"  # neither, within the collective timeout: report it
+
+
+class RendezvousTimeout(RuntimeError):
+    """A rendezvous that neither formed nor was abandoned within the collective timeout;
+    the message says how many members arrived (read from the store when raised)."""
+
+    def __init__(self, info: GenerationInfo, store: dist.Store) -> None:
+        try:
+            arrived = f"{store.add(arrived_key(info.store_prefix), 0)}"
+        except Exception:  # noqa: BLE001 - the count is a courtesy; the store may be gone
+            arrived = "?"
+        super().__init__(
+            f"rendezvous of generation {info.id} timed out: {arrived} of "
+            f"{len(info.members)} members arrived"
+        )
+
+
 def rendezvous(
     store: dist.Store, info: GenerationInfo, *, timeout_s: float, poll_s: float = 0.001
-) -> bool:
-    """Arrive at generation ``info``; True if it formed (``go``), False if it was abandoned."""
+) -> Arrival:
+    """Arrive at generation ``info`` and wait until it formed, was abandoned, or timed out."""
     key = state_key(info.store_prefix)
     if store.add(arrived_key(info.store_prefix), 1) == len(info.members):
         store.compare_set(key, GEN_OPEN, GEN_GO)
@@ -57,9 +104,11 @@ def rendezvous(
     while True:
         state = store.get(key)
         if state == GEN_GO:
-            return True
-        if state == GEN_ABANDONED or time.monotonic() > deadline:
-            return False
+            return Arrival.FORMED
+        if state == GEN_ABANDONED:
+            return Arrival.ABANDONED
+        if time.monotonic() > deadline:
+            return Arrival.TIMED_OUT
         time.sleep(poll_s)
 
 
@@ -78,14 +127,27 @@ def wait_for_generation(
 
 class _Superseded(dist.Store):
     """The generation's process-group store, read so that every wait gives up with
-    ``Superseded`` once the coordinator has opened the next generation (``abort_key``)."""
+    ``Superseded`` once the coordinator has opened the next generation (``abort_key``), and
+    otherwise after ``wait_s`` (whatever timeout gloo asks for: it passes the group's short
+    connect timeout). ``on_set`` runs after each key this member publishes (gloo publishes
+    one: its address)."""
 
-    def __init__(self, inner: dist.Store, outer: dist.Store, abort_key: str) -> None:
+    def __init__(
+        self,
+        inner: dist.Store,
+        outer: dist.Store,
+        abort_key: str,
+        *,
+        wait_s: float,
+        on_set: Callable[[], None],
+    ) -> None:
         super().__init__()
         self._inner, self._outer, self._abort = inner, outer, [abort_key]
+        self._wait_s, self._on_set = wait_s, on_set
 
     def set(self, key: str, value: bytes) -> None:
         self._inner.set(key, value)
+        self._on_set()
 
     def get(self, key: str) -> bytes:
         self.wait([key])
@@ -110,9 +172,7 @@ class _Superseded(dist.Store):
         self._inner.set_timeout(timeout)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        limit = (
-            timeout.total_seconds() if timeout is not None else self._inner.timeout.total_seconds()
-        )
+        limit = self._wait_s
         deadline = time.monotonic() + limit
         while not self._inner.check(keys):
             if self._outer.check(self._abort):
@@ -123,18 +183,30 @@ class _Superseded(dist.Store):
 
 
 def form_group(
-    store: dist.Store, info: GenerationInfo, rank: int, *, namespace: str, timeout_s: float
+    store: dist.Store,
+    info: GenerationInfo,
+    rank: int,
+    *,
+    namespace: str,
+    timeout_s: float,
+    connect_s: float,
+    on_published: Callable[[], None] = lambda: None,
 ) -> None:
     """Make the default process group this generation's (gloo; the old one must be gone).
 
-    Raises ``Superseded`` if the coordinator opens a newer generation before every member
-    connected. A failed attempt leaves nothing behind: c10d names the default group after a
+    Waits up to ``timeout_s`` for the peers' addresses (giving up with ``Superseded`` if the
+    coordinator opens a newer generation meanwhile), connects within about five times
+    ``connect_s`` or raises, and leaves the group with ``timeout_s`` for its collectives.
+    ``on_published`` runs once this member's address is in the store (a test's fault
+    point). A failed attempt leaves nothing behind: c10d names the default group after a
     counter that only a successful group's destruction resets, and a counter left advanced
     would make this worker look for keys its peers never write in the next generation."""
     watched = _Superseded(
         dist.PrefixStore(f"{info.store_prefix}/pg", store),
         store,
         state_key(generation_prefix(namespace, info.id + 1)),
+        wait_s=timeout_s,
+        on_set=on_published,
     )
     try:
         dist.init_process_group(
@@ -142,8 +214,9 @@ def form_group(
             store=watched,
             rank=rank,
             world_size=len(info.members),
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=min(connect_s, timeout_s)),
         )
+        c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()

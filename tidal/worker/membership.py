@@ -5,7 +5,9 @@ boundaries). Contracts:
 
 - A member joins the newest generation that names it; it never forms a group with a member
   that did not arrive (``group.rendezvous``), and gives up forming as soon as the coordinator
-  opens a newer generation (``group.Superseded``).
+  opens a newer generation (``group.Superseded``). A rendezvous that times out is reported
+  (naming how many arrived): the coordinator sees every member heartbeat and would
+  otherwise wait for it forever.
 - Every failure to form, heal or communicate is reported with the generation it happened
   in, so the coordinator can tell a fresh fact from one a newer generation already answers.
 - Healing never trains from scratch: a generation that holds nobody with the job's state
@@ -112,9 +114,12 @@ class Membership:
                 # Fatal, not a failure to heal from: every member would refuse the same way.
                 self.sampler.check_world_size(len(info.members))
                 probes.point("join", self.step, info.id)
-                if not grp.rendezvous(
+                outcome = grp.rendezvous(
                     self._store, info, timeout_s=self._cfg.collective_timeout_s
-                ):
+                )
+                if outcome == grp.Arrival.TIMED_OUT:
+                    self._report_failure(info.id, grp.RendezvousTimeout(info, self._store))
+                if outcome != grp.Arrival.FORMED:
                     continue
             except dist.DistError as exc:
                 # The store went away with its coordinator: wait for the next one (the
@@ -128,6 +133,7 @@ class Membership:
             probes.point("rendezvous", self.step, info.id)
             try:
                 self._form(info)
+                self._failed_forms = 0
                 return True
             except grp.Superseded:  # the coordinator already opened the next one
                 self._debug(f"gen {info.id} superseded while forming")
@@ -136,6 +142,7 @@ class Membership:
                 self._leave_group()
                 self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
+                self._failed_forms += 1
                 self._leave_group()
                 self._report_failure(info.id, exc)
 
@@ -144,12 +151,15 @@ class Membership:
         self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
         if info.resume_from is not None and self.step != info.resume_step:
             self._roll_back(info)
+        timeout_s = self._cfg.collective_timeout_s
         grp.form_group(
             self._store,
             info,
             rank,
             namespace=self._cfg.store_namespace,
-            timeout_s=self._cfg.collective_timeout_s,
+            timeout_s=timeout_s,
+            connect_s=grp.connect_timeout(self._failed_forms, timeout_s),
+            on_published=lambda: probes.point("connect", self.step, info.id),
         )
         self._t_formed = time.time()
         self._debug("group formed")

@@ -158,6 +158,7 @@ class Trainer(Membership):
         # backward: a peer lost right then would raise in the user's forward. The trainer
         # makes that collective itself, at the step boundary (``_settle_buckets``).
         self._buckets_pending = False
+        self._failed_forms = 0  # in a row: widens the connect window (group.connect_timeout)
         # When this worker began joining, met its peers, formed the group, and healed: the
         # phases of its pause, reported with its first step in the generation.
         self._t_join = self._t_rendezvous = self._t_formed = self._t_healed = 0.0
