@@ -93,3 +93,28 @@ def test_a_small_seeded_chaos_campaign_recovers_from_every_fault(tmp_path: Path)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         k: report[k] for k in ("faults_injected", "clean_recoveries", "trials")
     }
+
+
+def test_a_resumed_campaign_reads_its_trials_back_exactly() -> None:
+    from bench.chaos.records import Event, TrialFailure, TrialResult
+
+    ok = TrialResult(seed=7, setup={"workers": 2, "budget": 5, "kinds": ["kill"]}, events=[])
+    ok.events = [Event("kill", ["SIGKILL worker 1"], 1, 2.0, time=5.0, stall_s=0.1)]
+    ok.pauses, ok.notes, ok.state, ok.seconds = [{"pause_s": 0.2}], ["n"], "succeeded", 3.0
+    bad = TrialResult(seed=8, setup={"budget": 3, "kinds": ["stop"]}, events=[], state="running")
+    bad.events = [Event("double", ["a", "b"], 2, 5.0, may_fail="x", recovered_s=1.0)]
+    bad.failure = TrialFailure("recovery", "no recovery within 90 s")
+    bad.status_summary, bad.logs, bad.stacks = "state=running", "--- worker-0.log", "pid 1"
+    for r in (ok, bad):
+        back = TrialResult.from_record(json.loads(json.dumps(r.record())))
+        assert back.record() == r.record() and back.faults == r.faults and back.ok == r.ok
+
+
+def test_resume_refuses_another_campaigns_report(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    out.write_text(json.dumps({"commit": "0" * 40, "command": "python -m bench.chaos x"}))
+    cmd = [sys.executable, "-m", "bench.chaos", "--faults", "3", "--resume", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--resume" in proc.stderr and f"is of commit {'0' * 40}" in proc.stderr, proc.stderr
+    assert json.loads(out.read_text())["commit"] == "0" * 40  # nothing already saved is lost

@@ -26,6 +26,24 @@ def log(msg: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def commit() -> str:
+    """The checkout's commit (and ``+dirty`` with uncommitted changes), or ``unknown``."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def trial_seed(seed: int, index: int) -> int:
     return seed * TRIAL_SEED_STRIDE + index
 

@@ -15,7 +15,8 @@ Kinds (and the bound on each pause they cause; hb is ``--heartbeat-timeout``):
 - ``storm``: 2-5 ``tidal scale`` calls in quick succession within min..max (2 s).
 - ``point``: SIGKILL, SIGSTOP or SIGTERM at an exact protocol point, armed while the job
   runs (``TIDAL_FAULTS=@FILE``): inside the all-reduce, before a step, after a
-  generation's first step, at the join, the rendezvous or the heal (a scale up or down
+  generation's first step, at the join, the rendezvous, the connect (its address published,
+  its peers connecting to it) or the heal (a scale up or down
   makes the membership change; the target is a survivor or the joiner), or inside a
   checkpoint write (2 s; SIGSTOP: hb + 2 s).
 - ``joiner``: SIGKILL of a worker joining after a scale up, 0-4 s after its start (2 s).
@@ -46,7 +47,7 @@ from bench.chaos.trial import SLOW_PACE_S, Trial, members
 
 LOST_S = 2.0  # a member lost, a planned change, a join: what it may cost the others
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
-POINT_PHASES = ("allreduce", "step", "first", "join", "rendezvous", "heal", "checkpoint")
+POINT_PHASES = ("allreduce", "step", "first", "join", "rendezvous", "connect", "heal", "checkpoint")
 
 
 def bounds(hb: float) -> dict[str, object]:
@@ -160,21 +161,31 @@ def joiner(tr: Trial) -> Event | None:
     n = s["target_workers"]  # not the members: a replacement may be starting (overlap)
     if n >= tr.max_workers:
         return None
-    wid = max(w["id"] for w in s["workers"]) + 1
     delay = tr.rng.uniform(0, 4)
     tr.scale(n + 1)
+    # The joiner: a fresh worker, or one still starting from an earlier scale-up that a
+    # scale-down left running (the coordinator keeps it as the spare the new target needs).
     s = tr.watch.until(
-        lambda s: any(w["id"] == wid and w["pid"] for w in s["workers"]),
+        _joiners,
         30,
-        f"start of worker {wid} after tidal scale {n + 1}",
+        f"a worker starting to join after tidal scale {n + 1}",
     )
     tr.watch.idle(delay)
-    w = next(w for w in tr.watch.last["workers"] if w["id"] == wid)
+    ids = {w["id"] for w in _joiners(s)}
+    w = max((w for w in tr.watch.last["workers"] if w["id"] in ids), key=lambda w: w["id"])
+    wid = w["id"]
     t = time.time()
     if not tr.signal(w["pid"], signal.SIGKILL):
         return None
     what = f"SIGKILL worker {wid} joining ({delay:.1f} s after its start, state {w['state']})"
     return Event("joiner", [what], 1, LOST_S, time=t)
+
+
+def _joiners(s: dict) -> list[dict]:
+    """Live workers with a process that are not members of the newest generation."""
+    inside = {w["id"] for w in members(s)}
+    live = ("starting", "standby", "running")
+    return [w for w in s["workers"] if w["pid"] and w["state"] in live and w["id"] not in inside]
 
 
 def double(tr: Trial) -> Event | None:

@@ -79,6 +79,7 @@ class TrialResult:
                 for e in self.events
             ],
             "pauses": self.pauses,
+            "state": self.state,
         }
         if self.notes:
             rec["notes"] = self.notes
@@ -93,3 +94,21 @@ class TrialResult:
                 **({"stacks": self.stacks} if self.stacks else {}),
             }
         return rec
+
+    @classmethod
+    def from_record(cls, rec: dict) -> TrialResult:
+        """The result a ``record()`` describes (``--resume``: a campaign's JSON read back)."""
+        r = cls(
+            seed=rec["seed"],
+            setup=rec["setup"],
+            events=[Event(**e) for e in rec["events"]],
+            seconds=rec["seconds"],
+            pauses=rec.get("pauses", []),
+            notes=rec.get("notes", []),
+            state=rec.get("state", ""),
+        )
+        if not rec["ok"]:
+            r.failure = TrialFailure(rec["check"], rec["why"])
+            r.status_summary, r.logs = rec.get("status", ""), rec.get("logs", "")
+            r.stacks = rec.get("stacks", "")
+        return r
