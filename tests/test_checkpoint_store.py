@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from tidal.checkpoint import store
+from tidal.checkpoint.layout import stale_temporary
 from tidal.checkpoint.writer import AsyncCheckpointer
 
 
@@ -118,6 +120,7 @@ WRITER = """
 import sys, torch
 from pathlib import Path
 from tidal.checkpoint import store
+from tidal.checkpoint.layout import stale_temporary
 m = torch.nn.Linear(4096, 4096)  # 64 MiB of parameters: the write takes a while
 snap = store.take_snapshot(step=int(sys.argv[2]), module=m,
                            optimizer=torch.optim.SGD(m.parameters(), lr=0.1), meta={})
@@ -146,6 +149,30 @@ def test_sigkill_during_a_write_leaves_no_usable_folder(tmp_path):
     path, warnings = store.newest_good(tmp_path)
     assert path is not None and path.name == "step-00000001", (path, warnings)
     assert not (tmp_path / "step-00000002").exists()
+    # The dead writer's temporary folder goes with the next prune (a later write's).
+    (left,) = tmp_path.glob(".tmp-*")
+    assert left.name.endswith(f"-{proc.pid}@{socket.gethostname()}"), left.name
+    assert left in store.prune(tmp_path, keep=2)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize(
+    "name, age_s, alive, why",
+    [
+        (".tmp-step-00000002-abcd1234-42@here", 1.0, False, "its writer (pid 42) is gone"),
+        (".tmp-step-00000002-abcd1234-42@here", 1e6, True, None),  # a write in progress
+        (".tmp-step-00000002-abcd1234-42@there", 1.0, False, None),  # another host's: ask later
+        (".tmp-step-00000002-abcd1234-42@there", 7200.0, False, "2.0 h old"),
+        (".tmp-step-00000002-abcd1234-42@a-b@c", 7200.0, True, "2.0 h old"),  # not this host
+        (".tmp-step-00000009-abcd", 60.0, False, None),  # an older name: no writer to ask
+        (".tmp-step-00000009-abcd", 4000.0, False, "1.1 h old"),
+        ("step-00000009", 1e6, False, None),  # a checkpoint: prune's other rule decides
+        (".hidden", 1e6, False, None),
+    ],
+)
+def test_a_temporary_folder_is_stale_only_when_its_writer_is_gone(name, age_s, alive, why):
+    got = stale_temporary(name, age_s=age_s, host="here", alive=lambda pid: alive)
+    assert got == why
 
 
 def test_manifest_lists_every_file_with_its_hash(tmp_path):

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = "MANIFEST.json"
@@ -48,6 +49,38 @@ class CheckpointError(ValueError):
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+# -- temporary folders: a write in progress, or the remains of a writer that died in one ---
+TMP_RE = re.compile(r"^\.tmp-step-\d{8,}-[0-9a-f]+-(\d+)@(.+)$")
+#: A temporary folder whose writer cannot be asked (another host's, or an older name
+#: without one) is removed only once it is this old: no checkpoint write takes an hour.
+STALE_TMP_S = 3600.0
+
+
+def temporary_name(step: int, *, pid: int, host: str) -> str:
+    """The folder a write of ``step`` goes into before its rename: names its writer."""
+    return f".tmp-{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}-{pid}@{host}"
+
+
+def stale_temporary(
+    name: str, *, age_s: float, host: str, alive: Callable[[int], bool]
+) -> str | None:
+    """Why the temporary folder ``name`` (``age_s`` old) is the remains of a dead write and
+    may be removed, or None to leave it (a write in progress, or not a temporary folder).
+
+    A writer on this ``host`` is asked directly (``alive(pid)``); a pid may be reused, which
+    only keeps a dead write's folder a while longer. Anything else waits ``STALE_TMP_S``.
+    """
+    if not name.startswith(".tmp-"):
+        return None
+    m = TMP_RE.match(name)
+    if m and m.group(2) == host:
+        pid = int(m.group(1))
+        return None if alive(pid) else f"its writer (pid {pid}) is gone"
+    if age_s > STALE_TMP_S:
+        return f"{age_s / 3600:.1f} h old"
+    return None
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

@@ -23,8 +23,8 @@ import base64
 import json
 import os
 import shutil
+import socket
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,8 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     list_checkpoints,
     mark_bad,
     newest_good,
+    stale_temporary,
+    temporary_name,
     verify,
 )
 from tidal.checkpoint.layout import sha256 as _sha256
@@ -193,7 +195,7 @@ def write(
     start = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(snapshot.step)
-    tmp = directory / f".tmp-{checkpoint_name(snapshot.step)}-{uuid.uuid4().hex[:8]}"
+    tmp = directory / temporary_name(snapshot.step, pid=os.getpid(), host=socket.gethostname())
     tmp.mkdir()
     try:
         save_file(snapshot.model, str(tmp / "model.safetensors"))
@@ -225,11 +227,30 @@ def write(
 
 
 def prune(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; returns what was deleted."""
+    """Delete all but the newest ``keep`` checkpoints, and the temporary folders of writes
+    whose writer died in them (``layout.stale_temporary``); returns what was deleted."""
     doomed = list_checkpoints(directory)[keep:]
+    host, now = socket.gethostname(), time.time()
+    for path in directory.iterdir() if directory.is_dir() else ():
+        try:
+            age = now - path.stat().st_mtime
+        except OSError:  # renamed or removed meanwhile
+            continue
+        if path.is_dir() and stale_temporary(path.name, age_s=age, host=host, alive=_alive):
+            doomed.append(path)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 # -- reading -----------------------------------------------------------------------------
