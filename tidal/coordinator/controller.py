@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch.distributed as dist
@@ -121,6 +122,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.step_log = StepLog()  # the per-step values of tidal.log (step_metrics.py)
         self.leaving: list[int] = []  # workers that got a preemption notice
         self.workers: dict[int, WorkerRecord] = {}
+        self.inbox = deque()  # quick heartbeats, applied by the loop (``Handlers``)
         self.generations: list[GenerationRecord] = []
         self.failures = 0
         self.outcome: JobState | None = None  # decided; reached once every process is gone
@@ -141,6 +143,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self._policy = get_policy(spec.policy)
         if recover:
             self._recover()
+            self._publish()
             return
         if resume is None:
             self.event(
@@ -156,6 +159,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             )
 
         self._set_target(spec.workers, "the capacity at the start")
+        self._publish()
 
     @property
     def checkpoint_dir(self) -> Path | None:
@@ -201,34 +205,42 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.event("job", f"job {outcome.value}: {why}")
 
     def tick(self) -> bool:
-        """One pass of the loop; returns False once the job has ended."""
+        """One pass of the loop; returns False once the job has ended. Whatever it changed
+        is published to the workers' answers at its end (``Handlers._publish``)."""
         with self.lock:
-            now = time.monotonic()
-            for ex in self.backend.poll():
-                self._on_exit(ex)
-            self._track_placement()
-            if now - self._last_health >= HEALTH_EVERY_S:
-                self._last_health = now
-                self._check_heartbeats()
-            self._answer_state_lost()
-            self._finish()
-            if self.outcome is None:
-                self._observe(now)
-                self._release_leavers()
-                self._maybe_reform(now)
-                self._apply_schedule()
-                self._apply_policy()
-                self._enforce_capacity()
-                if self.stop_requested_at is not None:
-                    self.outcome = JobState.STOPPED if self.outcome is None else self.outcome
-                else:
-                    self._reconcile()
-                self._check_start_timeout()
-            if self.outcome is not None:
-                return self._wind_down(now)
-            if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
-                self.flush()
-            return True
+            try:
+                return self._pass()
+            finally:
+                self._publish()
+
+    def _pass(self) -> bool:
+        now = time.monotonic()
+        self._drain()
+        for ex in self.backend.poll():
+            self._on_exit(ex)
+        self._track_placement()
+        if now - self._last_health >= HEALTH_EVERY_S:
+            self._last_health = now
+            self._check_heartbeats()
+        self._answer_state_lost()
+        self._finish()
+        if self.outcome is None:
+            self._observe(now)
+            self._release_leavers()
+            self._maybe_reform(now)
+            self._apply_schedule()
+            self._apply_policy()
+            self._enforce_capacity()
+            if self.stop_requested_at is not None:
+                self.outcome = JobState.STOPPED if self.outcome is None else self.outcome
+            else:
+                self._reconcile()
+            self._check_start_timeout()
+        if self.outcome is not None:
+            return self._wind_down(now)
+        if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+            self.flush()
+        return True
 
     def _finish(self) -> None:
         """Decide a completed job's outcome by its final checkpoint (``rules``)."""
@@ -277,7 +289,10 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                 standby=[w.id for w in outside if w.state == WorkerState.STANDBY],
                 starting=[w.id for w in outside if w.state in NOT_STARTED],
                 target=self.target,
-                spares=max(0, future_peak(self.spec.schedule, self.step) - self.target),
+                # --spares warm ones always; more if a scheduled scale-up will need them
+                spares=max(
+                    self.spec.spares, future_peak(self.spec.schedule, self.step) - self.target
+                ),
                 forming=not self.generations,
             )
         )
@@ -341,6 +356,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                     w.state = WorkerState.STANDBY
                 else:
                     self._stopping(w)
+        self._publish()  # the members learn of it at their next heartbeat, not after the pass
         self.db.upsert_workers(self.spec.name, [w.view() for w in self.workers.values()])
         self.db.upsert_generation(self.spec.name, gen.view())
         self._save_control()
@@ -387,6 +403,9 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     _wind_down_since: float | None = None
 
     def flush(self) -> None:
+        """Write the fast-moving values to SQLite (under the lock), the heartbeats queued
+        since the last pass applied first: a status read after a flush is as of now."""
+        self._drain()
         self._last_flush = time.monotonic()
         self.metrics.update(
             self.accounting.summary(

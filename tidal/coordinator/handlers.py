@@ -1,18 +1,27 @@
 """What the coordinator answers: the API calls of workers and users.
 
-A mixin of ``Coordinator`` (which holds the state and the control loop); every handler takes
-``self.lock``, so it sees and leaves a consistent job. Handlers only record facts and
-requests; the control loop (``Coordinator.tick``) decides and acts on them.
+A mixin of ``Coordinator`` (which holds the state and the control loop). Handlers only record
+facts and requests; the control loop (``Coordinator.tick``) decides and acts on them. Every
+handler takes ``self.lock``, so it sees and leaves a consistent job, except the hot path:
+a heartbeat that carries only what may be applied later (its step, metrics and per-step
+values) and a role query are answered from the published ``Answers`` without the lock, and
+the heartbeat is queued in ``inbox`` for the next control-loop pass (``_drain``), so a
+thousand workers' heartbeats never wait behind a pass. A heartbeat that carries a
+checkpoint, a checkpoint failure, a step report or a preemption notice is applied before it
+is answered (after everything queued before it, so each worker's facts apply in order): an
+answered fact must not be lost with a coordinator crash.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.coordinator.rules import completion_refused, heartbeat_interval
+from tidal.coordinator.answers import Answers
+from tidal.coordinator.rules import completion_refused
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -20,12 +29,10 @@ from tidal.protocol import (
     FailureKind,
     FailureReport,
     HeartbeatRequest,
-    HeartbeatResponse,
     JobState,
     JobStatus,
     RegisterRequest,
     RegisterResponse,
-    Role,
     StepReport,
     WorkerConfig,
     WorkerState,
@@ -58,27 +65,47 @@ class Handlers:
     job_length: int | None = None
     step_log: StepLog  # set by Coordinator
 
-    def _role(self, w: WorkerRecord) -> HeartbeatResponse:
-        stop = self.stop_requested_at is not None
+    answers: Answers | None = None  # published by ``_publish``; None before the first
+    _published_key: tuple | None = None
+    inbox: deque[tuple[int, HeartbeatRequest]]  # quick heartbeats not yet applied
+
+    def _publish(self) -> None:
+        """Publish what workers are told now (``answers``), if it changed since the last
+        time; under the lock."""
         latest = self.latest
-        if w.retired or self.outcome is not None:
-            return HeartbeatResponse(role=Role.EXIT, stop=stop)
-        settled = self.settled_step
-        members = latest.member_set() if latest is not None else set()
-        member = w.id in members
-        peers = len(members) if member else len(self.workers) - len(members)
-        interval = heartbeat_interval(
+        key = (
+            latest.id if latest is not None else None,
+            self.stop_requested_at is not None,
+            self.outcome is not None,
+            self.settled_step,
+            len(self.workers),
+        )
+        if key == self._published_key:
+            return
+        self._published_key = key
+        self.answers = Answers(
+            generation=latest.info() if latest is not None else None,
+            members=latest.member_set() if latest is not None else frozenset(),
+            stop=key[1],
+            ended=key[2],
+            settled_step=self.settled_step,
+            workers=len(self.workers),
             base_s=self.spec.heartbeat_interval_s,
-            peers=peers,
             timeout_s=self.spec.heartbeat_timeout_s,
         )
-        return HeartbeatResponse(
-            role=Role.MEMBER if member else Role.STANDBY,
-            generation=latest.info() if latest is not None else None,
-            stop=stop,
-            settled_step=settled,
-            interval_s=interval if interval != self.spec.heartbeat_interval_s else None,
-        )
+
+    def _answer(self, w: WorkerRecord) -> bytes:
+        answers = self.answers
+        assert answers is not None  # published at construction
+        return answers.encoded(answers.role(w.id, retired=w.retired))
+
+    def _drain(self) -> None:
+        """Apply the quick heartbeats queued since the last pass, in arrival order."""
+        while self.inbox:
+            wid, req = self.inbox.popleft()
+            w = self.workers.get(wid)
+            if w is not None:
+                self._apply_heartbeat(w, req)
 
     # -- API: workers --------------------------------------------------------------------
     def _caller(self, wid: int) -> WorkerRecord:
@@ -133,26 +160,46 @@ class Handlers:
                 ),
             )
 
-    def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
-        with self.lock:
+    @staticmethod
+    def heartbeat_is_quick(req: HeartbeatRequest) -> bool:
+        """True if ``req`` may be answered at once and applied by the next pass (see the
+        module's docstring)."""
+        return not (req.leaving or req.checkpoints or req.checkpoint_failures or req.reports)
+
+    def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> bytes:
+        """The heartbeat's answer, JSON-encoded (a ``HeartbeatResponse``). Lock-free when
+        ``heartbeat_is_quick(req)``: a caller on an event loop runs only those inline."""
+        if self.heartbeat_is_quick(req):
             w = self._caller(wid)
             w.last_heartbeat = time.time()
-            w.step = req.step
-            self.step = max(self.step, req.step)
-            self.metrics.update(req.metrics)
-            for record in req.step_metrics:  # values of tidal.log, one per (step, name)
-                self.metrics.update(self.step_log.add(wid, record))
-            for c in req.checkpoints:
-                self._on_checkpoint(c)
-            for f in req.checkpoint_failures:
-                self._on_checkpoint_failure(f)
-            if req.leaving and wid not in self.leaving and not w.retired:
-                self.leaving.append(wid)
-            for report in req.reports:
-                self._on_step_report(report)
-            if req.leaving or any(at == req.step for at, _ in self.spec.schedule):
-                self.wake.set()  # a preemption notice, or members holding at a scheduled step
-            return self._role(w)
+            self.inbox.append((wid, req))
+            if any(at == req.step for at, _ in self.spec.schedule):
+                self.wake.set()  # members holding at a scheduled step
+            return self._answer(w)
+        with self.lock:
+            w = self._caller(wid)
+            self._drain()
+            w.last_heartbeat = time.time()
+            self._apply_heartbeat(w, req)
+            self._publish()
+            return self._answer(w)
+
+    def _apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
+        w.step = req.step
+        self.step = max(self.step, req.step)
+        self.metrics.update(req.metrics)
+        for record in req.step_metrics:  # values of tidal.log, one per (step, name)
+            self.metrics.update(self.step_log.add(w.id, record))
+        for c in req.checkpoints:
+            self._on_checkpoint(c)
+        for f in req.checkpoint_failures:
+            self._on_checkpoint_failure(f)
+        if req.leaving and w.id not in self.leaving and not w.retired:
+            self.leaving.append(w.id)
+        for report in req.reports:
+            self._on_step_report(report)
+        if req.leaving or any(at == req.step for at, _ in self.spec.schedule):
+            self.wake.set()  # a preemption notice, or members holding at a scheduled step
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
         self.db.add_checkpoint(self.spec.name, c)
@@ -183,9 +230,10 @@ class Handlers:
             self.outcome = None
             self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
 
-    def on_role(self, wid: int) -> HeartbeatResponse:
-        with self.lock:
-            return self._role(self._caller(wid))
+    def on_role(self, wid: int) -> bytes:
+        """The worker's role and the newest generation (a ``HeartbeatResponse``, encoded),
+        lock-free."""
+        return self._answer(self._caller(wid))
 
     def _on_step_report(self, r: StepReport) -> None:
         index = next((i for i, g in enumerate(self.generations) if g.id == r.generation), None)

@@ -34,7 +34,9 @@ class WorkerRecord:
 
     @property
     def live(self) -> bool:
-        return self.state not in (WorkerState.EXITED, WorkerState.FAILED)
+        # Identity, not ``in``: tested for every worker on every control-loop pass, and a
+        # str-Enum's equality and hash are Python-level calls.
+        return not (self.state is WorkerState.EXITED or self.state is WorkerState.FAILED)
 
     def view(self) -> WorkerView:
         return WorkerView(

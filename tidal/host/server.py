@@ -21,12 +21,14 @@ from typing import Annotated
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from tidal.access import bearer_ok, read_ok, reads_need_token
 from tidal.coordinator.controller import Coordinator, RequestError
 from tidal.coordinator.handlers import ReRegister
 from tidal.coordinator.supervisor import listen, url_of
+from tidal.host.hot_path import HeartbeatHotPath
 from tidal.protocol import (
     API_PREFIX,
     MAX_ID,
@@ -87,7 +89,9 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
     def worker_authorized(wid: int, authorization: str | None) -> bool:
         return bearer_ok(authorization, worker_token(coord.token, wid))
 
-    def require_worker(wid: WorkerId, authorization: str | None = Header(default=None)) -> None:
+    async def require_worker(
+        wid: WorkerId, authorization: str | None = Header(default=None)
+    ) -> None:  # async: checked on the event loop, no thread-pool hop (it never blocks)
         if not worker_authorized(wid, authorization):
             raise HTTPException(status_code=401, detail=f"missing or wrong token of worker {wid}")
 
@@ -155,16 +159,22 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
         response_model=HeartbeatResponse,
         dependencies=worker_auth,
     )
-    def heartbeat(wid: int, req: HeartbeatRequest) -> HeartbeatResponse:
-        return call(coord.on_heartbeat, wid, req)
+    async def heartbeat(wid: int, req: HeartbeatRequest) -> Response:
+        # The hot path: answered on the event loop from bytes (``coordinator.answers``);
+        # a heartbeat that must be applied under the coordinator's lock goes to a thread.
+        if coord.heartbeat_is_quick(req):
+            body = call(coord.on_heartbeat, wid, req)
+        else:
+            body = await run_in_threadpool(call, coord.on_heartbeat, wid, req)
+        return Response(content=body, media_type="application/json")
 
     @app.get(
         API_PREFIX + "/workers/{wid}/role",
         response_model=HeartbeatResponse,
         dependencies=worker_auth,
     )
-    def role(wid: int) -> HeartbeatResponse:
-        return call(coord.on_role, wid)
+    async def role(wid: int) -> Response:
+        return Response(content=call(coord.on_role, wid), media_type="application/json")
 
     @app.post(API_PREFIX + "/workers/{wid}/failure", dependencies=worker_auth)
     def failure(wid: int, req: FailureReport) -> dict:
@@ -192,7 +202,8 @@ class ApiServer:
         self.sock = sock if sock is not None else listen(host)
         self.url = url_of(self.sock)
         self.app = make_app(coord)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False)
+        served = HeartbeatHotPath(self.app, coord)  # the hot path in front of FastAPI
+        config = uvicorn.Config(served, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self.sock]}, name="tidal-api", daemon=True

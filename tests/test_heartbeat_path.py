@@ -1,0 +1,152 @@
+"""The heartbeat's hot path (issue 15): answered from the published ``Answers`` without the
+coordinator's lock, applied by the control loop in arrival order; a heartbeat carrying a
+fact that must not be lost is applied before its answer, on a thread, never blocking the
+server's event loop. A real coordinator and server (``served_coordinator``: it never ticks)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tidal.coordinator.answers import Answers
+from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.rules import heartbeat_interval
+from tidal.protocol import (
+    API_PREFIX,
+    GenerationInfo,
+    HeartbeatResponse,
+    Role,
+    WorkerState,
+    worker_token,
+)
+
+
+@pytest.fixture
+def served(served_coordinator):
+    coord, url = served_coordinator
+    with coord.lock:
+        coord.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY)
+        coord._publish()
+    auth = {"Authorization": f"Bearer {worker_token(coord.token, 0)}"}
+    with httpx.Client(base_url=url + API_PREFIX, headers=auth, timeout=10) as client:
+        yield coord, client
+
+
+def beat(client: httpx.Client, **body) -> dict:
+    resp = client.post("/workers/0/heartbeat", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_quick_heartbeat_is_answered_while_the_control_loop_holds_the_lock(served):
+    coord, client = served
+    with coord.lock:  # a control-loop pass in progress
+        assert beat(client, step=5)["role"] == "standby"
+        assert client.get("/workers/0/role").json()["role"] == "standby"
+        assert coord.workers[0].step == 0 and coord.step == 0  # queued, not applied
+        assert coord.workers[0].last_heartbeat is not None  # liveness is seen at once
+    with coord.lock:
+        coord._drain()
+    assert coord.workers[0].step == 5 and coord.step == 5
+
+
+def test_a_heartbeat_with_a_fact_applies_the_queue_first_and_never_blocks_the_server(served):
+    coord, client = served
+    beat(client, step=7)  # queued
+    done: list[dict] = []
+    with coord.lock:
+        slow = threading.Thread(target=lambda: done.append(beat(client, step=8, leaving=True)))
+        slow.start()
+        slow.join(0.5)
+        assert slow.is_alive() and not done  # it waits for the lock, on a worker thread...
+        assert beat(client, step=8)["role"] == "standby"  # ...while the event loop answers
+    slow.join(10)
+    assert done and done[0]["role"] == "standby"
+    assert coord.leaving == [0] and coord.workers[0].step == 8
+    with coord.lock:
+        coord._drain()  # the quick step-8 beat sent while the slow one waited
+    assert coord.workers[0].step == 8 and not coord.inbox
+
+
+def test_a_new_generation_is_answered_as_soon_as_it_is_opened(served):
+    coord, client = served
+    assert beat(client)["generation"] is None
+    with coord.lock:
+        coord._open([0], "test")
+    answer = beat(client)
+    assert answer["role"] == "member" and answer["generation"]["members"] == [0]
+    with coord.lock:
+        coord.workers[0].retired = True
+    assert beat(client)["role"] == "exit"  # the record is read directly, not the snapshot
+
+
+def test_a_worker_of_a_previous_coordinator_must_register_again_on_the_quick_path(served):
+    coord, client = served
+    coord.workers[0].adopted = False
+    resp = client.post("/workers/0/heartbeat", json={"step": 1})
+    assert resp.status_code == 409 and "register again" in resp.json()["detail"]
+    assert not coord.inbox
+    assert client.get("/workers/0/role").status_code == 409
+
+
+INFO = GenerationInfo(id=3, members=[0, 1], store_prefix="ns/gen3", reason="r")
+
+
+def answers(**kw) -> Answers:
+    base = dict(
+        generation=INFO,
+        members=frozenset(INFO.members),
+        stop=False,
+        ended=False,
+        settled_step=-1,
+        workers=3,
+        base_s=0.1,
+        timeout_s=10.0,
+    )
+    return Answers(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    "kw, wid, retired, role",
+    [
+        ({}, 0, False, Role.MEMBER),
+        ({}, 2, False, Role.STANDBY),
+        ({}, 0, True, Role.EXIT),  # retired: exits even if named a member
+        ({"ended": True}, 0, False, Role.EXIT),
+        ({"stop": True}, 1, False, Role.MEMBER),  # a stop is a flag; members finish the step
+    ],
+)
+def test_roles(kw, wid, retired, role):
+    assert answers(**kw).role(wid, retired=retired) == role
+
+
+def test_answers_are_paced_and_encoded_once():
+    big = frozenset(range(1000))
+    a = answers(members=big, workers=1010)
+    member = HeartbeatResponse.model_validate_json(a.encoded(Role.MEMBER))
+    assert member.interval_s == heartbeat_interval(base_s=0.1, peers=1000, timeout_s=10.0) > 0.1
+    standby = HeartbeatResponse.model_validate_json(a.encoded(Role.STANDBY))
+    assert standby.interval_s is None  # 10 outside: the job's own interval
+    assert a.encoded(Role.MEMBER) is a.encoded(Role.MEMBER)
+    gone = HeartbeatResponse.model_validate_json(answers(stop=True).encoded(Role.EXIT))
+    assert gone == HeartbeatResponse(role=Role.EXIT, stop=True)
+
+
+def test_a_body_too_long_for_the_hot_path_is_replayed_to_fastapi_whole(served):
+    coord, client = served
+    pad = b" " * (3 << 20)  # 3 MiB of whitespace: valid JSON, read in several chunks
+    resp = client.post(
+        "/workers/0/heartbeat",
+        content=b'{"step": 11,' + pad + b'"metrics": {"loss": 0.5}}',
+        headers={"Content-Type": "application/json"},
+    )
+    assert resp.status_code == 200 and resp.json()["role"] == "standby", resp.text
+    assert coord.status(fresh=True).metrics["loss"] == 0.5 and coord.workers[0].step == 11
+    resp = client.post(  # and what FastAPI refuses, it still refuses, naming the field
+        "/workers/0/heartbeat",
+        content=b'{"step": -1' + pad + b"}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "step"]

@@ -1,0 +1,114 @@
+"""The heartbeat's hot path: an ASGI layer in front of the FastAPI app.
+
+Every worker heartbeats every interval, and FastAPI's per-request machinery (middleware,
+routing, dependency solving, body validation through its own layer, the response model)
+costs more than the coordinator's handling of a heartbeat (docs/benchmarks.md, "Control
+plane capacity"). This layer answers the common heartbeat itself: a ``POST
+/api/v1/workers/ID/heartbeat`` with that worker's credential and a body that parses as a
+``HeartbeatRequest`` which ``Coordinator.heartbeat_is_quick`` accepts, answered from the
+coordinator's published answers (``Coordinator.on_heartbeat``: no lock).
+
+Everything else goes to the FastAPI app unchanged, the request body replayed: a missing or
+wrong credential (401), a body that does not validate (422 naming the field, and the
+``refused`` event), a heartbeat carrying a fact that must be applied before its answer,
+any other route. So FastAPI remains the one definition of the API's answers; this layer
+only answers, faster, the requests whose answer it would give the same way (tested in
+``tests/test_heartbeat_path.py``; the API fuzzing runs through it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from tidal.access import bearer_ok
+from tidal.coordinator.controller import Coordinator, RequestError
+from tidal.coordinator.handlers import ReRegister
+from tidal.protocol import API_PREFIX, MAX_ID, HeartbeatRequest, worker_token
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_HEARTBEAT = re.compile(re.escape(API_PREFIX) + r"/workers/(\d{1,10})/heartbeat")
+#: Bodies larger than this go to FastAPI (a heartbeat is a few KB; its limits are there).
+MAX_BODY = 1 << 20
+_JSON = [(b"content-type", b"application/json")]
+
+
+class HeartbeatHotPath:
+    def __init__(self, app: App, coord: Coordinator) -> None:
+        self.app, self.coord = app, coord
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        m = _HEARTBEAT.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
+        if m is None or scope["method"] != "POST" or not self._authorized(scope, int(m[1])):
+            return await self.app(scope, receive, send)
+        body, more = await _read(receive)
+        if not more:
+            req = _parse(body)
+            if req is not None and self.coord.heartbeat_is_quick(req):
+                return await self._answer(send, int(m[1]), req)
+        return await self.app(scope, _replay(body, more, receive), send)
+
+    def _authorized(self, scope: Scope, wid: int) -> bool:
+        if wid > MAX_ID:
+            return False
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        token = worker_token(self.coord.token, wid)
+        return auth is not None and bearer_ok(auth.decode("latin-1"), token)
+
+    async def _answer(self, send: Send, wid: int, req: HeartbeatRequest) -> None:
+        try:
+            status, body = 200, self.coord.on_heartbeat(wid, req)
+        except RequestError as exc:  # as FastAPI's endpoint answers them (``server.call``)
+            status, body = 400, json.dumps({"detail": str(exc)}).encode()
+        except ReRegister as exc:
+            status, body = 409, json.dumps({"detail": str(exc)}).encode()
+        headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _parse(body: bytes) -> HeartbeatRequest | None:
+    try:
+        return HeartbeatRequest.model_validate_json(body)
+    except ValidationError:  # FastAPI answers it: 422 naming the field, and the event
+        return None
+
+
+async def _read(receive: Receive) -> tuple[bytes, bool]:
+    """The request's body, up to ``MAX_BODY``; True as the second value if it is longer
+    (or the client went away): then the rest is left to the app."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), True
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if not message.get("more_body", False):
+            return b"".join(chunks), False
+        if size > MAX_BODY:
+            return b"".join(chunks), True
+
+
+def _replay(body: bytes, more: bool, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app what was read, then the rest from the client."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": more}
+        return await receive()
+
+    return replay
