@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
-from e2e_helpers import Home, event_messages, summarize
+from e2e_helpers import DIGITS, Home, event_messages, summarize, workers_by_id
 
 
 @pytest.mark.slow
@@ -86,3 +89,56 @@ def test_malformed_trace_is_one_line(tidal_home: Home, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "bad.csv" in proc.stderr
     proc = tidal_home.cli("run", "--policy", "magic", "examples/digits.py")
     assert proc.returncode != 0 and "known policies" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_warm_spare_replaces_a_lost_member_and_is_itself_replaced(tidal_home: Home):
+    """``--spares 1`` (issue 17): a third worker starts, registers and waits outside the
+    group; when a member is SIGKILLed the spare is the replacement (it was ready before the
+    loss, so no process start is waited for), and a new spare starts and warms up. (The
+    replacement joins and heals as any joiner does: exactness is tested with those.)"""
+    job = tidal_home.start(
+        "spares",
+        "--workers",
+        "2",
+        "--max-workers",
+        "2",
+        "--spares",
+        "1",
+        script_args=["--max-steps", "1000000"],
+    )
+    status = job.wait_for(
+        lambda s: s["standby_workers"] == 1 and s["state"] == "running",
+        timeout=120,
+        what="a warm spare",
+    )
+    assert status["spares"] == 1 and status["world_size"] == 2, summarize(status)
+    spare = next(w["id"] for w in status["workers"] if w["state"] == "standby")
+    victim = next(w for w in status["workers"] if w["state"] == "running")
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    def replaced(s):
+        formed = [g for g in s["generations"] if g["start_step"] is not None]
+        return spare in formed[-1]["members"] and s["standby_workers"] == 1
+
+    status = job.wait_for(replaced, timeout=120, what="the spare to join and a new one to warm")
+    messages = event_messages(status)
+    ready = messages.index(next(m for m in messages if m.startswith(f"worker {spare} ready")))
+    lost = messages.index(next(m for m in messages if f"worker {victim['id']} failed" in m))
+    assert ready < lost, summarize(status)  # the replacement was warm before the loss
+    newest = max(w["id"] for w in status["workers"])
+    assert newest > spare and workers_by_id(status)[newest]["state"] == "standby"
+    assert job.stop().returncode == 0
+    status = job.wait_state("stopped", "failed", "succeeded", timeout=60)
+    assert status["state"] == "stopped", summarize(status)
+    tidal_home.assert_no_processes()
+
+
+def test_spares_are_counted_against_what_the_machine_holds(tidal_home: Home):
+    proc = tidal_home.cli("run", "--workers", "2", "--spares", "100000", str(DIGITS))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "(2 + 100000 spares) is more than this machine holds" in lines[0], lines
+    proc = tidal_home.cli("run", "--spares", "-1", str(DIGITS))
+    assert proc.returncode != 0 and "--spares must be at least 0" in proc.stderr

@@ -255,6 +255,14 @@ class JobSpec:
             "(default {default})",
         ),
     )
+    spares: int = field(
+        default=0,
+        metadata=flag(
+            "--spares",
+            "warm standby workers kept started outside the group, billed like any: a "
+            "scale-up or a failure's replacement joins at the next step (default {default})",
+        ),
+    )
     max_restarts: int = field(
         default=3,
         metadata=flag("--max-restarts", "replacements after failures (default {default})"),
@@ -362,6 +370,8 @@ class JobSpec:
             raise ValueError(
                 f"--decision-interval must be at least 0 s, got {self.decision_interval_s}"
             )
+        if self.spares < 0:
+            raise ValueError(f"--spares must be at least 0, got {self.spares}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
 

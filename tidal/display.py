@@ -108,6 +108,7 @@ def print_status(s: JobStatus) -> None:
         str(s.step),
         "workers",
         f"{s.world_size} (target {s.target_workers}, range {s.min_workers}-{s.max_workers}"
+        + (f", {s.standby_workers} of {s.spares} spares warm" if s.spares else "")
         + (f", {s.pending_workers} pending: no room in the cluster)" if s.pending_workers else ")"),
     )
     per_1k = f", ${s.cost_per_1k_samples:.4g}/1k samples" if s.cost_per_1k_samples else ""

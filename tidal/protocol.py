@@ -362,6 +362,10 @@ class JobStatus(BaseModel):
     world_size: int
     target_workers: int
     pending_workers: int = 0  # asked for, waiting for room in the cluster (state pending)
+    # Warm workers outside the generation (state standby; billed) and how many ``--spares``
+    # asks to keep: a scale-up or a replacement takes one at the next step.
+    standby_workers: int = 0
+    spares: int = 0
     min_workers: int
     max_workers: int
     script: str

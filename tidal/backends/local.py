@@ -104,16 +104,19 @@ class LocalBackend(Backend):
 
     @classmethod
     def check_capacity(cls, spec: JobSpec) -> None:
-        """Refuse, in one line, a job whose ``--max-workers`` this machine cannot hold."""
+        """Refuse, in one line, a job whose ``--max-workers`` (and ``--spares``) this
+        machine cannot hold."""
         limit, why = local_capacity(oversubscribe=spec.oversubscribe)
-        if spec.max_workers > limit:
+        wanted = spec.max_workers + spec.spares
+        if wanted > limit:
             hint = (
                 ""
                 if spec.oversubscribe or "core" not in why
                 else "; --oversubscribe allows more per core"
             )
+            counted = f" ({spec.max_workers} + {spec.spares} spares)" if spec.spares else ""
             raise ValueError(
-                f"{spec.max_workers} workers is more than this machine holds: at most {limit} "
+                f"{wanted} workers{counted} is more than this machine holds: at most {limit} "
                 f"local workers ({why}){hint}"
             )
 

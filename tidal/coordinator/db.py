@@ -451,6 +451,8 @@ class Database:
             world_size=world,
             target_workers=target,
             pending_workers=sum(w.state == "pending" for w in workers),
+            standby_workers=sum(w.state == "standby" for w in workers),
+            spares=spec.get("spares", 0),  # a job recorded before --spares had none
             min_workers=spec["min_workers"],
             max_workers=spec["max_workers"],
             script=spec["script"],
