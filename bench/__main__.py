@@ -30,6 +30,7 @@ MEASUREMENTS = (
     "checkpoint_stall",
     "dataloader",
     "control_plane",
+    "capacity",
 )
 
 SIZES = {
@@ -38,15 +39,15 @@ SIZES = {
     # run and its repetitions
     "full": dict(
         tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
-        loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0,
+        loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
-        loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0,
+        loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
-        loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0,
+        loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
     ),
 }  # fmt: skip
 
@@ -59,6 +60,7 @@ GOALS = {
     "checkpoint_stall_pct": "Tidal <= 3.5 %",
     "dataloader_workers": "ratio >= 0.95",
     "control_plane_1024": "Tidal p99 < 50 ms on one core",
+    "time_to_capacity_spare": "Tidal <= 1 s",
 }
 
 
@@ -81,6 +83,8 @@ def met(r: dict, extra: dict) -> bool | None:
         return ratio >= 0.95
     if name == "control_plane_1024":
         return t < 50
+    if name == "time_to_capacity_spare":
+        return t <= 1.0
     return None
 
 
@@ -187,6 +191,29 @@ def run_control_plane(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     )
 
 
+def run_capacity(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import capacity, rescale
+
+    res = {}
+    for kind, spares in (("cold", 0), ("spare", 1)):
+        (tmp / kind).mkdir()
+        res[kind] = capacity.tidal_capacity(size["cap_joins"], tmp / kind, spares=spares)
+    (tmp / "peer").mkdir()
+    res["peer"] = rescale.peer_pauses(size["cap_joins"], tmp / "peer")
+    peer = percentile(res["peer"]["join_to_step_s"], 50)
+    rows = [
+        row(
+            f"time_to_capacity_{kind}",
+            percentile(res[kind]["join_to_step_s"], 50),
+            peer,
+            "s",
+            higher_is_better=False,
+        )
+        for kind in ("cold", "spare")
+    ]
+    return rows, res
+
+
 RUNNERS = {
     "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
     "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
@@ -208,6 +235,7 @@ RUNNERS = {
         ],
         "ms p99",
     ),
+    "capacity": (run_capacity, ["time_to_capacity_cold", "time_to_capacity_spare"], "s"),
 }
 
 

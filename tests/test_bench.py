@@ -110,3 +110,25 @@ def test_bench_tiny_control_plane(tmp_path: Path) -> None:
         assert d["floor_latency_s"]["n"] > 0 and d["probe_s"]["n"] > 0, d
         assert 0 < d["coordinator_cpu"] < 2.5 and 0 < d["generator_cpu"] < 2.5, d
     assert "control_plane_1024" in proc.stdout and "p99 < 50 ms" in proc.stdout
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(420)
+def test_bench_tiny_capacity(tmp_path: Path) -> None:
+    """Time to capacity (issue 17): a cold join, a join from a warm spare, torchrun's join
+    (~130 s on 2 cores: ``pytest -m bench``; CI does not). The spare is admitted at the next
+    control-loop pass, so it must beat the cold join, whatever the machine's load."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--tiny", "--only", "capacity", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["time_to_capacity_cold", "time_to_capacity_spare"]
+    for r in rows.values():
+        assert r["unit"] == "s" and all(r[k] > 0 for k in ("tidal", "peer", "ratio")), r
+    assert rows["time_to_capacity_spare"]["tidal"] < rows["time_to_capacity_cold"]["tidal"]
