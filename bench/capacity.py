@@ -1,4 +1,7 @@
-"""Time to capacity: from asking for one more worker to that worker's first step.
+"""Time to capacity: from asking for workers to their first step.
+
+``cold_start``: from launching a 2-worker job to its first step, ``tidal run`` against
+``torchrun --standalone`` on the same script.
 
 Tidal: ``tidal run --workers 1 --max-workers 2`` on ``bench/train_mlp.py``, then, ``joins``
 times, ``tidal scale JOB 2`` and the time until the first step the job makes at world size
@@ -18,7 +21,17 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import TRAIN, Procs, ends, log, read_records, tidal_cmd, wait_until
+from bench.common import (
+    TORCHRUN_ENV,
+    TRAIN,
+    Procs,
+    ends,
+    log,
+    read_records,
+    tidal_cmd,
+    torchrun_cmd,
+    wait_until,
+)
 
 
 def _cli(*args: str) -> None:
@@ -87,6 +100,38 @@ def tidal_capacity(joins: int, tmp: Path, *, spares: int, timeout: float = 120) 
     finally:
         procs.cleanup()  # the detached job too: its processes carry the marker
     return {"join_to_step_s": times, "spares": spares}
+
+
+def cold_start(tmp: Path, *, reps: int, timeout: float = 120) -> dict:
+    """Seconds from launching a 2-worker job to the end of its first step at world size 2:
+    ``tidal run --workers 2`` against ``torchrun --standalone --nproc-per-node 2`` on the same
+    script, alternating, ``reps`` times each."""
+    out: dict[str, list[float]] = {"tidal": [], "torchrun": []}
+    for rep in range(reps):
+        for tool in ("tidal", "torchrun"):
+            steps = tmp / f"{tool}-{rep}"
+            if tool == "tidal":
+                cmd = tidal_cmd(tmp / f"home-{rep}", f"cold-{rep}", "--workers", "2")
+                cmd += [str(TRAIN), "--mode", "tidal"]
+            else:
+                cmd = torchrun_cmd(
+                    "--standalone", "--nproc-per-node=2", str(TRAIN), "--mode", "ddp"
+                )
+            cmd += ["--steps", "10000000", "--out", str(steps)]
+            procs = Procs()
+            try:
+                t = time.time()
+                procs.start(
+                    cmd, tmp / f"{tool}-{rep}.log", TORCHRUN_ENV if tool != "tidal" else None
+                )
+                first = wait_until(
+                    lambda s=steps, t=t: _first_end_at(s, 2, t), timeout, f"{tool}'s first step"
+                )
+            finally:
+                procs.cleanup()
+            out[tool].append(first - t)
+            log(f"cold start {tool} {rep}: {first - t:.2f} s")
+    return out
 
 
 if __name__ == "__main__":

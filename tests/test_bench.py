@@ -128,7 +128,7 @@ def test_bench_tiny_capacity(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())}
-    assert list(rows) == ["time_to_capacity_cold", "time_to_capacity_spare"]
+    assert list(rows) == ["cold_start", "time_to_capacity_cold", "time_to_capacity_spare"]
     for r in rows.values():
         assert r["unit"] == "s" and all(r[k] > 0 for k in ("tidal", "peer", "ratio")), r
     assert rows["time_to_capacity_spare"]["tidal"] < rows["time_to_capacity_cold"]["tidal"]
