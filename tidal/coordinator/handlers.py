@@ -259,6 +259,7 @@ class Handlers:
     def on_failure(self, wid: int, r: FailureReport) -> None:
         with self.lock:
             self._caller(wid)
+            self._drain()  # this worker's earlier heartbeats first: its facts apply in order
             latest = self.latest
             if latest is None or r.generation != latest.id or self.outcome is not None:
                 return  # a newer generation already answers it
@@ -278,6 +279,7 @@ class Handlers:
     def on_done(self, wid: int, r: DoneReport) -> None:
         with self.lock:
             w = self._caller(wid)
+            self._drain()  # this worker's earlier heartbeats first: its facts apply in order
             self._stopping(w)
             self.step = max(self.step, r.step)
             if r.completed and self.outcome is None:
