@@ -121,6 +121,9 @@ def run_trial(
     """One trial with at most ``budget`` faults; ``kinds`` None: the defaults."""
     tr = Trial(seed, settings, workdir / f"trial-{seed}", ref)
     result = TrialResult(seed=seed, setup=tr.setup | {"budget": budget}, events=[])
+    # The machine's 1-minute load at the start and the end: a pause bound missed on a
+    # machine at load 7 is told apart from one missed on an idle machine.
+    result.setup["load"] = [round(os.getloadavg()[0], 1)]
     t0 = time.monotonic()
     planned = tr.rng.randint(*EVENTS_PER_TRIAL)
     try:
@@ -149,6 +152,7 @@ def run_trial(
             if result.failure is None:
                 result.failure = TrialFailure("processes", f"cleanup: {exc}")
         result.seconds = time.monotonic() - t0
+        result.setup["load"].append(round(os.getloadavg()[0], 1))
     return result
 
 
