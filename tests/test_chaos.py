@@ -118,3 +118,28 @@ def test_resume_refuses_another_campaigns_report(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "--resume" in proc.stderr and f"is of commit {'0' * 40}" in proc.stderr, proc.stderr
     assert json.loads(out.read_text())["commit"] == "0" * 40  # nothing already saved is lost
+
+
+def test_a_generation_is_charged_to_the_fault_that_hit_the_worker_it_names() -> None:
+    """Seed 100000056 of the 1,000-fault run: worker 0 SIGSTOPped (bound hb + 2 s), then,
+    before it was found hung, a SIGKILL of worker 4 (2 s); the generation opened when worker
+    0 missed its heartbeats paused 4.3 s and was charged to the kill."""
+    from bench.chaos.checks import cause
+    from bench.chaos.records import Event
+
+    stop = Event(
+        "double", ["SIGSTOP worker 0 (rank 0)", "SIGKILL coordinator (pid 7)"], 2, 7.0, time=10
+    )
+    kill = Event("kill", ["SIGKILL worker 4 (rank 2 of 3)"], 1, 2.0, time=12)
+    point = Event("point", ["sigstop@worker=2,phase=join,id=x"], 1, 5.0, time=13)
+    events = [stop, kill, point]
+
+    def gen(reason: str, opened_at: float) -> dict:
+        return {"reason": reason, "opened_at": opened_at}
+
+    assert cause(gen("worker 0 failed (missed heartbeats for 3.2 s)", 14), events) is stop
+    assert cause(gen("worker 4 failed (killed by SIGKILL)", 14), events) is kill
+    assert cause(gen("worker 2 failed (missed heartbeats)", 17), events) is point
+    assert cause(gen("worker 40 failed (killed by SIGKILL)", 14), events) is point  # not 4
+    assert cause(gen("worker 5 joined (target 3)", 12.5), events) is kill  # the newest
+    assert cause(gen("start with 2 workers", 1), events) is None

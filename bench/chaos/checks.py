@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from e2e_helpers import relative_l2
@@ -34,15 +35,28 @@ def params(s: dict, out: Path, reference: Path, max_steps: int) -> None:
             raise TrialFailure("params", f"{f.name} differs from the 1-worker run: {rel:.3e}")
 
 
+def cause(g: dict, events: list[Event]) -> Event | None:
+    """The fault a generation is charged to: among those injected before it opened, the
+    newest that hit the worker its reason names ("worker 0 failed (missed heartbeats)":
+    the SIGSTOP of worker 0, even if a later fault overlapped it), else the newest."""
+    before = [e for e in events if e.time <= g["opened_at"] + 0.05]
+    named = re.match(r"worker (\d+) ", g["reason"])
+    if named:
+        hit = re.compile(rf"\bworker[ =]{named[1]}\b")
+        mine = [e for e in before if any(hit.search(f) for f in e.faults)]
+        if mine:
+            return mine[-1]
+    return before[-1] if before else None
+
+
 def pauses(s: dict, events: list[Event]) -> list[dict]:
-    """Each generation's pause against the bound of the newest fault injected before it
-    opened (a join with no fault before it: ``JOIN_BOUND_S``)."""
+    """Each generation's pause against the bound of the fault it is charged to (``cause``;
+    a join with no fault before it: ``JOIN_BOUND_S``)."""
     pauses, worst = [], None
     for g in s["generations"]:
         if g["pause_s"] is None:
             continue
-        cause = [e for e in events if e.time <= g["opened_at"] + 0.05]
-        event = cause[-1] if cause else None
+        event = cause(g, events)
         bound = max(event.bound_s, JOIN_BOUND_S) if event else JOIN_BOUND_S
         rec = {
             "gen": g["id"],
