@@ -329,6 +329,7 @@ class Handlers:
     def worker_steps(self) -> tuple[int, list[tuple[int, int, bool]]]:
         """The job's step, and each live worker's (id, step, is a member)."""
         with self.lock:
+            self._drain()  # as of the heartbeats answered so far
             return self.step, [
                 (w.id, w.step, w.state == WorkerState.RUNNING)
                 for w in self.workers.values()
@@ -339,6 +340,7 @@ class Handlers:
         """(step, world size, target, numeric metrics, the per-step values not yet taken)
         for the dashboard's history (``tidal.dashboard.history.Recorder``)."""
         with self.lock:
+            self._drain()  # as of the heartbeats answered so far
             metrics = {k: v for k, v in self.metrics.items() if isinstance(v, (int, float))}
             values = self.step_log.take()
             return self.step, self.world_size(), self.target, metrics, values
