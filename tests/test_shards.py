@@ -1,0 +1,78 @@
+"""The rules of resharding in process (issue 16): FSDP2's dim-0 layout at any world size,
+and the rows a resize moves between the members of the new group. Milliseconds, no
+processes (``tidal.worker.shards``; the layout was checked against ``fully_shard``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tidal.worker.shards import Move, ShardsLost, plan, shard_range
+
+
+@pytest.mark.parametrize(
+    "rows, world, ranges",
+    [
+        (16, 2, [(0, 8), (8, 16)]),
+        (5, 3, [(0, 2), (2, 4), (4, 5)]),  # fully_shard on gloo: 2, 2, 1 rows
+        (5, 4, [(0, 2), (2, 4), (4, 5), (5, 5)]),  # and 2, 2, 1, 0: the last rank is empty
+        (3, 5, [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3)]),
+        (0, 3, [(0, 0), (0, 0), (0, 0)]),
+        (7, 1, [(0, 7)]),
+    ],
+)
+def test_the_layout_is_torch_chunks(rows, world, ranges):
+    assert [shard_range(rows, world, r) for r in range(world)] == ranges
+
+
+@pytest.mark.parametrize("rows, world, rank", [(5, 0, 0), (5, 2, 2), (5, 2, -1), (-1, 2, 0)])
+def test_no_shard_outside_the_world(rows, world, rank):
+    with pytest.raises(ValueError, match="no shard"):
+        shard_range(rows, world, rank)
+
+
+def test_a_joiner_receives_only_its_shard_and_survivors_only_what_they_lack():
+    # 2 -> 3: the survivors keep ranks 0 and 1; the joiner is rank 2.
+    assert plan(12, 2, 3, [0, 1]) == [
+        Move(src=0, dst=0, start=0, stop=4),  # a local copy
+        Move(src=0, dst=1, start=4, stop=6),
+        Move(src=1, dst=1, start=6, stop=8),
+        Move(src=1, dst=2, start=8, stop=12),
+    ]
+
+
+def test_a_member_may_hold_several_old_shards():
+    # 3 -> 2: old rank 0 is new rank 1, old rank 1 is new rank 0, and old rank 2's rows are
+    # held by new rank 1 too (the leaver handed them over, or a neighbour's copy).
+    assert plan(6, 3, 2, [1, 0, 1]) == [
+        Move(src=1, dst=0, start=0, stop=2),
+        Move(src=0, dst=0, start=2, stop=3),
+        Move(src=0, dst=1, start=3, stop=4),
+        Move(src=1, dst=1, start=4, stop=6),
+    ]
+
+
+def test_rows_nobody_holds_are_named():
+    with pytest.raises(ShardsLost) as info:
+        plan(12, 3, 1, [0, None, None])
+    assert info.value.rows == [(4, 8), (8, 12)]
+
+
+def test_moves_rebuild_every_new_shard_exactly_for_any_resize():
+    rng = random.Random(0)
+    for _ in range(500):
+        rows = rng.randint(0, 40)
+        old, new = rng.randint(1, 7), rng.randint(1, 7)
+        holders = [rng.randrange(new) for _ in range(old)]
+        full = list(range(100, 100 + rows))
+        held = {}  # new rank -> {row: value} it holds in the old layout
+        for i, h in enumerate(holders):
+            a, b = shard_range(rows, old, i)
+            held.setdefault(h, {}).update({r: full[r] for r in range(a, b)})
+        got = {d: {} for d in range(new)}
+        for m in plan(rows, old, new, holders):
+            got[m.dst].update({r: held[m.src][r] for r in range(m.start, m.stop)})
+        for d in range(new):
+            a, b = shard_range(rows, new, d)
+            assert [got[d][r] for r in sorted(got[d])] == full[a:b], (rows, old, new, holders)
