@@ -35,10 +35,10 @@ def test_no_shard_outside_the_world(rows, world, rank):
 def test_a_joiner_receives_only_its_shard_and_survivors_only_what_they_lack():
     # 2 -> 3: the survivors keep ranks 0 and 1; the joiner is rank 2.
     assert plan(12, 2, 3, [0, 1]) == [
-        Move(src=0, dst=0, start=0, stop=4),  # a local copy
-        Move(src=0, dst=1, start=4, stop=6),
-        Move(src=1, dst=1, start=6, stop=8),
-        Move(src=1, dst=2, start=8, stop=12),
+        Move(src=0, dst=0, start=0, stop=4, old=0),  # a local copy
+        Move(src=0, dst=1, start=4, stop=6, old=0),
+        Move(src=1, dst=1, start=6, stop=8, old=1),
+        Move(src=1, dst=2, start=8, stop=12, old=1),
     ]
 
 
@@ -46,10 +46,10 @@ def test_a_member_may_hold_several_old_shards():
     # 3 -> 2: old rank 0 is new rank 1, old rank 1 is new rank 0, and old rank 2's rows are
     # held by new rank 1 too (the leaver handed them over, or a neighbour's copy).
     assert plan(6, 3, 2, [1, 0, 1]) == [
-        Move(src=1, dst=0, start=0, stop=2),
-        Move(src=0, dst=0, start=2, stop=3),
-        Move(src=0, dst=1, start=3, stop=4),
-        Move(src=1, dst=1, start=4, stop=6),
+        Move(src=1, dst=0, start=0, stop=2, old=0),
+        Move(src=0, dst=0, start=2, stop=3, old=1),
+        Move(src=0, dst=1, start=3, stop=4, old=1),
+        Move(src=1, dst=1, start=4, stop=6, old=2),
     ]
 
 
@@ -76,3 +76,34 @@ def test_moves_rebuild_every_new_shard_exactly_for_any_resize():
         for d in range(new):
             a, b = shard_range(rows, new, d)
             assert [got[d][r] for r in sorted(got[d])] == full[a:b], (rows, old, new, holders)
+
+
+RESHARD = r"""
+import json, sys, datetime, torch, torch.distributed as dist
+from tidal.worker.shards import reshard, shard_range
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+full = torch.arange(13 * 2, dtype=torch.float64).reshape(13, 2)
+out = {}
+# 2 -> 3: ranks 0 and 1 held old shards 1 and 0 (the survivors swapped ranks); rank 2 joins
+holders = [1, 0]
+held = {o: full[slice(*shard_range(13, 2, o))].clone() for o, h in enumerate(holders) if h == rank}
+mine = reshard(full[:0], held, rows=13, old_world=2, new_world=3, holders=holders, rank=rank)
+out["grow"] = torch.equal(mine, full[slice(*shard_range(13, 3, rank))])
+# 3 -> 3 with rank 2 holding two old shards and rank 1 none (a neighbour's copy of 1's)
+holders = [0, 2, 2]
+held = {o: full[slice(*shard_range(13, 3, o))].clone() for o, h in enumerate(holders) if h == rank}
+mine = reshard(full[:0], held, rows=13, old_world=3, new_world=3, holders=holders, rank=rank)
+out["copy"] = torch.equal(mine, full[slice(*shard_range(13, 3, rank))])
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_reshard_moves_the_rows_over_real_gloo_point_to_point():
+    from ranks import run_ranks
+
+    for out in run_ranks(RESHARD, 3, timeout=60):
+        assert out == {"grow": True, "copy": True}

@@ -6,13 +6,17 @@ last ones shorter or empty (5 rows on 4 ranks: 2, 2, 1, 0; checked against
 ``fully_shard`` on gloo). Resharding in process (issue 16) moves, over the new generation's
 group, exactly the rows each new rank lacks, from whichever member of the new group held
 them in the old layout; a joiner receives only its shard. These are the pure rules for
-that: the layout (``shard_range``) and the transfer plan (``plan``). They move nothing.
+that: the layout (``shard_range``) and the transfer plan (``plan``), pure; and ``reshard``,
+which carries a plan out for one tensor over a process group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 
 def shard_range(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -26,14 +30,15 @@ def shard_range(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Move:
-    """Rows ``[start, stop)`` (global indices) go from new rank ``src``, which held them in
-    the old layout, to new rank ``dst``, which holds them in the new one (``src == dst``: a
-    local copy)."""
+    """Rows ``[start, stop)`` (global indices) of old rank ``old``'s shard go from new rank
+    ``src``, which holds that shard, to new rank ``dst``, which holds them in the new layout
+    (``src == dst``: a local copy)."""
 
     src: int
     dst: int
     start: int
     stop: int
+    old: int
 
 
 class ShardsLost(RuntimeError):
@@ -64,7 +69,47 @@ def plan(rows: int, old_world: int, new_world: int, holders: Sequence[int | None
             if src is None:
                 lost.append((start, stop))
             else:
-                moves.append(Move(src=src, dst=dst, start=start, stop=stop))
+                moves.append(Move(src=src, dst=dst, start=start, stop=stop, old=old))
     if lost:
         raise ShardsLost(sorted(lost))
     return moves
+
+
+def reshard(
+    like: torch.Tensor,
+    held: dict[int, torch.Tensor],
+    *,
+    rows: int,
+    old_world: int,
+    new_world: int,
+    holders: Sequence[int | None],
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """This member's shard of the tensor at ``new_world``, made over ``group`` (where it is
+    ``rank``) from the old shards the members hold: ``held`` maps an old rank to its shard
+    (its rows of the old layout), for the old ranks whose ``holders`` entry is this member.
+    ``like`` gives the row shape and dtype (a joiner, which holds nothing, knows them from
+    its own model). Every member calls it with the same ``rows``, worlds and ``holders``;
+    each receives only the rows it lacks, point to point, each move tagged by its place in
+    the plan (which every member computes alike)."""
+    moves = plan(rows, old_world, new_world, holders)
+    start, stop = shard_range(rows, new_world, rank)
+    out = torch.empty(stop - start, *like.shape[1:], dtype=like.dtype)
+    pending = []
+    for tag, m in enumerate(moves):
+        if rank not in (m.src, m.dst):
+            continue
+        if m.src == rank:
+            old_start = shard_range(rows, old_world, m.old)[0]
+            part = held[m.old][m.start - old_start : m.stop - old_start]
+            if m.dst == rank:
+                out[m.start - start : m.stop - start] = part
+            else:
+                pending.append(dist.isend(part.contiguous(), m.dst, group=group, tag=tag))
+        else:  # rows are dim 0, so this view of ``out`` is contiguous
+            view = out[m.start - start : m.stop - start]
+            pending.append(dist.irecv(view, m.src, group=group, tag=tag))
+    for work in pending:
+        work.wait()
+    return out
