@@ -123,7 +123,8 @@ def test_resume_refuses_another_campaigns_report(tmp_path: Path) -> None:
 def test_a_generation_is_charged_to_the_fault_that_hit_the_worker_it_names() -> None:
     """Seed 100000056 of the 1,000-fault run: worker 0 SIGSTOPped (bound hb + 2 s), then,
     before it was found hung, a SIGKILL of worker 4 (2 s); the generation opened when worker
-    0 missed its heartbeats paused 4.3 s and was charged to the kill."""
+    0 missed its heartbeats paused 4.3 s and was charged to the kill. Among the faults that
+    hit the named worker, the largest bound is charged (ties: the newest)."""
     from bench.chaos.checks import cause
     from bench.chaos.records import Event
 
@@ -143,3 +144,8 @@ def test_a_generation_is_charged_to_the_fault_that_hit_the_worker_it_names() -> 
     assert cause(gen("worker 40 failed (killed by SIGKILL)", 14), events) is point  # not 4
     assert cause(gen("worker 5 joined (target 3)", 12.5), events) is kill  # the newest
     assert cause(gen("start with 2 workers", 1), events) is None
+    # Seed 100000108: worker 2 SIGSTOPped, then SIGTERMed while stopped: the stop governs.
+    again = Event("term", ["SIGTERM worker 0 (rank 1 of 2)"], 1, 2.0, time=13.5)
+    assert cause(gen("worker 0 failed (missed heartbeats)", 14), [*events, again]) is stop
+    twice = Event("kill", ["SIGKILL worker 4 (rank 1)"], 1, 2.0, time=13.6)
+    assert cause(gen("worker 4 failed (killed by SIGKILL)", 14), [*events, twice]) is twice

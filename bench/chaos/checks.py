@@ -36,16 +36,17 @@ def params(s: dict, out: Path, reference: Path, max_steps: int) -> None:
 
 
 def cause(g: dict, events: list[Event]) -> Event | None:
-    """The fault a generation is charged to: among those injected before it opened, the
-    newest that hit the worker its reason names ("worker 0 failed (missed heartbeats)":
-    the SIGSTOP of worker 0, even if a later fault overlapped it), else the newest."""
+    """The fault a generation is charged to: among those injected before it opened and that
+    hit the worker its reason names, the one with the largest bound ("worker 0 failed
+    (missed heartbeats)": the SIGSTOP of worker 0, even if a later fault overlapped it or
+    hit the stopped worker again), else the newest."""
     before = [e for e in events if e.time <= g["opened_at"] + 0.05]
     named = re.match(r"worker (\d+) ", g["reason"])
     if named:
         hit = re.compile(rf"\bworker[ =]{named[1]}\b")
         mine = [e for e in before if any(hit.search(f) for f in e.faults)]
         if mine:
-            return mine[-1]
+            return max(reversed(mine), key=lambda e: e.bound_s)  # ties: the newest
     return before[-1] if before else None
 
 
