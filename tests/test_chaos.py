@@ -149,3 +149,30 @@ def test_a_generation_is_charged_to_the_fault_that_hit_the_worker_it_names() -> 
     assert cause(gen("worker 0 failed (missed heartbeats)", 14), [*events, again]) is stop
     twice = Event("kill", ["SIGKILL worker 4 (rank 1)"], 1, 2.0, time=13.6)
     assert cause(gen("worker 4 failed (killed by SIGKILL)", 14), [*events, twice]) is twice
+
+
+def test_a_fault_that_overlaps_an_earlier_one_is_bounded_from_its_own_injection() -> None:
+    """Seed 100000103: worker 3 SIGSTOPped at t=0 (5 s), worker 2 SIGSTOPped at t=2.06 before
+    the first was recovered (5 s); the generation that answered both paused 5.26 s from the
+    last step before the first stop: 3.2 s from the second's injection."""
+    from bench.chaos.checks import pauses
+    from bench.chaos.records import OVERLAPPED, Event, TrialFailure
+
+    first = Event("point", ["sigstop@worker=3,phase=first"], 1, 5.0, time=100.0)
+    first.notes.append(OVERLAPPED)
+    second = Event("double", ["SIGKILL worker 1 (rank 1)", "SIGSTOP worker 2 (rank 2)"], 2, 5.0)
+    second.time = 102.06
+    later = Event("kill", ["SIGKILL worker 5 (rank 1)"], 1, 2.0, time=120.0)
+
+    def status(pause: float) -> dict:
+        g = {"id": 5, "reason": "worker 2 failed (missed heartbeats)", "opened_at": 105.2}
+        return {"generations": [g | {"pause_s": pause}]}
+
+    (rec,) = pauses(status(5.26), [first, second, later])
+    assert rec["bound_s"] == 7.06 and rec["fault"] == "double"
+    with pytest.raises(TrialFailure, match="pause"):
+        pauses(status(7.5), [first, second, later])
+    # Without the overlap, the same pause is over the bound.
+    first.notes.clear()
+    with pytest.raises(TrialFailure, match="pause"):
+        pauses(status(5.26), [first, second, later])

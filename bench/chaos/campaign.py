@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.chaos.kinds import FINAL, KINDS, WEIGHTS, bounds
-from bench.chaos.records import JobEnded, Settings, TrialFailure, TrialResult
+from bench.chaos.records import OVERLAPPED, JobEnded, Settings, TrialFailure, TrialResult
 from bench.chaos.trial import ROOT, TRAIN, Trial
 
 EVENTS_PER_TRIAL = (3, 5)
@@ -100,7 +100,7 @@ def _inject(
         what = f"recovery from {kind} ({'; '.join(event.faults)})"
         last = len(result.events) == planned or result.faults >= budget
         if overlap and kind in OPENS_GENERATION and not last:
-            event.notes.append("the next fault came before full recovery")
+            event.notes.append(OVERLAPPED)
             tr.training_again(event.time, generations, what)
         else:
             tr.settle_after(event.time, what)

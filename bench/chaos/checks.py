@@ -8,7 +8,7 @@ from pathlib import Path
 
 from e2e_helpers import relative_l2
 
-from bench.chaos.records import Event, TrialFailure
+from bench.chaos.records import OVERLAPPED, Event, TrialFailure
 
 EXACT = 1e-12
 JOIN_BOUND_S = 2.0  # a join with no fault before it (``kinds.LOST_S``)
@@ -50,15 +50,31 @@ def cause(g: dict, events: list[Event]) -> Event | None:
     return before[-1] if before else None
 
 
+def overlap_since(events: list[Event]) -> dict[int, float]:
+    """For each event (by position), when the stall it may extend began: its own time, or,
+    if the fault before it came before full recovery, that fault's stall's beginning."""
+    since: dict[int, float] = {}
+    for i, e in enumerate(events):
+        chained = i > 0 and OVERLAPPED in events[i - 1].notes
+        since[i] = since[i - 1] if chained else e.time
+    return since
+
+
 def pauses(s: dict, events: list[Event]) -> list[dict]:
     """Each generation's pause against the bound of the fault it is charged to (``cause``;
-    a join with no fault before it: ``JOIN_BOUND_S``)."""
+    a join with no fault before it: ``JOIN_BOUND_S``). A pause is measured from the job's
+    last step before it, so when that fault came before an earlier one was recovered from,
+    its bound counts from its own injection: the bound plus the time the stall had already
+    lasted (seed 100000103: a member SIGSTOPped, then 2 s later another one)."""
     pauses, worst = [], None
+    since = overlap_since(events)
     for g in s["generations"]:
         if g["pause_s"] is None:
             continue
         event = cause(g, events)
         bound = max(event.bound_s, JOIN_BOUND_S) if event else JOIN_BOUND_S
+        if event is not None:
+            bound = round(bound + event.time - since[events.index(event)], 3)
         rec = {
             "gen": g["id"],
             "reason": g["reason"],

@@ -15,6 +15,10 @@ class JobEnded(Exception):
     """The job reached a terminal state while the trial waited for something else."""
 
 
+#: The note on an event whose recovery the next fault did not wait for (``checks.pauses``).
+OVERLAPPED = "the next fault came before full recovery"
+
+
 @dataclass
 class Settings:
     max_steps: int = 1200
