@@ -132,6 +132,11 @@ def arrived_key(prefix: str) -> str:
     return f"{prefix}/arrived"
 
 
+def group_prefix(prefix: str) -> str:
+    """Where the generation's process group (gloo) keeps its keys: each member's address."""
+    return f"{prefix}/pg"
+
+
 class GenerationInfo(BaseModel):
     """One membership epoch: its members in rank order and the store prefix they meet on.
 

@@ -51,6 +51,7 @@ from tidal.protocol import (
     GenerationInfo,
     arrived_key,
     generation_prefix,
+    group_prefix,
     state_key,
 )
 
@@ -202,7 +203,7 @@ def form_group(
     counter that only a successful group's destruction resets, and a counter left advanced
     would make this worker look for keys its peers never write in the next generation."""
     watched = _Superseded(
-        dist.PrefixStore(f"{info.store_prefix}/pg", store),
+        dist.PrefixStore(group_prefix(info.store_prefix), store),
         store,
         state_key(generation_prefix(namespace, info.id + 1)),
         wait_s=timeout_s,
