@@ -18,17 +18,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_tiny(measurement: str, out: Path, *, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m bench --tiny --only MEASUREMENT --json OUT`` from the checkout."""
+    cmd = [sys.executable, "-m", "bench", "--tiny", "--only", measurement, "--json", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_bench_tiny_state_transfer(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "state_transfer", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
+    proc = run_tiny("state_transfer", out, timeout=80)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows] == ["state_transfer"]
@@ -58,13 +58,7 @@ def test_bench_tiny_dataloader(tmp_path: Path) -> None:
     jobs of three to five processes each, ~70 s on 2 cores: ``pytest -m bench`` runs it; CI
     does not)."""
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "dataloader", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    proc = run_tiny("dataloader", out, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     names = ["dataloader_workers", "dataloader_workers_0", "dataloader_speedup"]
@@ -83,13 +77,7 @@ def test_bench_tiny_control_plane(tmp_path: Path) -> None:
     heartbeating over its HTTP API (~1 min on 2 cores: ``pytest -m bench`` runs it; CI does
     not). Shape and sanity only: no latency is asserted."""
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "control_plane", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = run_tiny("control_plane", out, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     sizes = (256, 1024)
@@ -119,13 +107,7 @@ def test_bench_tiny_capacity(tmp_path: Path) -> None:
     (~130 s on 2 cores: ``pytest -m bench``; CI does not). The spare is admitted at the next
     control-loop pass, so it must beat the cold join, whatever the machine's load."""
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--tiny", "--only", "capacity", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = run_tiny("capacity", out, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())}
     assert list(rows) == ["cold_start", "time_to_capacity_cold", "time_to_capacity_spare"]
