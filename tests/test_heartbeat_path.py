@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tidal.coordinator.answers import Answers
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.records import WorkerRecord, changed_rows
 from tidal.coordinator.rules import heartbeat_interval
 from tidal.protocol import (
     API_PREFIX,
@@ -150,3 +150,47 @@ def test_a_body_too_long_for_the_hot_path_is_replayed_to_fastapi_whole(served):
         headers={"Content-Type": "application/json"},
     )
     assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "step"]
+
+
+# (what SQLite holds, the live row) -> written by the flush? Rows:
+# (id, pid, host, state, rank, last_heartbeat, exit_code, node)
+BASE = (3, 100, "h", "running", 0, 1000.0, None, "n")
+
+
+@pytest.mark.parametrize(
+    "saved, row, written",
+    [
+        (None, BASE, True),  # never written
+        (BASE, BASE, False),  # unchanged
+        (BASE, BASE[:3] + ("exited",) + BASE[4:], True),  # a state change at once
+        (BASE, BASE[:4] + (None,) + BASE[5:], True),  # lost its rank
+        (BASE, BASE[:6] + (-9,) + BASE[7:], True),  # an exit code
+        (BASE, BASE[:7] + ("m",), True),  # placed elsewhere
+        (BASE, BASE[:5] + (1004.9,) + BASE[6:], False),  # a heartbeat alone, < 5 s newer
+        (BASE, BASE[:5] + (1005.0,) + BASE[6:], True),  # ... 5 s newer
+        (BASE[:5] + (None,) + BASE[6:], BASE, True),  # the first heartbeat
+    ],
+)
+def test_a_flush_writes_the_rows_that_changed(saved, row, written):
+    assert changed_rows([row], {} if saved is None else {saved[0]: saved}) == (
+        [row] if written else []
+    )
+
+
+def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
+    coord, _ = served
+    with coord.lock:
+        for wid in range(1, 50):
+            coord.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
+        coord.flush()
+        assert coord._saved_rows == {w.id: w.row() for w in coord.workers.values()}
+        writes = []
+        write = coord.db.upsert_worker_rows
+        coord.db.upsert_worker_rows = lambda job, rows: (writes.append(list(rows)), write(job, rows))
+        coord.flush()  # nothing changed: nothing written
+        coord.workers[7].state = WorkerState.EXITED
+        coord.workers[8].last_heartbeat = 1.0
+        coord.flush()
+    assert writes == [[coord.workers[7].row(), coord.workers[8].row()]]
+    states = {w.id: w.state for w in coord.status(fresh=True).workers}
+    assert states[7] == WorkerState.EXITED and states[9] == WorkerState.STANDBY

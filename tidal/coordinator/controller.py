@@ -26,7 +26,13 @@ from tidal.coordinator.db import Database
 from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
-from tidal.coordinator.records import GenerationRecord, Resume, WorkerRecord
+from tidal.coordinator.records import (
+    GenerationRecord,
+    Resume,
+    WorkerRecord,
+    WorkerRow,
+    changed_rows,
+)
 from tidal.coordinator.rules import (
     effective_target,
     final_checkpoint,
@@ -140,6 +146,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self._schedule_applied_at = 0.0
         self.settled_step = passed[-1] if passed else -1  # last step whose membership is in place
         self._last_flush = 0.0
+        self._saved_rows: dict[int, WorkerRow] = {}  # what SQLite holds (``_save_workers``)
         self._policy = get_policy(spec.policy)
         if recover:
             self._recover()
@@ -357,7 +364,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                 else:
                     self._stopping(w)
         self._publish()  # the members learn of it at their next heartbeat, not after the pass
-        self.db.upsert_workers(self.spec.name, [w.view() for w in self.workers.values()])
+        self._save_workers()
         self.db.upsert_generation(self.spec.name, gen.view())
         self._save_control()
         self.event(
@@ -423,8 +430,21 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             metrics=self.metrics,
             url=self.url or None,
         )
-        self.db.upsert_workers(self.spec.name, [w.view() for w in self.workers.values()])
+        self._save_workers()
         self._save_control()
+
+    def _save_worker(self, w: WorkerRecord) -> None:
+        """Write one worker's row now (a change the status must show at once)."""
+        row = w.row()
+        self.db.upsert_worker_rows(self.spec.name, [row])
+        self._saved_rows[w.id] = row
+
+    def _save_workers(self) -> None:
+        """Write the worker rows that changed since they were written (``changed_rows``)."""
+        rows = changed_rows([w.row() for w in self.workers.values()], self._saved_rows)
+        if rows:
+            self.db.upsert_worker_rows(self.spec.name, rows)
+            self._saved_rows.update((r[0], r) for r in rows)
 
     def close(self) -> None:
         for wid in self.backend.alive():

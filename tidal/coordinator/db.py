@@ -121,10 +121,6 @@ UPSERT_WORKER = (
 )
 
 
-def _worker_row(job: str, w: WorkerView) -> tuple:
-    return (job, w.id, w.pid, w.host, w.state.value, w.rank, w.last_heartbeat, w.exit_code, w.node)
-
-
 class UnknownJob(LookupError):
     pass
 
@@ -281,13 +277,11 @@ class Database:
         cols = ", ".join(f"{k} = ?" for k in values)
         self._write(f"UPDATE jobs SET {cols} WHERE name = ?", (*values.values(), name))
 
-    def upsert_worker(self, job: str, w: WorkerView) -> None:
-        self._write(UPSERT_WORKER, _worker_row(job, w))
-
-    def upsert_workers(self, job: str, workers: Iterable[WorkerView]) -> None:
-        """``upsert_worker`` of many workers in one transaction: one commit, not one a row
-        (the commit is most of the cost: 1,024 rows took ~85 ms one by one here)."""
-        self._write(UPSERT_WORKER, [_worker_row(job, w) for w in workers], many=True)
+    def upsert_worker_rows(self, job: str, rows: Iterable[tuple]) -> None:
+        """Worker rows (``WorkerRecord.row``: id first, in ``UPSERT_WORKER``'s order after
+        the job) in one transaction: one commit, not one a row (the commit is most of the
+        cost: 1,024 rows took ~85 ms one by one here)."""
+        self._write(UPSERT_WORKER, [(job, *r) for r in rows], many=True)
 
     def upsert_generation(self, job: str, g: GenerationView) -> None:
         self._write(

@@ -145,7 +145,7 @@ class Handlers:
             if w.state in (WorkerState.PENDING, WorkerState.STARTING):
                 w.state = WorkerState.STANDBY
                 w.node = w.node or self.backend.node(wid)
-            self.db.upsert_worker(self.spec.name, w.view())
+            self._save_worker(w)
             self.event("worker", f"worker {wid} ready (pid {req.pid})")
             self.wake.set()  # a ready worker may complete the generation being formed
             return RegisterResponse(
@@ -294,7 +294,7 @@ class Handlers:
                     self._save_control()
                 else:
                     self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
-            self.db.upsert_worker(self.spec.name, w.view())
+            self._save_worker(w)
             self.wake.set()
 
     def _completion_refused(self, wid: int, r: DoneReport) -> str:

@@ -147,7 +147,7 @@ class Lifecycle:
             self._decide(JobState.FAILED, verdict.fail_job)
         if verdict.target is not None:
             self._set_target(verdict.target, verdict.target_why)
-        self.db.upsert_worker(self.spec.name, w.view())
+        self._save_worker(w)
 
     def _track_placement(self) -> None:
         """``pending`` workers the backend has placed since become ``starting``."""
@@ -157,7 +157,7 @@ class Lifecycle:
                 waiting = self.backend.waiting() if waiting is None else waiting
                 if w.id not in waiting:
                     w.state, w.node = WorkerState.STARTING, self.backend.node(w.id)
-                    self.db.upsert_worker(self.spec.name, w.view())
+                    self._save_worker(w)
                     self.event("worker", f"worker {w.id} placed on {w.node}")
 
     def _check_heartbeats(self) -> None:
@@ -239,7 +239,7 @@ class Lifecycle:
         if w.state in NOT_STARTED:  # no heartbeat to tell it; pending ones are cancelled
             self.backend.signal(w.id, signal.SIGTERM)
         self._stopping(w)
-        self.db.upsert_worker(self.spec.name, w.view())
+        self._save_worker(w)
 
     def _start_worker(self) -> None:
         wid = max(self.workers, default=self._worker_base - 1) + 1
@@ -248,7 +248,7 @@ class Lifecycle:
         # Recorded before it is launched: a coordinator that dies in between leaves a record
         # (its successor counts the worker as lost, and refuses it if it registers), never
         # a process with an id it could give a second worker.
-        self.db.upsert_worker(self.spec.name, w.view())
+        self._save_worker(w)
         w.pid = self.backend.start(wid, self._worker_env(wid))
         if wid in self.backend.waiting():
             w.state = WorkerState.PENDING
@@ -259,4 +259,4 @@ class Lifecycle:
         else:
             w.node = self.backend.node(wid)
             self.event("worker", f"worker {wid} started (pid {w.pid})")
-        self.db.upsert_worker(self.spec.name, w.view())
+        self._save_worker(w)

@@ -50,6 +50,52 @@ class WorkerRecord:
             exit_code=self.exit_code,
         )
 
+    def row(self) -> WorkerRow:
+        """What SQLite holds of it (``view`` without the pydantic model: 1,024 views took
+        ~50 ms of the loop's time a flush)."""
+        return (
+            self.id,
+            self.pid,
+            self.host,
+            self.state.value,
+            self.rank,
+            self.last_heartbeat,
+            self.exit_code,
+            self.node,
+        )
+
+
+#: ``(id, pid, host, state, rank, last_heartbeat, exit_code, node)``: a worker's row.
+WorkerRow = tuple
+
+#: A worker row whose only change is a newer ``last_heartbeat`` is rewritten once the saved
+#: one is this old: the status's ``last_heartbeat`` lags the live one by at most this (plus
+#: a flush interval); every other change is written at the next flush.
+HEARTBEAT_SAVE_S = 5.0
+
+
+def changed_rows(rows: list[WorkerRow], saved: dict[int, WorkerRow]) -> list[WorkerRow]:
+    """The rows a flush must write, given what was last written (``saved``, by worker id).
+
+    Contract: a row is written when it is new or any field other than ``last_heartbeat``
+    differs; a heartbeat alone is written when the saved one is ``HEARTBEAT_SAVE_S`` behind
+    or missing. So a flush costs the changes, not the job's size (at 1,024 workers, every
+    row every 0.5 s held the server's heartbeats behind the loop for ~60 ms)."""
+    out = []
+    for row in rows:
+        old = saved.get(row[0])
+        if old == row:
+            continue
+        if (
+            old is None
+            or old[:5] != row[:5]
+            or old[6:] != row[6:]
+            or old[5] is None
+            or (row[5] is not None and row[5] - old[5] >= HEARTBEAT_SAVE_S)
+        ):
+            out.append(row)
+    return out
+
 
 @dataclass(kw_only=True)
 class GenerationRecord:

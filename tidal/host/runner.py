@@ -18,6 +18,7 @@ line when some checkpoints of a job that succeeded could not be written.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -139,6 +140,12 @@ def _host(
         supervisor_pid=hosting.supervisor_pid if hosting else None,
     )
 
+    # Everything built so far (torch, FastAPI, pydantic's schemas: ~10^6 objects) lives as
+    # long as the process: out of the collector's sight. Otherwise each full collection
+    # walked it all, 80 to 100 ms with the GIL held (every ~5 to 10 s at 1,024 workers),
+    # and every heartbeat answer waited behind it (``bench.control_plane``'s p99).
+    gc.collect()
+    gc.freeze()
     signals = {"count": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
