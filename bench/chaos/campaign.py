@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -119,7 +120,11 @@ def run_trial(
     keep: Path | None = None,
 ) -> TrialResult:
     """One trial with at most ``budget`` faults; ``kinds`` None: the defaults."""
-    tr = Trial(seed, settings, workdir / f"trial-{seed}", ref)
+    root = workdir / f"trial-{seed}"
+    # A trial cut short by a stop of the campaign left its folder (its job's records): the
+    # rerun of ``--resume`` starts it anew, not "a job named ... already exists".
+    shutil.rmtree(root, ignore_errors=True)
+    tr = Trial(seed, settings, root, ref)
     result = TrialResult(seed=seed, setup=tr.setup | {"budget": budget}, events=[])
     # The machine's 1-minute load at the start and the end: a pause bound missed on a
     # machine at load 7 is told apart from one missed on an idle machine.
