@@ -25,6 +25,7 @@ from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.db import Database
 from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
+from tidal.coordinator.journal import Journal
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import (
     GenerationRecord,
@@ -41,6 +42,7 @@ from tidal.coordinator.rules import (
     start_timed_out,
 )
 from tidal.coordinator.scaling import Scaling
+from tidal.coordinator.snapshot import JobRow
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.supervisor import Hosting, listen, url_of
 from tidal.policy.inputs import PolicyParams
@@ -103,6 +105,15 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = self.db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
+        self.journal = Journal(self.db, spec.name)  # the only writer of the job's records
+        self.journal.load(
+            unwritten=JobRow(
+                state=JobState.PENDING.value,
+                spec=spec.to_dict(),
+                created=time.time(),
+                target_workers=spec.workers,
+            )
+        )
         self.store = _bound_store(self.host, hosting.store_sock if hosting else None)
         # Every store key of the job lives under this secret (``protocol.generation_prefix``):
         # only workers, which get it through the authenticated API, can name a key.
@@ -174,7 +185,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
 
     # -- helpers -------------------------------------------------------------------------
     def event(self, kind: str, message: str) -> None:
-        self.db.add_event(self.spec.name, EventView(time=time.time(), kind=kind, message=message))
+        self.journal.add_event(EventView(time=time.time(), kind=kind, message=message))
 
     @property
     def latest(self) -> GenerationRecord | None:
@@ -203,7 +214,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self.event("scale", f"target {self.target} -> {effective} ({why})")
             self.target = effective
             self.target_changed_at = time.monotonic()
-            self.db.update_job(self.spec.name, target_workers=effective)
+            self.journal.update_job(target_workers=effective)
         self._save_control()
 
     def _decide(self, outcome: JobState, why: str) -> None:
@@ -365,7 +376,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                     self._stopping(w)
         self._publish()  # the members learn of it at their next heartbeat, not after the pass
         self._save_workers()
-        self.db.upsert_generation(self.spec.name, gen.view())
+        self.journal.save_generation(gen.view())
         self._save_control()
         self.event(
             "generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})"
@@ -421,8 +432,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                 max_steps=self._int_metric("max_steps"),
             )
         )
-        self.db.update_job(
-            self.spec.name,
+        self.journal.update_job(
             state=self.state.value,
             step=self.step,
             world_size=self.world_size(),
@@ -436,14 +446,14 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def _save_worker(self, w: WorkerRecord) -> None:
         """Write one worker's row now (a change the status must show at once)."""
         row = w.row()
-        self.db.upsert_worker_rows(self.spec.name, [row])
+        self.journal.save_workers([row])
         self._saved_rows[w.id] = row
 
     def _save_workers(self) -> None:
         """Write the worker rows that changed since they were written (``changed_rows``)."""
         rows = changed_rows([w.row() for w in self.workers.values()], self._saved_rows)
         if rows:
-            self.db.upsert_worker_rows(self.spec.name, rows)
+            self.journal.save_workers(rows)
             self._saved_rows.update((r[0], r) for r in rows)
 
     def close(self) -> None:

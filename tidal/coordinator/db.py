@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from tidal.coordinator.home import HomeError, os_error_line
+from tidal.coordinator.snapshot import JobRow, Records
 from tidal.protocol import (
     CheckpointView,
     EventView,
@@ -29,7 +30,6 @@ from tidal.protocol import (
     JobState,
     JobStatus,
     StepSeries,
-    WorkerView,
 )
 
 # The per-step values of ``tidal.log`` (``coordinator.step_metrics``): one row per (job, step,
@@ -386,7 +386,8 @@ class Database:
         got = step_series(self._read(SELECT_STEPS, (name, 0)))
         return {k: StepSeries(**v) for k, v in got["series"].items()}
 
-    def load_status(self, name: str) -> JobStatus:
+    def load_records(self, name: str) -> Records:
+        """Raises ``UnknownJob``."""
         failures = (
             "checkpoint_failures, last_checkpoint_error"
             if "last_checkpoint_error" in self._columns["jobs"]
@@ -400,25 +401,23 @@ class Database:
         if not rows:
             raise UnknownJob(name)
         state, spec, created, step, world, target, url, metrics, ck_failures, ck_error = rows[0]
-        metrics = json.loads(metrics)
-        spec = json.loads(spec)
-        workers = [
-            WorkerView(
-                id=r[0],
-                pid=r[1],
-                host=r[2],
-                state=r[3],
-                rank=r[4],
-                last_heartbeat=r[5],
-                exit_code=r[6],
-                node=r[7],
-            )
-            for r in self._read(
-                "SELECT id, pid, host, state, rank, last_heartbeat, exit_code, node FROM workers "
-                "WHERE job = ? ORDER BY id",
-                (name,),
-            )
-        ]
+        job = JobRow(
+            state=state,
+            spec=json.loads(spec),
+            created=created,
+            step=step,
+            world_size=world,
+            target_workers=target,
+            url=url,
+            metrics=json.loads(metrics),
+            checkpoint_failures=ck_failures,
+            last_checkpoint_error=ck_error,
+        )
+        workers = self._read(
+            "SELECT id, pid, host, state, rank, last_heartbeat, exit_code, node FROM workers "
+            "WHERE job = ? ORDER BY id",
+            (name,),
+        )
         generations = [
             GenerationView(
                 id=r[0],
@@ -437,37 +436,14 @@ class Database:
                 (name,),
             )
         ]
-        events = self.load_events(name)
-        return JobStatus(
-            name=name,
-            state=state,
-            step=step,
-            world_size=world,
-            target_workers=target,
-            pending_workers=sum(w.state == "pending" for w in workers),
-            standby_workers=sum(w.state == "standby" for w in workers),
-            spares=spec.get("spares", 0),  # a job recorded before --spares had none
-            min_workers=spec["min_workers"],
-            max_workers=spec["max_workers"],
-            script=spec["script"],
-            created=created,
-            url=url,
-            workers=workers,
-            generations=generations,
-            events=events,
-            metrics=metrics,
-            checkpoints=self.checkpoints(name),
-            cost=metrics.get("cost", 0.0),
-            cost_per_1k_samples=metrics.get("cost_per_1k_samples"),
-            checkpoint_failures=ck_failures,
-            last_checkpoint_error=ck_error,
-            projected_cost=metrics.get("projected_cost"),
-            **_observability_urls(url, name, state),
+        return Records(
+            job=job,
+            workers={r[0]: tuple(r) for r in workers},
+            generations={g.id: g for g in generations},
+            events=self.load_events(name),
+            checkpoints={c.step: c for c in self.checkpoints(name)},
         )
 
-
-def _observability_urls(url: str | None, name: str, state: str) -> dict[str, str | None]:
-    """The job's dashboard page and ``/metrics`` on its coordinator (None once it ended)."""
-    if not url or JobState(state).terminal:
-        return {"dashboard_url": None, "metrics_url": None}
-    return {"dashboard_url": f"{url}/jobs/{quote(name, safe='')}", "metrics_url": f"{url}/metrics"}
+    def load_status(self, name: str) -> JobStatus:
+        """``tidal status --json`` of ``name`` as recorded. Raises ``UnknownJob``."""
+        return self.load_records(name).status(name)

@@ -202,11 +202,11 @@ class Handlers:
             self.wake.set()  # a preemption notice, or members holding at a scheduled step
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
-        self.db.add_checkpoint(self.spec.name, c)
+        self.journal.add_checkpoint(c)
         self.checkpointed = {*self.checkpointed, c.step}
-        for old in self.db.checkpoints(self.spec.name):  # pruned by the writer
+        for old in self.journal.checkpoints():  # pruned by the writer
             if not Path(old.path).exists():
-                self.db.drop_checkpoint(self.spec.name, old.step)
+                self.journal.drop_checkpoint(old.step)
         size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
         took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
         self.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
@@ -224,7 +224,7 @@ class Handlers:
         (the done report may come first: the job's end is recorded only once every worker,
         the writer included, has exited, so either order ends the same)."""
         self.checkpoint_failed = {**(self.checkpoint_failed or {}), f.step: f.error}
-        self.db.add_checkpoint_failure(self.spec.name, f.error)
+        self.journal.add_checkpoint_failure(f.error)
         self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
         if self.outcome == JobState.SUCCEEDED and f.step >= self.step:
             self.outcome = None
@@ -251,10 +251,10 @@ class Handlers:
             pause = r.first_step_time - r.prev_last_step_time
             if gen.pause_s is None or pause > gen.pause_s:
                 gen.pause_s, gen.pause_phases = pause, r.phases or None
-        self.db.upsert_generation(self.spec.name, gen.view())
+        self.journal.save_generation(gen.view())
         if self.state == JobState.PENDING:
             self.state = JobState.RUNNING
-            self.db.update_job(self.spec.name, state=self.state.value)
+            self.journal.update_job(state=self.state.value)
 
     def on_failure(self, wid: int, r: FailureReport) -> None:
         with self.lock:
@@ -350,7 +350,8 @@ class Handlers:
     def status(self, *, fresh: bool = False) -> JobStatus:
         """The job's status (``tidal status --json``). Readers share one snapshot for up to
         ``STATUS_MAX_AGE_S``: however many poll (the CLI, dashboards, Prometheus), the job
-        pays one flush to SQLite and one read of it per interval. ``fresh``: as of now (after
+        pays one flush per interval; the status is built from the journal's copy in memory,
+        never read from SQLite (``journal.Journal``). ``fresh``: as of now (after
         a change the caller made, e.g. ``tidal scale``). The snapshot is shared: callers
         must not change it."""
         cached = self._status_cache
@@ -358,7 +359,7 @@ class Handlers:
             return cached[1]
         with self.lock:
             self.flush()
-        status = self.db.load_status(self.spec.name)
+        status = self.journal.status()
         status.coordinator_pid = os.getpid()
         self._status_cache = (time.monotonic(), status)
         return status

@@ -33,7 +33,7 @@ class Lifecycle:
         its live workers, count the ones that are gone as lost, re-open a generation that
         had not formed."""
         name = self.spec.name
-        status = self.db.load_status(name)
+        status = self.journal.status()
         saved = self.db.load_control(name)
         control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
         r = rebuild(status, control, namespace=self.store_namespace, now=time.time())
@@ -100,7 +100,7 @@ class Lifecycle:
             resume_step=latest.resume_step if latest else None,
             workers=flags,
         )
-        self.db.save_control(self.spec.name, control.to_dict())
+        self.journal.save_control(control.to_dict())
 
     def _worker_env(self, wid: int) -> dict[str, str]:
         """What a worker's process is launched with: its id, credential, the API's URL."""

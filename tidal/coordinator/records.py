@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidal.coordinator.snapshot import WorkerRow
 from tidal.protocol import (
     GenerationInfo,
     GenerationView,
@@ -64,9 +65,6 @@ class WorkerRecord:
             self.node,
         )
 
-
-#: ``(id, pid, host, state, rank, last_heartbeat, exit_code, node)``: a worker's row.
-WorkerRow = tuple
 
 #: A worker row whose only change is a newer ``last_heartbeat`` is rewritten once the saved
 #: one is this old: the status's ``last_heartbeat`` lags the live one by at most this (plus

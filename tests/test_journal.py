@@ -1,0 +1,71 @@
+"""The live job's status is built from memory (``journal.Journal``), and reads the same as
+its SQLite records after the same writes (issue 15: SQLite is a sink; reads are served from
+memory). A real coordinator (``served_coordinator``: it never ticks) and a second connection
+to its database, as ``tidal status`` of a job no coordinator serves reads it."""
+
+from __future__ import annotations
+
+from tidal.coordinator.db import Database
+from tidal.coordinator.records import WorkerRecord
+from tidal.protocol import CheckpointFailure, CheckpointView, WorkerState
+
+
+def from_sqlite(coord) -> dict:
+    db = Database(coord.db.path, readonly=True)
+    try:
+        return db.load_status(coord.spec.name).model_dump(exclude={"coordinator_pid"})
+    finally:
+        db.close()
+
+
+def from_memory(coord) -> dict:
+    return coord.status(fresh=True).model_dump(exclude={"coordinator_pid"})
+
+
+def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_path):
+    coord, _ = served_coordinator
+    assert from_memory(coord) == from_sqlite(coord)  # just created
+    kept = tmp_path / "step-10"
+    kept.mkdir()
+    with coord.lock:
+        for wid, state in enumerate([WorkerState.STANDBY] * 3 + [WorkerState.PENDING]):
+            coord.workers[wid] = WorkerRecord(id=wid, state=state, pid=100 + wid, host="h")
+        coord._open([0, 1], "two members")  # a generation, its event, worker rows, target
+        coord.workers[2].last_heartbeat = 12.5
+        coord.step = 10
+        coord.metrics.update(loss=0.25, samples_per_s=float("nan"))
+        coord._on_checkpoint(CheckpointView(step=10, path=str(kept), bytes=5))
+        coord._on_checkpoint(CheckpointView(step=20, path=str(tmp_path / "pruned"), bytes=5))
+        coord._on_checkpoint_failure(CheckpointFailure(step=30, error="disk full"))
+        coord.target = 3
+    live, recorded = from_memory(coord), from_sqlite(coord)
+    assert live == recorded or _nan_equal(live, recorded)
+    assert [g["members"] for g in live["generations"]] == [[0, 1]]
+    assert [c["step"] for c in live["checkpoints"]] == [10]  # the pruned one dropped
+    assert (live["checkpoint_failures"], live["last_checkpoint_error"]) == (1, "disk full")
+    assert (live["pending_workers"], live["standby_workers"], live["target_workers"]) == (1, 1, 3)
+    assert {w["id"]: w["state"] for w in live["workers"]}[0] == WorkerState.RUNNING
+    assert any("two members" in e["message"] for e in live["events"])
+
+
+def test_a_status_read_does_not_read_sqlite(served_coordinator):
+    coord, _ = served_coordinator
+
+    def refuse(name):
+        raise AssertionError("the live status read SQLite")
+
+    coord.db.load_records = coord.db.load_status = refuse
+    with coord.lock:
+        coord.step = 7
+    assert coord.status(fresh=True).step == 7
+
+
+def _nan_equal(a, b) -> bool:
+    """Equal, NaN equal to NaN (a metric may be NaN: ``wire_float``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_nan_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_nan_equal, a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return a == b
