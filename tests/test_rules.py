@@ -10,6 +10,7 @@ from tidal.coordinator.rules import (
     ExitFacts,
     HealthFacts,
     capacity_victims,
+    clocks_restart,
     completion_refused,
     effective_target,
     final_checkpoint,
@@ -22,6 +23,7 @@ from tidal.coordinator.rules import (
     schedule_settled,
     start_timed_out,
     to_kill,
+    wind_down,
 )
 from tidal.protocol import WorkerState
 
@@ -406,3 +408,25 @@ def test_final_checkpoint(written, error, writer, live, action, text) -> None:
     assert got == action and text in why
     if action == "fail":
         assert "last step (1200)" in why
+
+
+@pytest.mark.parametrize(
+    ("failed", "waited", "alive", "begin", "kill", "end"),
+    [
+        (False, None, 3, True, None, False),  # members finish their step on their own
+        (True, None, 3, True, "the job failed", False),  # nothing they do is kept
+        (False, 29.0, 1, False, None, False),  # within the grace
+        (False, 31.0, 1, False, "still running 30 s", False),
+        (True, 31.0, 0, False, None, True),  # every process gone: the end is recorded
+        (False, None, 0, True, None, True),  # gone before the outcome: begin and end at once
+    ],
+)
+def test_wind_down(failed, waited, alive, begin, kill, end) -> None:
+    got = wind_down(failed=failed, waited_s=waited, alive=alive, grace_s=30.0)
+    assert (got.begin, got.end) == (begin, end)
+    assert (got.kill is None) == (kill is None) and (kill is None or kill in got.kill)
+
+
+@pytest.mark.parametrize(("gap", "restart"), [(0.02, False), (2.0, False), (2.01, True), (60, True)])
+def test_clocks_restart(gap, restart) -> None:
+    assert clocks_restart(gap_s=gap, not_running_s=2.0) is restart

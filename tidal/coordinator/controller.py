@@ -40,6 +40,7 @@ from tidal.coordinator.rules import (
     reform_due,
     schedule_settled,
     start_timed_out,
+    wind_down,
 )
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.snapshot import JobRow
@@ -396,20 +397,24 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def _wind_down(self, now: float) -> bool:
         """Once the outcome is decided: let members finish, tell the rest to exit, kill
         what outlives the grace period, then record the end."""
-        if self._wind_down_since is None:
+        alive = len(self.backend.alive())
+        plan = wind_down(
+            failed=self.outcome == JobState.FAILED,
+            waited_s=None if self._wind_down_since is None else now - self._wind_down_since,
+            alive=alive,
+            grace_s=STOP_GRACE_S,
+        )
+        if plan.begin:
             self._wind_down_since = now
             if self.latest is not None:
                 self.store.compare_set(state_key(self.latest.store_prefix), GEN_OPEN, GEN_ABANDONED)
             for w in self.workers.values():
                 if w.live and w.id not in self.members:
                     self._retire(w)
-            if self.outcome == JobState.FAILED:
-                for wid in self.backend.alive():
-                    self.backend.signal(wid, signal.SIGKILL)
-        if now - self._wind_down_since > STOP_GRACE_S:
+        if plan.kill:
             for wid in self.backend.alive():
                 self.backend.signal(wid, signal.SIGKILL)
-        if self.backend.alive():
+        if not plan.end:
             return True
         for ex in self.backend.poll():
             self._on_exit(ex)

@@ -16,7 +16,14 @@ from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
-from tidal.coordinator.rules import ExitFacts, HealthFacts, judge_exit, roll_back, to_kill
+from tidal.coordinator.rules import (
+    ExitFacts,
+    HealthFacts,
+    clocks_restart,
+    judge_exit,
+    roll_back,
+    to_kill,
+)
 from tidal.protocol import JobState, WorkerEnv, WorkerState, worker_token
 
 STOP_GRACE_S = 30.0
@@ -169,7 +176,7 @@ class Lifecycle:
         clock restarts at once instead of condemning workers that trained on."""
         now, mono = time.time(), time.monotonic()
         gap, self._last_check = mono - self._last_check, mono
-        if gap > NOT_RUNNING_S:
+        if clocks_restart(gap_s=gap, not_running_s=NOT_RUNNING_S):
             self.event(
                 "coordinator",
                 f"the coordinator did not run for {gap:.1f} s (stopped or starved); "

@@ -306,3 +306,37 @@ def final_checkpoint(
             "while writing it (`tidal resume` redoes the steps since the newest checkpoint)",
         )
     return ("wait", "")
+
+
+# -- the job's end -------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class WindDown:
+    """What the loop does on a pass once the job's outcome is decided (``wind_down``)."""
+
+    begin: bool  # first pass: abandon the open generation, ask every non-member to exit
+    kill: str | None  # SIGKILL every process still running, and why
+    end: bool  # no process is left: record the end
+
+
+def wind_down(*, failed: bool, waited_s: float | None, alive: int, grace_s: float) -> WindDown:
+    """The job's outcome is decided; ``waited_s`` since the first such pass (None: this is
+    it), ``alive`` processes still running. Members finish their step and exit on their own
+    (a final checkpoint may be in flight), within ``grace_s``; a failed job's processes are
+    killed at once (nothing they do can be kept). The end is recorded only once every
+    process is gone: a job never reads as ended while one of its workers still runs."""
+    begin = waited_s is None
+    kill = None
+    if alive and begin and failed:
+        kill = "the job failed: nothing its workers do now is kept"
+    elif alive and not begin and waited_s > grace_s:
+        kill = f"still running {grace_s:.0f} s after the job's end was decided"
+    return WindDown(begin=begin, kill=kill, end=alive == 0)
+
+
+# -- the coordinator's own pauses ----------------------------------------------------------------
+def clocks_restart(*, gap_s: float, not_running_s: float) -> bool:
+    """The coordinator did not run for ``gap_s`` between two checks (stopped, starved, its
+    VM suspended): it could not read heartbeats meanwhile, so every silence and grace clock
+    restarts instead of condemning workers that trained on. Only a gap longer than
+    ``not_running_s``: an ordinary pass interval never resets a hung worker's clock."""
+    return gap_s > not_running_s
