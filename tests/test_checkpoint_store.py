@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tidal.checkpoint import store
-from tidal.checkpoint.layout import stale_temporary
+from tidal.checkpoint.layout import file_digest, stale_temporary
+from tidal.checkpoint.tensorfile import HASH, write_tensors
 from tidal.checkpoint.writer import AsyncCheckpointer
 
 
@@ -120,7 +121,8 @@ WRITER = """
 import sys, torch
 from pathlib import Path
 from tidal.checkpoint import store
-from tidal.checkpoint.layout import stale_temporary
+from tidal.checkpoint.layout import file_digest, stale_temporary
+from tidal.checkpoint.tensorfile import HASH, write_tensors
 m = torch.nn.Linear(4096, 4096)  # 64 MiB of parameters: the write takes a while
 snap = store.take_snapshot(step=int(sys.argv[2]), module=m,
                            optimizer=torch.optim.SGD(m.parameters(), lr=0.1), meta={})
@@ -180,7 +182,72 @@ def test_manifest_lists_every_file_with_its_hash(tmp_path):
     manifest = json.loads((Path(written.path) / store.MANIFEST).read_text())
     files = sorted(p.name for p in Path(written.path).iterdir() if p.name != store.MANIFEST)
     assert sorted(manifest["files"]) == files
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    for name, f in manifest["files"].items():  # XXH3-128, computed while writing
+        assert f[HASH] == file_digest(Path(written.path) / name, HASH) and len(f[HASH]) == 32
+
+
+def test_a_checkpoint_written_with_sha256_still_verifies_and_its_damage_is_found(tmp_path):
+    written = save(tmp_path, 3)
+    path = Path(written.path)
+    manifest = json.loads((path / store.MANIFEST).read_text())
+    for name, f in manifest["files"].items():  # as a checkpoint of an earlier Tidal holds it
+        manifest["files"][name] = {"sha256": store._sha256(path / name), "bytes": f["bytes"]}
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    store.verify(path)
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(store.CheckpointError, match="sha256 mismatch in model.safetensors"):
+        store.verify(path)
+    data[-1] ^= 1
+    (path / "model.safetensors").write_bytes(bytes(data))
+    del manifest["files"]["meta.json"]["sha256"]
+    (path / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(store.CheckpointError, match="no checksum for"):
+        store.verify(path)
+
+
+def test_tensor_files_are_standard_safetensors_written_from_memory(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {
+        "f64": torch.randn(3, 5, dtype=torch.float64),
+        "bf16": torch.randn(7, dtype=torch.bfloat16),
+        "i64": torch.arange(3),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float32),
+        "empty": torch.zeros(0, 4),
+        "u8": torch.arange(5, dtype=torch.uint8),
+    }
+    size, digest = write_tensors(tmp_path / "x.safetensors", tensors)
+    assert size == (tmp_path / "x.safetensors").stat().st_size
+    assert digest == file_digest(tmp_path / "x.safetensors", HASH)
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t)
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        write_tensors(tmp_path / "y.safetensors", {"t": torch.randn(4, 4).t()})
+
+
+def test_the_async_writer_reuses_its_snapshot_memory_and_writes_each_step_s_state(tmp_path):
+    m, o = model_and_opt()
+    writer = AsyncCheckpointer(tmp_path, keep=3, on_written=lambda w: None)
+    held, expected = [], []
+    for step in (1, 2):
+        writer.save(step=step, module=m, optimizer=o, meta={})
+        writer.quiesce()
+        expected.append({k: v.clone() for k, v in m.state_dict().items()})
+        writer.wait()
+        held.append({k: v.data_ptr() for k, v in writer._buffers._held.items()})
+        m(torch.randn(5, 8)).sum().backward()
+        o.step()  # the state changes between the two checkpoints
+    assert held[0] == held[1] and len(held[0]) == 4 + 4 * 3  # 4 parameters; Adam: step, 2 moments
+    for step, want in zip((1, 2), expected, strict=True):
+        m2, o2 = model_and_opt(seed=5)
+        store.load(tmp_path / store.checkpoint_name(step), m2, o2)
+        for k, v in m2.state_dict().items():
+            assert torch.equal(v, want[k]), (step, k)
 
 
 # -- consistent but bad checkpoints: hashes that match contents that are not a checkpoint ----

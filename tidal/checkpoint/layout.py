@@ -4,7 +4,8 @@
 ``verify`` refuses, with the reason in one line, a folder that is not a complete checkpoint:
 
 - the manifest must list exactly the required files (``REQUIRED``), with their sizes and
-  sha256, and its ``step`` must be the folder's;
+  checksums (``HASHES``: XXH3-128, or sha256 in older checkpoints), and its ``step`` must be
+  the folder's;
 - each file must match its size and hash (a truncated, bit-flipped or half-written file);
 - the contents must have the expected structure, since hashes only prove that nothing changed
   after the manifest was written, not that what was written is a checkpoint (a pickle with
@@ -27,6 +28,8 @@ import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import xxhash
 
 MANIFEST = "MANIFEST.json"
 BAD = "BAD"
@@ -91,12 +94,22 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(NAME_RE.match(p.name).group(1)), reverse=True)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
+#: The checksums a manifest may give a file, by their key in its entry: XXH3-128, which
+#: the writer computes while writing (``tensorfile``), and sha256, which checkpoints
+#: written before it carry.
+HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    h = HASHES[algorithm]()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def sha256(path: Path) -> str:
+    return file_digest(path, "sha256")
 
 
 def _is_int(value: object) -> bool:
@@ -157,7 +170,7 @@ def mark_bad(path: Path, reason: str) -> bool:
 
 def verify(path: Path, *, hashes: bool = True) -> dict:
     """The manifest of a good checkpoint; raises CheckpointError naming what is wrong (see the
-    module doc). ``hashes=False`` skips the sha256 of the files (sizes are still checked):
+    module doc). ``hashes=False`` skips the checksums of the files (sizes are still checked):
     the cheap check ``tidal status`` uses to list checkpoints found on disk."""
 
     def refuse(why: str) -> CheckpointError:
@@ -196,8 +209,11 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
             raise refuse(f"{name} is missing")
         if f.stat().st_size != want["bytes"]:
             raise refuse(f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}")
-        if hashes and sha256(f) != want.get("sha256"):
-            raise refuse(f"sha256 mismatch in {name}")
+        algorithm = next((a for a in HASHES if isinstance(want.get(a), str)), None)
+        if algorithm is None:
+            raise refuse(f"the manifest gives no checksum for {name}")
+        if hashes and file_digest(f, algorithm) != want[algorithm]:
+            raise refuse(f"{algorithm} mismatch in {name}")
     try:
         meta = _json_object(path / "meta.json")
         if not _is_int(meta.get("step")):

@@ -2,19 +2,22 @@
 
 A checkpoint is a folder ``step-NNNNNNNN`` holding ``model.safetensors``,
 ``optimizer.safetensors``, ``optimizer.json`` (the optimizer's non-tensor structure),
-``meta.json`` (step, data position, RNG, world size) and ``MANIFEST.json`` (sha256 and size
-of every other file). Contracts:
+``meta.json`` (step, data position, RNG, world size) and ``MANIFEST.json`` (the checksum
+and size of every other file). Contracts:
 
 - **Atomic.** It is written under a temporary name (``.tmp-...``), every file fsynced, the
   manifest written last and fsynced, then renamed into place and the parent folder fsynced.
   A crash at any point leaves either no ``step-*`` folder or a complete one; temporary
   folders are never taken for checkpoints.
-- **Verified.** ``verify`` (``layout``) recomputes every file's sha256 against the manifest
+- **Verified.** ``verify`` (``layout``) recomputes every file's checksum against the manifest
   and checks the structure of what the files hold; a truncated, bit-flipped, half-written or
   malformed checkpoint is refused with the reason, and ``newest_good`` falls back to the
   previous one. ``load`` also checks the tensors against the model (names, shapes, dtypes); a
   checkpoint that fails to load is refused (``Durable.resume`` marks it bad).
 - **Safe.** Tensors are read by safetensors and metadata by ``json``: no pickle anywhere.
+- **At memory-copy cost.** A snapshot copies each tensor into the memory the same name's copy
+  used last time (``Buffers``); the tensor files go from that memory to disk and are hashed
+  as they are written (``tensorfile``): no serialised copy, no second read for the checksum.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's names
     BAD,
@@ -42,6 +45,7 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     TRACKED_TENSORS,
     CheckpointError,
     checkpoint_name,
+    file_digest,
     list_checkpoints,
     mark_bad,
     newest_good,
@@ -49,7 +53,8 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     temporary_name,
     verify,
 )
-from tidal.checkpoint.layout import sha256 as _sha256
+from tidal.checkpoint.layout import sha256 as _sha256  # noqa: F401 - tests craft old manifests
+from tidal.checkpoint.tensorfile import HASH, write_tensors
 from tidal.tracked import Captured, TrackedState
 
 
@@ -94,7 +99,36 @@ def restore_rng(meta: dict) -> None:
     random.setstate((version, tuple(state), gauss))
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
+class Buffers:
+    """Snapshot memory kept from one checkpoint to the next, by tensor: a copy lands in the
+    tensor that held the same name's copy last time (same shape and dtype), so a checkpoint
+    pays a memory copy, not also the page faults of fresh memory. Contract: used by one
+    writer for one snapshot at a time (``AsyncCheckpointer`` starts a snapshot only once the
+    previous one is on disk). A CUDA tensor's copy goes to pinned host memory (full-speed
+    device-to-host copies)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        buf = self._held.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._held[key] = buf
+        self._used.add(key)
+        return buf.copy_(t)
+
+    def keep_used(self) -> None:
+        """Let go of the memory of tensors the last snapshot did not have (after it)."""
+        self._held = {k: v for k, v in self._held.items() if k in self._used}
+        self._used = set()
+
+
+def _copy(t: torch.Tensor, buffers: Buffers | None, key: str) -> torch.Tensor:
+    if buffers is not None:
+        return buffers.copy(key, t)
     return t.detach().to("cpu", copy=True).contiguous()
 
 
@@ -109,11 +143,13 @@ class PendingSnapshot:
     buffers: dict[str, torch.Tensor]
     meta: dict
     tracked: Captured  # skeleton by value; tensors by reference, copied by ``complete``
+    pool: Buffers | None = None  # where the copies go (None: fresh memory)
 
     @torch.no_grad()
     def complete(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:
+        pool = self.pool
         model = {
-            k: self.buffers[k] if k in self.buffers else _copy(v)
+            k: self.buffers[k] if k in self.buffers else _copy(v, pool, f"m.{k}")
             for k, v in module.state_dict(keep_vars=True).items()
         }
         opt = optimizer.state_dict()
@@ -122,36 +158,48 @@ class PendingSnapshot:
         for pid, entries in opt["state"].items():
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"state.{pid}.{key}"] = _copy(value)
+                    name = f"state.{pid}.{key}"
+                    tensors[name] = _copy(value, pool, f"o.{name}")
                 else:
                     state_meta.setdefault(str(pid), {})[key] = value
+        tracked = {f"t.{i}": _copy(t, pool, f"t.{i}") for i, t in enumerate(self.tracked.tensors)}
+        if pool is not None:
+            pool.keep_used()
         return Snapshot(
             step=self.step,
             model=model,
             optimizer_tensors=tensors,
             optimizer_meta={"param_groups": opt["param_groups"], "state": state_meta},
             meta=self.meta,
-            tracked_tensors={f"t.{i}": _copy(t) for i, t in enumerate(self.tracked.tensors)},
+            tracked_tensors=tracked,
             tracked_meta={"skeleton": self.tracked.skeleton, "tensors": self.tracked.layout()},
         )
 
 
 @torch.no_grad()
 def begin_snapshot(
-    *, step: int, module: torch.nn.Module, meta: dict, tracked: TrackedState | None = None
+    *,
+    step: int,
+    module: torch.nn.Module,
+    meta: dict,
+    tracked: TrackedState | None = None,
+    pool: Buffers | None = None,
 ) -> PendingSnapshot:
     """``tracked`` objects' non-tensor state is taken now; their tensors, like parameters,
     change only after the next optimizer step (``Trainer.after_step``) and are copied by
-    ``complete``."""
+    ``complete``. ``pool``: the copies go into its memory (see ``Buffers``)."""
     params = {id(p) for p in module.parameters()}
     buffers = {
-        k: _copy(v) for k, v in module.state_dict(keep_vars=True).items() if id(v) not in params
+        k: _copy(v, pool, f"m.{k}")
+        for k, v in module.state_dict(keep_vars=True).items()
+        if id(v) not in params
     }
     return PendingSnapshot(
         step=step,
         buffers=buffers,
         meta={**meta, "step": step, "time": time.time(), **_rng_meta()},
         tracked=tracked.capture() if tracked else Captured(skeleton={}, tensors=[]),
+        pool=pool,
     )
 
 
@@ -197,19 +245,26 @@ def write(
     final = directory / checkpoint_name(snapshot.step)
     tmp = directory / temporary_name(snapshot.step, pid=os.getpid(), host=socket.gethostname())
     tmp.mkdir()
+    files = {}
+
+    def tensors(name: str, held: dict[str, torch.Tensor]) -> None:
+        size, digest = write_tensors(tmp / name, held)  # fsynced, hashed while written
+        files[name] = {HASH: digest, "bytes": size}
+
     try:
-        save_file(snapshot.model, str(tmp / "model.safetensors"))
+        tensors("model.safetensors", snapshot.model)
         if during is not None:
             during()
-        save_file(snapshot.optimizer_tensors, str(tmp / "optimizer.safetensors"))
-        _write_json(tmp / "optimizer.json", snapshot.optimizer_meta)
-        _write_json(tmp / "meta.json", snapshot.meta)
-        save_file(snapshot.tracked_tensors, str(tmp / TRACKED_TENSORS))
-        _write_json(tmp / TRACKED_JSON, snapshot.tracked_meta)
-        files = {}
-        for path in sorted(tmp.iterdir()):
-            _fsync_file(path)
-            files[path.name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        tensors("optimizer.safetensors", snapshot.optimizer_tensors)
+        tensors(TRACKED_TENSORS, snapshot.tracked_tensors)
+        for name, data in (
+            ("optimizer.json", snapshot.optimizer_meta),
+            ("meta.json", snapshot.meta),
+            (TRACKED_JSON, snapshot.tracked_meta),
+        ):
+            _write_json(tmp / name, data)
+            _fsync_file(tmp / name)
+            files[name] = {HASH: file_digest(tmp / name, HASH), "bytes": (tmp / name).stat().st_size}
         _write_json(tmp / MANIFEST, {"step": snapshot.step, "files": files})
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)

@@ -2,10 +2,11 @@
 
 ``save`` copies at once only what the next forward pass may change (buffers, RNG). A writer
 thread then copies parameters and optimizer state, which nothing changes until the next
-optimizer step, while that step's forward and backward run; then it serialises, hashes,
-fsyncs and renames (safetensors' copy, sha256 and file I/O release the GIL). The trainer
-calls ``quiesce`` before anything modifies the state (the optimizer step, a heal): that is
-the only wait, and it lasts only as long as the copy outlives the step's compute. At most
+optimizer step, while that step's forward and backward run; then it writes the copies
+straight to disk, hashing as it writes, fsyncs and renames (``store``: the copies, file I/O
+and the hash release the GIL; the snapshot memory is reused from one checkpoint to the
+next). The trainer calls ``quiesce`` before anything modifies the state (the optimizer
+step, a heal): that is the only wait, and it lasts only as long as the copy outlives the step's compute. At most
 one write is in flight: a new ``save`` first waits for the previous write, so a slow disk
 delays training by at most one write and never queues snapshots in memory.
 
@@ -47,6 +48,7 @@ class AsyncCheckpointer:
         self.during_write = during_write
         self._thread: threading.Thread | None = None
         self._copied: threading.Event | None = None
+        self._buffers = store.Buffers()  # snapshot memory, reused (one write at a time)
         self.last_stall_s = 0.0  # what the last checkpoint cost the training thread
         self.last_step: int | None = None
 
@@ -63,7 +65,9 @@ class AsyncCheckpointer:
         must ``quiesce`` before changing parameters or optimizer state."""
         start = time.monotonic()
         self.wait()
-        pending = store.begin_snapshot(step=step, module=module, meta=meta, tracked=tracked)
+        pending = store.begin_snapshot(
+            step=step, module=module, meta=meta, tracked=tracked, pool=self._buffers
+        )
         copied = threading.Event()
         self._copied = copied
         self.last_step = step
