@@ -28,6 +28,7 @@ MEASUREMENTS = (
     "recovery",
     "state_transfer",
     "checkpoint_stall",
+    "checkpoint_cpu",
     "dataloader",
     "control_plane",
     "capacity",
@@ -40,14 +41,17 @@ SIZES = {
     "full": dict(
         tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
+        ckcpu_reps=7,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
+        ckcpu_reps=3,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
+        ckcpu_reps=1,
     ),
 }  # fmt: skip
 
@@ -58,6 +62,7 @@ GOALS = {
     "recovery_p50": "Tidal <= 0.2 s, <= 1 step lost",
     "state_transfer": "Tidal <= 2x raw (ratio >= 0.5)",
     "checkpoint_stall_pct": "Tidal <= 3.5 %",
+    "checkpoint_cpu": "Tidal <= 2x floor (ratio >= 0.5)",
     "dataloader_workers": "ratio >= 0.95",
     "control_plane_1024": "Tidal p99 < 50 ms on one core",
     "time_to_capacity_spare": "Tidal <= 1 s",
@@ -80,6 +85,8 @@ def met(r: dict, extra: dict) -> bool | None:
         return ratio >= 0.5
     if name == "checkpoint_stall_pct":
         return t <= 3.5
+    if name == "checkpoint_cpu":
+        return ratio >= 0.5
     if name == "dataloader_workers":
         return ratio >= 0.95
     if name == "control_plane_1024":
@@ -172,6 +179,14 @@ def run_checkpoint_stall(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     return [{k: res[k] for k in keys}], res
 
 
+def run_checkpoint_cpu(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import checkpoint_cpu
+
+    res = checkpoint_cpu.measure(quick=size is not SIZES["full"], repeats=size["ckcpu_reps"])
+    keys = ("name", "tidal", "peer", "ratio", "unit")
+    return [{k: res[k] for k in keys}], res
+
+
 def run_dataloader(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     from bench import dataloader
 
@@ -235,6 +250,7 @@ RUNNERS = {
     "recovery": (run_recovery, ["recovery_p50"], "s"),
     "state_transfer": (run_state_transfer, ["state_transfer"], "s"),
     "checkpoint_stall": (run_checkpoint_stall, ["checkpoint_stall_pct"], "% of step"),
+    "checkpoint_cpu": (run_checkpoint_cpu, ["checkpoint_cpu"], "CPU-s/GB"),
     "dataloader": (
         run_dataloader,
         ["dataloader_workers", "dataloader_workers_0", "dataloader_speedup"],

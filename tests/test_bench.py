@@ -40,6 +40,20 @@ def test_bench_tiny_state_transfer(tmp_path: Path) -> None:
     assert "state_transfer" in proc.stdout  # the table
 
 
+@pytest.mark.bench
+@pytest.mark.timeout(200)
+def test_bench_tiny_checkpoint_cpu(tmp_path: Path) -> None:
+    """The row's shape and sanity: positive, finite CPU costs. No speed is asserted."""
+    out = tmp_path / "out.json"
+    proc = run_tiny("checkpoint_cpu", out, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = json.loads(out.read_text())
+    assert r["name"] == "checkpoint_cpu" and r["unit"] == "CPU-s/GB"
+    for key in ("tidal", "peer", "ratio"):
+        assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
+    assert "checkpoint_cpu" in proc.stdout
+
+
 def test_bench_cli_rejects_unknown_measurement() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--only", "nope"],
