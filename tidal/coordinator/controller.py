@@ -31,7 +31,6 @@ from tidal.coordinator.records import (
     GenerationRecord,
     Resume,
     WorkerRecord,
-    WorkerRow,
     changed_rows,
 )
 from tidal.coordinator.rules import (
@@ -158,7 +157,6 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self._schedule_applied_at = 0.0
         self.settled_step = passed[-1] if passed else -1  # last step whose membership is in place
         self._last_flush = 0.0
-        self._saved_rows: dict[int, WorkerRow] = {}  # what SQLite holds (``_save_workers``)
         self._policy = get_policy(spec.policy)
         if recover:
             self._recover()
@@ -450,16 +448,14 @@ class Coordinator(Handlers, Scaling, Lifecycle):
 
     def _save_worker(self, w: WorkerRecord) -> None:
         """Write one worker's row now (a change the status must show at once)."""
-        row = w.row()
-        self.journal.save_workers([row])
-        self._saved_rows[w.id] = row
+        self.journal.save_workers([w.row()])
 
     def _save_workers(self) -> None:
-        """Write the worker rows that changed since they were written (``changed_rows``)."""
-        rows = changed_rows([w.row() for w in self.workers.values()], self._saved_rows)
+        """Write the worker rows that changed since they were written (``changed_rows``
+        against the journal's copy of what SQLite holds)."""
+        rows = changed_rows([w.row() for w in self.workers.values()], self.journal.records.workers)
         if rows:
             self.journal.save_workers(rows)
-            self._saved_rows.update((r[0], r) for r in rows)
 
     def close(self) -> None:
         for wid in self.backend.alive():
