@@ -8,11 +8,12 @@ momentum). Measured with ``time.process_time`` (every thread of the process, use
 kernel time), nothing else running in the process:
 
 - Tidal: ``AsyncCheckpointer.save`` then ``wait`` (the snapshot copies, the files written
-  from memory and hashed while written, fsync, rename, prune), after one checkpoint to warm
-  its snapshot memory, as in training;
+  from memory and hashed while written, fsync, rename, prune; ``--keep-checkpoints 2``), in
+  the steady state of a training job (after ``WARMUP`` checkpoints: its snapshot memory
+  allocated, and an older checkpoint pruned, whose page cache the next write reuses);
 - the floor: the same tensors copied into memory allocated beforehand (a memcpy) and written
-  to one file in the same folder (the page cache), then fsynced: what any durable copy of
-  these bytes costs;
+  to one file in the same folder (the page cache; the file is rewritten, so its pages are
+  reused too), then fsynced: what any durable copy of these bytes costs;
 - for reference (details only): the writer before this change, a fresh copy of every tensor,
   ``safetensors.torch.save_file`` and sha256 read back from the file.
 
@@ -38,18 +39,17 @@ from bench.checkpoint_stall import build
 from tidal.checkpoint import store
 from tidal.checkpoint.writer import AsyncCheckpointer
 
+WARMUP = 3  # checkpoints before the measured ones (keep=2: the third prunes the first)
+
 
 def _tensors(model, opt) -> list[torch.Tensor]:
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return [*model.state_dict().values(), *state]
 
 
-def tidal_cpu(model, opt, directory: Path) -> float:
-    writer = AsyncCheckpointer(directory, keep=2, on_written=lambda w: None)
-    writer.save(step=0, module=model, optimizer=opt, meta={})  # warms the snapshot memory
-    writer.wait()
+def tidal_cpu(writer: AsyncCheckpointer, model, opt, step: int) -> float:
     c0 = time.process_time()
-    writer.save(step=1, module=model, optimizer=opt, meta={})
+    writer.save(step=step, module=model, optimizer=opt, meta={})
     writer.wait()
     return time.process_time() - c0
 
@@ -97,9 +97,17 @@ def measure(*, quick: bool = False, repeats: int | None = None) -> dict:
     got: dict[str, list[float]] = {"tidal": [], "floor": [], "previous": []}
     with tempfile.TemporaryDirectory(prefix="tidal-bench-ckcpu-") as tmp:
         d = Path(tmp)
+        writer = AsyncCheckpointer(d / "tidal", keep=2, on_written=lambda w: None)
+        # Steady state, as in training: snapshot memory allocated, and pruned checkpoints'
+        # page cache freed for the next write (on this VM, page cache the guest never used
+        # costs ~7 CPU-s per GB to touch the first time, whoever writes it).
+        for step in range(WARMUP):
+            tidal_cpu(writer, model, opt, step)
+            floor_cpu(tensors, into, d / "floor.bin")
+            previous_cpu(model, opt, d)
         for i in range(repeats):  # interleaved: machine noise lands on each alike
             got["floor"].append(floor_cpu(tensors, into, d / "floor.bin"))
-            got["tidal"].append(tidal_cpu(model, opt, d / f"tidal-{i}"))
+            got["tidal"].append(tidal_cpu(writer, model, opt, WARMUP + i))
             got["previous"].append(previous_cpu(model, opt, d))
     per_gb = {k: statistics.median(v) / gb for k, v in got.items()}
     print(
