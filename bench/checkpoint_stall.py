@@ -24,6 +24,13 @@ import torch
 from tidal.checkpoint import store
 from tidal.checkpoint.writer import AsyncCheckpointer
 
+#: Checkpoints written before the measured steps (``--keep-checkpoints 2``: the third prunes
+#: the first): as in a job that has run a while, the writer's snapshot memory is allocated
+#: and the next write reuses a pruned checkpoint's page cache. Without it, the first two
+#: checkpoints in a fresh folder touch page cache this VM's guest never used, ~7 CPU-s per
+#: GB (whoever writes it), and that dominated the mean over 10 checkpoints.
+WARMUP = 3
+
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
@@ -50,6 +57,13 @@ def run(steps: int, every: int, batch: int, mode: str, directory: Path) -> dict:
     x, y = torch.randn(batch, 2048), torch.randint(0, 10, (batch,))
     step_fn(model, opt, x, y)  # warm up allocations and momentum buffers
     writer = AsyncCheckpointer(directory / mode, keep=2, on_written=lambda w: None)
+    for i in range(-WARMUP, 0):  # a job's steady state: see ``WARMUP``
+        if mode == "async":
+            writer.save(step=WARMUP + i, module=model, optimizer=opt, meta={})
+            writer.wait()
+        elif mode == "sync":
+            snap = store.take_snapshot(step=WARMUP + i, module=model, optimizer=opt, meta={})
+            store.write(snap, directory / mode)
     times, blocked = [], []
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -59,9 +73,9 @@ def run(steps: int, every: int, batch: int, mode: str, directory: Path) -> dict:
         if mode != "none" and i % every == 0:
             s0 = time.perf_counter()
             if mode == "async":
-                writer.save(step=i, module=model, optimizer=opt, meta={})
+                writer.save(step=WARMUP + i, module=model, optimizer=opt, meta={})
             else:
-                snap = store.take_snapshot(step=i, module=model, optimizer=opt, meta={})
+                snap = store.take_snapshot(step=WARMUP + i, module=model, optimizer=opt, meta={})
                 store.write(snap, directory / mode)
                 blocked.append(time.perf_counter() - s0)
         times.append(time.perf_counter() - t0)
@@ -104,6 +118,12 @@ def measure(
         )
     ratio = out["sync"] / max(out["async"], 0.01)
     print(f"sync stall / async stall = {ratio:.1f}x (goal: async at most 3.5% of a step)")
+    floor = stall_floor(baseline)
+    print(
+        f"floor: a memcpy + page-cache write of the same bytes takes {floor['cpu_s'] * 1000:.0f} "
+        f"ms of CPU; on {floor['cores']} cores that training keeps busy, at least "
+        f"{floor['pct']:.0f}% of a step"
+    )
     return {
         "name": "checkpoint_stall_pct",
         "tidal": out["async"],
@@ -111,7 +131,25 @@ def measure(
         "ratio": ratio,
         "unit": "% of step",
         "baseline_step_s": baseline,
+        "floor": floor,
     }
+
+
+def stall_floor(baseline_s: float, repeats: int = 5) -> dict:
+    """The least any asynchronous checkpoint can stall a step whose compute keeps every core
+    busy: the CPU of a memcpy and a page-cache write of the same bytes
+    (``checkpoint_cpu.floor_cpu``, steady state), spread over the cores, against the step."""
+    from bench.checkpoint_cpu import floor_cpu
+
+    model, opt = build()
+    step_fn(model, opt, torch.randn(8, 2048), torch.randint(0, 10, (8,)))
+    tensors = [*model.state_dict().values()]
+    tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    into = [torch.zeros_like(t) for t in tensors]
+    cores = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu = statistics.median(floor_cpu(tensors, into, Path(tmp) / "f") for _ in range(repeats))
+    return {"cpu_s": cpu, "cores": cores, "pct": 100 * cpu / cores / baseline_s}
 
 
 def main() -> None:
