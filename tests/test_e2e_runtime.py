@@ -113,7 +113,9 @@ def test_scale_up_keeps_the_running_workers(tidal_home: Home) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigkill_of_a_worker_is_survived(tidal_home: Home) -> None:
-    job = tidal_home.start("kill", "--workers", "3", script_args=["--max-steps", "3000"])
+    # 1,000 steps: ~10 s of training left after the kill at step 50+, at any machine speed
+    # the kill lands first (the test's time is mostly the steps after it).
+    job = tidal_home.start("kill", "--workers", "3", script_args=["--max-steps", "1000"])
     status = job.wait_running(min_step=50, timeout=60)
     n_gens = len(status["generations"])
     victim = next(w for w in running_workers(status) if w["rank"] == 1)
@@ -122,7 +124,7 @@ def test_sigkill_of_a_worker_is_survived(tidal_home: Home) -> None:
     status = job.wait_state("succeeded", "failed", "stopped", timeout=120)
     status = job.status()
     assert status["state"] == "succeeded", summarize(status)
-    assert status["step"] == 3000, summarize(status)
+    assert status["step"] == 1000, summarize(status)
     after = status["generations"][n_gens:]
     assert after, f"no generation after the kill\n{summarize(status)}"
     gen = after[0]
