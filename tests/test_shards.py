@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tidal.worker.shards import Move, ShardsLost, plan, shard_range
+from tidal.worker.shards import Move, ShardsLost, check_shardable, plan, shard_range
 
 
 @pytest.mark.parametrize(
@@ -107,3 +107,22 @@ def test_reshard_moves_the_rows_over_real_gloo_point_to_point():
 
     for out in run_ranks(RESHARD, 3, timeout=60):
         assert out == {"grow": True, "copy": True}
+
+
+@pytest.mark.parametrize(
+    ("shapes", "world", "error"),
+    [
+        ({"w": (6, 4), "b": (6,)}, 6, None),
+        ({"w": (6, 4), "b": (2,)}, 4, None),  # small ones pad: FSDP2's uneven shards
+        ({"w": (6, 4), "b": (6,)}, 7, "--max-workers 7 is more than .* \\(6, 'w'\\)"),
+        ({"w": (6, 4), "s": ()}, 2, "parameter 's' is a scalar"),
+        ({}, 1, "no parameters"),
+    ],
+)
+def test_a_model_sharding_cannot_serve_is_one_line(shapes, world, error):
+    if error is None:
+        check_shardable(shapes, world)
+        return
+    with pytest.raises(ValueError, match=error) as info:
+        check_shardable(shapes, world)
+    assert "\n" not in str(info.value)

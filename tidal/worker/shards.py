@@ -28,6 +28,29 @@ def shard_range(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(rows, start + size)
 
 
+def check_shardable(shapes: dict[str, tuple[int, ...]], max_world: int) -> None:
+    """Refuse, in one line that says what to change, a model that sharding cannot serve at
+    up to ``max_world`` members (``shapes``: each parameter's shape, by name). Sharding splits
+    dim 0, so a scalar parameter has nothing to split (FSDP2 refuses it too, later and
+    deeper); and past the largest parameter's dim 0 every parameter leaves some member an
+    empty shard: the extra members would hold nothing, and save nothing, of any of them."""
+    if not shapes:
+        raise ValueError("the model has no parameters to shard")
+    scalars = [name for name, shape in shapes.items() if len(shape) == 0]
+    if scalars:
+        raise ValueError(
+            f"parameter {scalars[0]!r} is a scalar: sharding splits the first dimension; "
+            "make it a 1-element tensor (torch.nn.Parameter(torch.tensor([x])))"
+        )
+    name, shape = max(shapes.items(), key=lambda kv: kv[1][0])
+    if max_world > shape[0]:
+        raise ValueError(
+            f"--max-workers {max_world} is more than the largest first dimension of any "
+            f"parameter ({shape[0]}, {name!r}): with sharding, workers past {shape[0]} would "
+            f"hold nothing; use --max-workers {shape[0]} or fewer, or sharding='ddp'"
+        )
+
+
 @dataclass(frozen=True)
 class Move:
     """Rows ``[start, stop)`` (global indices) of old rank ``old``'s shard go from new rank
