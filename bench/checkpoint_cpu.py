@@ -42,7 +42,8 @@ from tidal.checkpoint.writer import AsyncCheckpointer
 WARMUP = 3  # checkpoints before the measured ones (keep=2: the third prunes the first)
 
 
-def _tensors(model, opt) -> list[torch.Tensor]:
+def tensors_of(model, opt) -> list[torch.Tensor]:
+    """What a checkpoint of ``model`` and ``opt`` holds: parameters, buffers, optimizer state."""
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return [*model.state_dict().values(), *state]
 
@@ -89,7 +90,7 @@ def measure(*, quick: bool = False, repeats: int | None = None) -> dict:
     model, opt = build()
     torch.nn.functional.cross_entropy(model(torch.randn(8, 2048)), torch.zeros(8).long()).backward()
     opt.step()  # momentum buffers exist
-    tensors = _tensors(model, opt)
+    tensors = tensors_of(model, opt)
     gb = sum(t.numel() * t.element_size() for t in tensors) / 1e9
     into = [torch.empty_like(t) for t in tensors]
     for t in into:

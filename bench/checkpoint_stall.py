@@ -139,15 +139,15 @@ def stall_floor(baseline_s: float, repeats: int = 5) -> dict:
     """The least any asynchronous checkpoint can stall a step whose compute keeps every core
     busy: the CPU of a memcpy and a page-cache write of the same bytes
     (``checkpoint_cpu.floor_cpu``, steady state), spread over the cores, against the step."""
-    from bench.checkpoint_cpu import floor_cpu
+    from bench.checkpoint_cpu import floor_cpu, tensors_of
 
     model, opt = build()
     step_fn(model, opt, torch.randn(8, 2048), torch.randint(0, 10, (8,)))
-    tensors = [*model.state_dict().values()]
-    tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    tensors = tensors_of(model, opt)
     into = [torch.zeros_like(t) for t in tensors]
     cores = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
+        floor_cpu(tensors, into, Path(tmp) / "f")  # its page cache, reused after (``WARMUP``)
         cpu = statistics.median(floor_cpu(tensors, into, Path(tmp) / "f") for _ in range(repeats))
     return {"cpu_s": cpu, "cores": cores, "pct": 100 * cpu / cores / baseline_s}
 
