@@ -16,7 +16,6 @@ sends it to the coordinator, which records an event and decides the job's outcom
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -94,10 +93,9 @@ class AsyncCheckpointer:
         copied: threading.Event,
     ) -> None:
         try:
-            snap = pending.complete(module, optimizer)  # the trainer may wait for this part
+            snap = pending.complete(module, optimizer)
         finally:
             copied.set()
-        _yield_to_training()  # nobody waits for the rest: it takes what training leaves
         try:
             hook = self.during_write
             during = (lambda: hook(snap.step)) if hook is not None else None
@@ -119,13 +117,3 @@ class AsyncCheckpointer:
             self._thread = None
             self._copied = None
 
-
-def _yield_to_training() -> None:
-    """Run this thread only when a core would otherwise idle (Linux ``SCHED_IDLE``, this
-    thread alone; a thread per write, so the next copy runs at normal priority again).
-    It cannot starve: the next ``save`` waits for this write, and a waiting trainer leaves
-    the cores idle. Measured with ``bench.checkpoint_stall`` (docs/benchmarks.md)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
