@@ -6,9 +6,10 @@ optimizer step, while that step's forward and backward run; then it writes the c
 straight to disk, hashing as it writes, fsyncs and renames (``store``: the copies, file I/O
 and the hash release the GIL; the snapshot memory is reused from one checkpoint to the
 next). The trainer calls ``quiesce`` before anything modifies the state (the optimizer
-step, a heal): that is the only wait, and it lasts only as long as the copy outlives the step's compute. At most
-one write is in flight: a new ``save`` first waits for the previous write, so a slow disk
-delays training by at most one write and never queues snapshots in memory.
+step, a heal): that is the only wait, and it lasts only as long as the copy outlives the
+step's compute. At most one write is in flight: a new ``save`` first waits for the previous
+write, so a slow disk delays training by at most one write and never queues snapshots in
+memory (and the snapshot memory is free for the next one to reuse).
 
 A write that fails does not stop training: ``on_failed(step, error)`` reports it (the worker
 sends it to the coordinator, which records an event and decides the job's outcome).
@@ -116,4 +117,3 @@ class AsyncCheckpointer:
             self._thread.join()
             self._thread = None
             self._copied = None
-
