@@ -163,3 +163,32 @@ def test_cartpole_elastic_invariance(
     )
     assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
     assert relative_l2(elastic, alone) <= 1e-4
+
+
+def test_digits_reads_the_same_data_as_scikit_learn() -> None:
+    """``examples/digits.py`` reads scikit-learn's bundled file without importing
+    scikit-learn (1.5 s a worker start): the same images and labels as ``load_digits``."""
+    import importlib.util
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    spec = importlib.util.spec_from_file_location("digits_example", EXAMPLES / "digits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data, target = module.digits()
+    bunch = load_digits()
+    assert data.shape == (1797, 64) and data.dtype == bunch.data.dtype
+    assert np.array_equal(data, bunch.data) and np.array_equal(target, bunch.target)
+
+
+def test_digits_does_not_import_scikit_learn() -> None:
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('d', {str(EXAMPLES / 'digits.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "m.load_data()\n"
+        "print('sklearn' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
