@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from tidal.coordinator.db import Database
 from tidal.coordinator.records import WorkerRecord
-from tidal.protocol import CheckpointFailure, CheckpointView, WorkerState
+from tidal.protocol import (
+    CheckpointFailure,
+    CheckpointView,
+    RecoveryPath,
+    StepReport,
+    WorkerState,
+)
 
 
 def from_sqlite(coord) -> dict:
@@ -32,6 +38,16 @@ def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_p
             coord.workers[wid] = WorkerRecord(id=wid, state=state, pid=100 + wid, host="h")
         coord._open([0, 1], "two members")  # a generation, its event, worker rows, target
         coord.workers[2].last_heartbeat = 12.5
+        for path, redone in [(RecoveryPath.RESHARD, 0), (RecoveryPath.NEIGHBOUR_COPY, 2)]:
+            coord._on_step_report(
+                StepReport(
+                    generation=coord.latest.id,
+                    start_step=8,
+                    first_step_time=1.0,
+                    recovery=path,
+                    redone_steps=redone,
+                )
+            )
         coord.step = 10
         coord.metrics.update(loss=0.25, samples_per_s=float("nan"))
         coord._on_checkpoint(CheckpointView(step=10, path=str(kept), bytes=5))
@@ -41,6 +57,9 @@ def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_p
     live, recorded = from_memory(coord), from_sqlite(coord)
     assert live == recorded or _nan_equal(live, recorded)
     assert [g["members"] for g in live["generations"]] == [[0, 1]]
+    (gen,) = live["generations"]  # the worst path its members took, the most steps redone
+    assert (gen["recovery"], gen["redone_steps"], gen["start_step"]) == ("neighbour_copy", 2, 8)
+    assert any(e["kind"] == "recovery" for e in live["events"])
     assert [c["step"] for c in live["checkpoints"]] == [10]  # the pruned one dropped
     assert (live["checkpoint_failures"], live["last_checkpoint_error"]) == (1, "disk full")
     assert (live["pending_workers"], live["standby_workers"], live["target_workers"]) == (1, 1, 3)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from tidal.protocol import JobState, JobStatus
+from tidal.protocol import JobState, JobStatus, RecoveryPath
 
 if TYPE_CHECKING:
     from tidal.coordinator.controller import Coordinator
@@ -146,7 +146,8 @@ def print_status(s: JobStatus) -> None:
         )
     console.print(workers)
     gens = Table(title="generations")
-    for col in ("id", "size", "start step", "pause s", "pause phases (ms)", "reason"):
+    cols = ("id", "size", "start step", "pause s", "pause phases (ms)", "recovery", "reason")
+    for col in cols:
         gens.add_column(col)
     for g in s.generations[-10:]:
         gens.add_row(
@@ -155,6 +156,7 @@ def print_status(s: JobStatus) -> None:
             "-" if g.start_step is None else str(g.start_step),
             "-" if g.pause_s is None else f"{g.pause_s:.3f}",
             _phases(g.pause_phases),
+            recovery_cell(g.recovery, g.redone_steps),
             g.reason,
         )
     console.print(gens)
@@ -182,3 +184,11 @@ def _phases(phases: dict[str, float] | None) -> str:
     if not phases:
         return "-"
     return " · ".join(f"{k.removesuffix('_s')} {v * 1000:.0f}" for k, v in phases.items())
+
+
+def recovery_cell(path: RecoveryPath | None, redone: int | None) -> str:
+    """``neighbour_copy (-3)``: the path a generation's recovery took and the steps it redid
+    (blank when its members did not say)."""
+    if path is None:
+        return ""
+    return path.value + (f" (-{redone})" if redone else "")

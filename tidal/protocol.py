@@ -221,8 +221,30 @@ class RegisterResponse(BaseModel):
 PAUSE_PHASES = ("leave_s", "rendezvous_s", "form_s", "heal_s", "first_step_s")
 
 
+class RecoveryPath(str, Enum):
+    """How a generation's members came to hold the job's state, least to most severe (the
+    order of declaration; the coordinator keeps a generation's most severe, ``rules``).
+
+    ``none``: they already held the same state, nothing moved (a scale-down under DDP).
+    ``heal``: DDP, the state broadcast from the most advanced member.
+    ``reshard``: FSDP, the live shards moved to the new layout; nothing redone.
+    ``neighbour_copy``: FSDP, a lost member's shard rebuilt from the copy its ring
+    neighbour kept in memory; every member rolled back to the copy's step.
+    ``checkpoint``: rolled back to a durable checkpoint.
+    """
+
+    NONE = "none"
+    HEAL = "heal"
+    RESHARD = "reshard"
+    NEIGHBOUR_COPY = "neighbour_copy"
+    CHECKPOINT = "checkpoint"
+
+
 class StepReport(BaseModel):
-    """Timing facts a member sends when it completes its first step in a generation."""
+    """Timing facts a member sends when it completes its first step in a generation, and
+    how its state was recovered (``recovery``; None from a worker that predates it) and the
+    steps it redoes (``redone_steps``: its committed step before the change minus the step
+    the generation starts from)."""
 
     generation: Id
     start_step: Step
@@ -234,6 +256,8 @@ class StepReport(BaseModel):
     phases: dict[Annotated[str, Field(max_length=32)], Seconds] = Field(
         default_factory=dict, max_length=len(PAUSE_PHASES)
     )
+    recovery: RecoveryPath | None = None
+    redone_steps: Step = 0
 
 
 class CheckpointView(BaseModel):
@@ -350,6 +374,10 @@ class GenerationView(BaseModel):
     opened_at: float
     # The phases of the largest pause (the member whose pause is ``pause_s``).
     pause_phases: dict[str, float] | None = None
+    # The most severe recovery its members reported, and the most steps one redid (None:
+    # no member said, e.g. a worker of an older version).
+    recovery: RecoveryPath | None = None
+    redone_steps: int | None = None
 
 
 class EventView(BaseModel):

@@ -90,7 +90,7 @@ CREATE TABLE IF NOT EXISTS workers (
 CREATE TABLE IF NOT EXISTS generations (
     job TEXT NOT NULL, id INTEGER NOT NULL, members TEXT NOT NULL, reason TEXT NOT NULL,
     opened_at REAL NOT NULL, start_step INTEGER, pause_s REAL, pause_phases TEXT,
-    PRIMARY KEY (job, id)
+    recovery TEXT, redone_steps INTEGER, PRIMARY KEY (job, id)
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, time REAL NOT NULL,
@@ -107,6 +107,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 MIGRATIONS = (
     ("workers", "node", "TEXT"),  # a home written before workers had a node
     ("generations", "pause_phases", "TEXT"),  # written before pauses had phases
+    ("generations", "recovery", "TEXT"),  # written before recoveries were told apart
+    ("generations", "redone_steps", "INTEGER"),
     ("jobs", "checkpoint_failures", "INTEGER NOT NULL DEFAULT 0"),
     ("jobs", "last_checkpoint_error", "TEXT"),
     # What a restarted coordinator needs beyond the rows above (``recovery.Control``).
@@ -286,8 +288,8 @@ class Database:
     def upsert_generation(self, job: str, g: GenerationView) -> None:
         self._write(
             "INSERT OR REPLACE INTO generations "
-            "(job, id, members, reason, opened_at, start_step, pause_s, pause_phases) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "(job, id, members, reason, opened_at, start_step, pause_s, pause_phases, "
+            "recovery, redone_steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 job,
                 g.id,
@@ -297,6 +299,8 @@ class Database:
                 g.start_step,
                 g.pause_s,
                 json.dumps(g.pause_phases) if g.pause_phases else None,
+                g.recovery.value if g.recovery is not None else None,
+                g.redone_steps,
             ),
         )
 
@@ -418,6 +422,11 @@ class Database:
             "WHERE job = ? ORDER BY id",
             (name,),
         )
+        recovery = (
+            "recovery, redone_steps"
+            if "redone_steps" in self._columns["generations"]
+            else "NULL, NULL"  # a read-only home written before recoveries were recorded
+        )
         generations = [
             GenerationView(
                 id=r[0],
@@ -428,11 +437,12 @@ class Database:
                 start_step=r[4],
                 pause_s=r[5],
                 pause_phases=json.loads(r[6]) if r[6] else None,
+                recovery=r[7],
+                redone_steps=r[8],
             )
             for r in self._read(
-                "SELECT id, members, reason, opened_at, start_step, pause_s, pause_phases "
-                "FROM generations "
-                "WHERE job = ? ORDER BY id",
+                "SELECT id, members, reason, opened_at, start_step, pause_s, pause_phases, "
+                f"{recovery} FROM generations WHERE job = ? ORDER BY id",
                 (name,),
             )
         ]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.coordinator.answers import Answers
-from tidal.coordinator.rules import completion_refused
+from tidal.coordinator.rules import completion_refused, merge_recovery, neighbour_copy_event
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -251,7 +251,12 @@ class Handlers:
             pause = r.first_step_time - r.prev_last_step_time
             if gen.pause_s is None or pause > gen.pause_s:
                 gen.pause_s, gen.pause_phases = pause, r.phases or None
+        recorded = (gen.recovery, gen.redone_steps)
+        gen.recovery, gen.redone_steps = merge_recovery(recorded, r.recovery, r.redone_steps)
         self.journal.save_generation(gen.view())
+        said = neighbour_copy_event(gen.id, recorded, r.recovery, r.redone_steps)
+        if said:
+            self.event("recovery", said)
         if self.state == JobState.PENDING:
             self.state = JobState.RUNNING
             self.journal.update_job(state=self.state.value)

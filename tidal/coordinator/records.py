@@ -8,6 +8,7 @@ from tidal.coordinator.snapshot import WorkerRow
 from tidal.protocol import (
     GenerationInfo,
     GenerationView,
+    RecoveryPath,
     WorkerState,
     generation_prefix,
 )
@@ -95,6 +96,8 @@ class GenerationRecord:
     start_step: int | None = None
     pause_s: float | None = None
     pause_phases: dict[str, float] | None = None
+    recovery: RecoveryPath | None = None  # the most severe its members reported
+    redone_steps: int | None = None  # the most steps a member redid
     reported: set[int] = field(default_factory=set)
 
     @property
@@ -134,6 +137,8 @@ class GenerationRecord:
             pause_s=self.pause_s,
             opened_at=self.opened_at,
             pause_phases=self.pause_phases,
+            recovery=self.recovery,
+            redone_steps=self.redone_steps,
         )
 
 

@@ -118,6 +118,8 @@ def rebuild(status: JobStatus, control: Control, *, namespace: str, now: float) 
             start_step=g.start_step,
             pause_s=g.pause_s,
             pause_phases=g.pause_phases,
+            recovery=g.recovery,
+            redone_steps=g.redone_steps,
         )
         for g in status.generations
     ]

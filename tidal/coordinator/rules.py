@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.protocol import WorkerState
+from tidal.protocol import RecoveryPath, WorkerState
 
 
 # -- a worker's process ended ------------------------------------------------------------
@@ -191,6 +191,40 @@ def roll_back(*, lost_step: int, checkpoint_step: int | None) -> tuple[str, str]
         f"no live worker holds step {lost_step}: rolling back to the checkpoint of step "
         f"{checkpoint_step} ({max(0, lost_step - checkpoint_step)} steps redone)",
     )
+
+
+# -- how a generation recovered its state ---------------------------------------------------
+def merge_recovery(
+    recorded: tuple[RecoveryPath | None, int | None], path: RecoveryPath | None, redone: int
+) -> tuple[RecoveryPath | None, int | None]:
+    """A generation's (recovery path, redone steps) once a member reports ``path`` and
+    ``redone``: the most severe path (``RecoveryPath``'s order) and the most steps redone. A
+    report with neither (a worker of an older version) changes nothing."""
+    old_path, old_redone = recorded
+    if path is None and redone <= 0:
+        return recorded
+    order = list(RecoveryPath)
+    worst = max((p for p in (old_path, path) if p is not None), key=order.index, default=None)
+    return worst, max(old_redone or 0, redone)
+
+
+def neighbour_copy_event(
+    gen_id: int,
+    recorded: tuple[RecoveryPath | None, int | None],
+    path: RecoveryPath | None,
+    redone: int,
+) -> str | None:
+    """The event of a generation rebuilt from neighbour copies with steps redone, for its
+    first report that says so (``recorded``: what its earlier reports said), else None. A
+    rollback to a checkpoint has its own event (``roll_back``)."""
+    old_path, old_redone = recorded
+    if path is not RecoveryPath.NEIGHBOUR_COPY or redone <= 0:
+        return None
+    if old_path is RecoveryPath.CHECKPOINT or (
+        old_path is RecoveryPath.NEIGHBOUR_COPY and (old_redone or 0) > 0
+    ):
+        return None
+    return f"generation {gen_id}: rebuilt from neighbour copies, {redone} steps redone"
 
 
 # -- completion ------------------------------------------------------------------------
