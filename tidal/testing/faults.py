@@ -21,7 +21,9 @@ one of:
 - ``first``: right after this worker's first step in a generation is committed;
 - ``checkpoint``: inside a checkpoint write (rank 0's writer thread, the model file written
   into the temporary folder, before the manifest and the rename); ``step`` is the
-  checkpoint's step.
+  checkpoint's step;
+- ``copy``: ``sharding="fsdp"``, a member about to exchange its neighbour copy after
+  committing step ``step``.
 
 For the membership phases ``step`` is the worker's committed step count (0 for a joiner that
 holds no state yet): ``gen=2,step=0`` picks the worker that joins generation 2 without state,

@@ -24,11 +24,19 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.checkpoint import store as checkpoints
-from tidal.protocol import FailureKind, GenerationInfo, Role
+from tidal.protocol import FailureKind, GenerationInfo, RecoveryPath, Role
 from tidal.worker import group as grp
 from tidal.worker import probes
-from tidal.worker.heal import StateLost, heal
+from tidal.worker.heal import HealResult, StateLost, heal
+from tidal.worker.shard_plan import Path as ShardPath
 from tidal.worker.step import _one_line
+
+#: The status's name for each way a sharded generation assembled its state.
+RECOVERY_OF = {
+    ShardPath.FRESH: None,
+    ShardPath.LIVE: RecoveryPath.RESHARD,
+    ShardPath.COPY: RecoveryPath.NEIGHBOUR_COPY,
+}
 
 
 class Membership:
@@ -65,6 +73,8 @@ class Membership:
 
     def _leave_group(self) -> None:
         self._ddp = None
+        if self._fsdp is not None:
+            self._fsdp.leave()
         grp.destroy_group()
 
     def _hold(self, step: int) -> bool:
@@ -78,6 +88,7 @@ class Membership:
             if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
                 break
             self._agent.wait_change(0.005)
+        self._hold_answer = (step, resp)  # what it was told (sharding gathers on a shrink)
         newer = resp.generation is not None and resp.generation.id > self.generation
         self._debug(f"hold released (newer={newer})")
         return resp.stop or resp.role != Role.MEMBER or newer
@@ -149,8 +160,13 @@ class Membership:
     def _form(self, info: GenerationInfo) -> None:
         rank = info.members.index(self._env.worker_id)
         self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
+        rolled_back = None
         if info.resume_from is not None and self.step != info.resume_step:
+            if self._fsdp is not None:
+                raise RuntimeError("sharding='fsdp' has no durable checkpoint to roll back to")
+            before = self.step
             self._roll_back(info)
+            rolled_back = max(0, before - self.step)
         timeout_s = self._cfg.collective_timeout_s
         grp.form_group(
             self._store,
@@ -164,16 +180,32 @@ class Membership:
         self._t_formed = time.time()
         self._debug("group formed")
         probes.point("heal", self.step, info.id)
-        result = heal(
-            module=self.module,
-            optimizer=self.optimizer,
-            step=self.step if self._has_state else None,
-            committed_step=info.committed_step,
-            tracked=self._tracked,
-        )
-        self.step = result.step
-        self._has_state = True
-        self._ddp = grp.wrap(self.module, self._control)
+        if self._fsdp is not None:
+            sharded = self._fsdp.form(
+                members=info.members,
+                gen=info.id,
+                step=self.step if self._has_state else None,
+                committed_step=info.committed_step,
+                tracked=self._tracked,
+            )
+            self.step, self._has_state = sharded.step, True
+            self._recovery = (RECOVERY_OF[sharded.path], sharded.redone)
+            self._fsdp.refresh_copies(self.step, self._tracked)
+            result = HealResult(source=sharded.source, step=sharded.step, sent=True)
+        else:
+            result = heal(
+                module=self.module,
+                optimizer=self.optimizer,
+                step=self.step if self._has_state else None,
+                committed_step=info.committed_step,
+                tracked=self._tracked,
+            )
+            self.step = result.step
+            self._has_state = True
+            self._recovery = (RecoveryPath.HEAL if result.sent else RecoveryPath.NONE, 0)
+            if rolled_back is not None:
+                self._recovery = (RecoveryPath.CHECKPOINT, rolled_back)
+            self._ddp = grp.wrap(self.module, self._control)
         self._t_healed = time.time()
         self.rank, self.world_size, self.generation = rank, len(info.members), info.id
         self._last_rank = rank

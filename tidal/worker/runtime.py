@@ -40,10 +40,14 @@ from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.membership import Membership
 from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
+from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
 from tidal.worker.update import Update
 
 _current: Trainer | None = None
+
+#: The values of ``Trainer(sharding=...)``.
+SHARDINGS = ("ddp", "fsdp")
 
 
 #: The values of ``tidal.log(..., reduce=...)``: None keeps rank 0's value, "mean" averages.
@@ -66,7 +70,7 @@ def log(*, reduce: str | None = None, **metrics: float) -> None:
         _current._log(values, reduce)
 
 
-class Trainer(Membership):
+class Trainer(Membership, ShardedSteps):
     """Elastic data-parallel training of ``model`` with ``optimizer`` over ``dataset``.
 
     Under ``tidal run`` it joins the job's coordinator; run as a plain script it trains
@@ -92,6 +96,7 @@ class Trainer(Membership):
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
+        sharding: str = "ddp",
     ) -> None:
         """``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
         ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
@@ -101,7 +106,18 @@ class Trainer(Membership):
         (``update.Update``); ``clip_grad_norm`` clips the synchronised gradients to that
         norm; ``state`` names more objects to carry (an EMA model, your own counters): see
         ``tracked``. All of them are healed, checkpointed, resumed, and rewound when a step
-        fails."""
+        fails. ``sharding``: ``"ddp"`` (every member holds the whole model) or ``"fsdp"``
+        (parameters and optimizer state sharded across the members with FSDP2, resharded in
+        process at every membership change: ``tidal.worker.fsdp``; call ``trainer.model``,
+        never the module you passed, which becomes the meta-device template)."""
+        if sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+        if sharding == "fsdp" and grad_scaler is not None:
+            raise ValueError(
+                "grad_scaler= is not supported with sharding='fsdp' yet (its inf/NaN check "
+                "would see only this member's shard): use bf16, or sharding='ddp'"
+            )
+        self._sharding = sharding
         self.module = model
         self.optimizer = optimizer
         data, loading = unwrap(
@@ -139,6 +155,10 @@ class Trainer(Membership):
         self.completed = False
         self._has_state = False
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._fsdp: Any = None  # tidal.worker.fsdp.Fsdp under tidal run with sharding="fsdp"
+        self._shrink = False  # this member knows the next generation drops a member
+        self._final_state: dict[str, torch.Tensor] | None = None
+        self._recovery: tuple[str | None, int] = (None, 0)  # how the last forming healed
         self._control = grp.ControlWord()
         self._env = WorkerEnv.from_environ()
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
@@ -168,7 +188,10 @@ class Trainer(Membership):
     # -- user surface ----------------------------------------------------------------
     @property
     def model(self) -> torch.nn.Module:
-        """The module to call in the loop: the DDP wrapper of the current generation."""
+        """The module to call in the loop: the DDP wrapper or the FSDP module of the current
+        generation (the module itself when training alone)."""
+        if self._fsdp is not None and self._fsdp.module is not None:
+            return self._fsdp.module
         return self._ddp if self._ddp is not None else self.module
 
     @property
@@ -177,7 +200,15 @@ class Trainer(Membership):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """On rank 0, the whole model's state as plain tensors (copies), e.g. to save the
-        final model after ``run()``; None on the other ranks."""
+        final model after ``run()``; None on the other ranks. With ``sharding="fsdp"`` the
+        members gather it onto rank 0 when the job's last step is done."""
+        if self._fsdp is not None:
+            if self._final_state is None and self._last_rank == 0:
+                raise RuntimeError(
+                    "full_state_dict() with sharding='fsdp' is available once run() has "
+                    "finished the job (the members gather it at the job's last step)"
+                )
+            return self._final_state if self._last_rank == 0 else None
         if self.rank != 0:
             return None
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
@@ -222,6 +253,8 @@ class Trainer(Membership):
         self._agent.install_preemption_handler()
         cfg = self._agent.register(max_steps=max_steps).config
         self._cfg = cfg
+        if self._sharding == "fsdp":
+            self._start_sharded(cfg)
         self._durable = Durable(cfg, self._agent)
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these
             {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
@@ -254,6 +287,9 @@ class Trainer(Membership):
                 self._commit()
                 if self._durable.due(self.step) and self.rank == 0:
                     self._checkpoint()
+                if not self._copies_taken():
+                    member = self._join()
+                    continue
                 if self._control.stop:
                     self._stopping = True
                 elif self.step >= max_steps:
@@ -261,8 +297,11 @@ class Trainer(Membership):
                 elif self._control.switch or (
                     self.step in self._cfg.hold_steps and self._hold(self.step)
                 ):
+                    self._gather_for_leavers()
                     self._leave_group()
                     member = self._join()
+            if member and self._fsdp is not None:
+                self._gather_final()
             self.completed = self.step >= max_steps
             finished = member or self._stopping
         finally:
@@ -300,7 +339,7 @@ class Trainer(Membership):
 
     def _before_sync(self, step: Step) -> None:
         """Set the control word for this step's all-reduce from the newest heartbeat."""
-        if self._ddp is None:
+        if self._ddp is None and (self._fsdp is None or self._fsdp.module is None):
             return
         latest = self._agent.latest() if self._agent else None
         newer = latest is not None and (
@@ -309,6 +348,9 @@ class Trainer(Membership):
         )
         stop = latest is not None and latest.stop
         self._control.set(switch=newer, stop=stop)
+        if self._fsdp is not None:
+            members = latest.generation.members if newer and latest.role == Role.MEMBER else None
+            self._shrink = newer and self._fsdp.shrinks(members)
         index, gen = step.index, self.generation
         self._control.before_allreduce = lambda: probes.point("allreduce", index, gen)
 
@@ -318,14 +360,16 @@ class Trainer(Membership):
             if self._stall_pending and self._agent is not None:
                 self._stall_pending = False
                 self._agent.post_metrics({"checkpoint_stall_s": self._durable.last_stall_s})
-        self._update.apply(self.step)
+        self._update.apply(
+            self.step, grad_norm=self._fsdp.grad_norm if self._fsdp is not None else None
+        )
         self.step += 1
         self._has_state = True
         now = time.time()
         if self._gen_first_pending and self._agent is not None:
             self._debug(f"first step {self.step} in gen {self.generation}")
             self._gen_first_pending = False
-            self._buckets_pending = True
+            self._buckets_pending = self._ddp is not None
             probes.point("first", self.step - 1, self.generation)
             self._agent.post_report(
                 StepReport(
@@ -335,6 +379,8 @@ class Trainer(Membership):
                     prev_last_step_time=self._gen_prev_time,
                     first_step_time=now,
                     phases=self._pause_phases(now),
+                    recovery=self._recovery[0],
+                    redone_steps=self._recovery[1],
                 )
             )
         self._last_step_time = now

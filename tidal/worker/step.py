@@ -38,10 +38,13 @@ class Step:
         tr = self.trainer
         pieces = tr.sampler.micro_batches(self.indices)
         batches = tr._pipeline.batches(self.index, tr.rank, tr.world_size, pieces)
+        fsdp = tr._fsdp if tr._fsdp is not None and tr._fsdp.module is not None else None
         for i, (piece, batch) in enumerate(zip(pieces, batches, strict=True)):
             if self._failed is not None:
                 return
             self._n_micro = len(piece)
+            if fsdp is not None:
+                fsdp.micro_batch(last=i == len(pieces) - 1)
             if i < len(pieces) - 1 and tr._ddp is not None:
                 with tr._ddp.no_sync():
                     yield batch
@@ -62,3 +65,11 @@ class Step:
             if self.trainer._ddp is None or not getattr(self, "_last", False):
                 raise
             self._failed = exc
+        fsdp = self.trainer._fsdp
+        if fsdp is not None and fsdp.module is not None:
+            # FSDP's collectives never raise (``guard``): a failure is found here, and the
+            # last micro-batch ends with the step's control all-reduce.
+            if getattr(self, "_last", False) and fsdp.guard.failed is None:
+                self.trainer._end_sharded_step()
+            if fsdp.guard.failed is not None:
+                self._failed = fsdp.guard.failed

@@ -65,14 +65,21 @@ class Update:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
-    def apply(self, index: int) -> None:
-        """Apply committed step ``index``: see the module contract."""
+    def apply(self, index: int, *, grad_norm: float | None = None) -> None:
+        """Apply committed step ``index``: see the module contract. ``grad_norm``: the norm
+        of the whole gradient when this member holds only a shard of it (``sharding="fsdp"``
+        computes it with the step's control all-reduce); None: computed here."""
         opt, scaler = self.optimizer, self.grad_scaler
         if scaler is not None:
             scaler.unscale_(opt)
         if self.clip_grad_norm is not None:
             params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            if grad_norm is None:
+                torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            else:  # clip_grad_norm_'s coefficient, on each member's shard
+                coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))
+                for p in params:
+                    getattr(p.grad, "_local_tensor", p.grad).mul_(coef)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()

@@ -1,0 +1,94 @@
+"""The elastic loop's step-boundary duties under ``sharding="fsdp"`` (a mixin of ``Trainer``).
+
+Each is a no-op with ``sharding="ddp"``. Contracts:
+
+- The step's control all-reduce (``_end_sharded_step``) runs after the last micro-batch's
+  backward and decides, like DDP's control word, that every member switches or stops after
+  the same step.
+- Neighbour copies (``_copies_taken``) are taken by every member at the same committed
+  steps (``Ring.due``); a failure of the exchange is a failure of the generation (reported,
+  re-formed), and the old copy stays whole.
+- Before a planned switch that drops a member, every member gathers the whole state
+  (``_gather_for_leavers``): a leaver then takes no row with it and nothing is redone.
+- At the job's last step the members gather the whole model onto rank 0
+  (``_gather_final``), for ``full_state_dict``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tidal.protocol import Role, WorkerConfig
+from tidal.worker import probes
+
+
+class ShardedSteps:
+    def _start_sharded(self, cfg: WorkerConfig) -> None:
+        from tidal.worker.fsdp import Fsdp, warm_up
+        from tidal.worker.ring import Ring
+
+        if cfg.checkpoint_dir is not None:
+            raise ValueError(
+                "durable checkpoints are not written with sharding='fsdp' yet: drop "
+                "--checkpoint-every/--checkpoint-interval, or use sharding='ddp'"
+            )
+        warm_up()
+        self._fsdp = Fsdp(self.module, self.optimizer, Ring())
+
+    def _end_sharded_step(self) -> None:
+        c = self._control
+        c.before_allreduce()
+        c.comm_started = time.perf_counter()
+        fsdp = self._fsdp
+        fsdp.end_step(
+            switch=bool(c.send[c.SWITCH] > 0),
+            stop=bool(c.send[c.STOP] > 0),
+            shrink=self._shrink,
+            clip=self._update.clip_grad_norm is not None,
+        )
+        switch, stop, shrink = fsdp.flags()
+        c.recv[c.SWITCH], c.recv[c.STOP] = float(switch), float(stop)
+        self._shrink = shrink
+        c.comm_done = time.perf_counter()
+
+    def _copies_taken(self) -> bool:
+        """Refresh the neighbour copies if this committed step is a copy step; False if the
+        exchange failed (this member has left the group and reported it)."""
+        fsdp = self._fsdp
+        if fsdp is None or fsdp.module is None or not fsdp.ring.due(self.step):
+            return True
+        try:
+            probes.point("copy", self.step, self.generation)
+            fsdp.refresh_copies(self.step, self._tracked)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
+            self._leave_group()
+            self._report_failure(self.generation, exc)
+            return False
+
+    def _gather_for_leavers(self) -> None:
+        """At a planned switch: if any member knows the next generation drops a member,
+        every member gathers the whole state (a collective of the old group). If it fails,
+        what each member held is unchanged and the next heal finds its way (or redoes the
+        steps since the neighbour copy)."""
+        fsdp = self._fsdp
+        if fsdp is None or fsdp.module is None:
+            return
+        held_at, answer = getattr(self, "_hold_answer", (None, None))
+        if held_at == self.step:  # a scheduled switch: the answer that released the hold
+            member = answer.role == Role.MEMBER and answer.generation is not None
+            shrink = fsdp.shrinks(answer.generation.members if member else None)
+        else:  # the control word's switch: every member saw the same ``shrink`` sum
+            shrink = self._shrink
+        if not shrink:
+            return
+        try:
+            fsdp.before_switch(self.generation)
+        except Exception as exc:  # noqa: BLE001
+            self._debug(f"gather before the switch failed: {exc}")
+
+    def _gather_final(self) -> None:
+        try:
+            self._final_state = self._fsdp.full_state_dict()
+        except Exception as exc:  # noqa: BLE001 - full_state_dict() then says so
+            self._debug(f"final gather failed: {exc}")
