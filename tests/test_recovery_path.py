@@ -195,3 +195,44 @@ def test_the_status_table_shows_the_recovery(capsys, monkeypatch) -> None:
     print_status(s)
     out = capsys.readouterr().out
     assert "recovery" in out and "neighbour_copy (-3)" in out
+
+
+GLOO_ERROR = (
+    "worker 2 reported a failed collective at step 5: DistBackendError: "
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
+)
+
+
+def test_text_with_square_brackets_is_printed_as_text(capsys, monkeypatch) -> None:
+    """A gloo error quoted in an event or a reason ("[/__w/.../pair.cc:553] ...") is not
+    rich markup: printing it once crashed the coordinator (its progress display), six
+    times in a row, and left the job without a coordinator."""
+    from tidal.display import Progress
+    from tidal.protocol import EventView
+
+    monkeypatch.setenv("COLUMNS", "400")
+    gen = {"world_size": 2, "members": [0, 1], "opened_at": 1.0, "pause_s": 0.1}
+    s = JobStatus(
+        name="j[/x]",
+        state="running",
+        step=20,
+        world_size=2,
+        target_workers=2,
+        min_workers=1,
+        max_workers=2,
+        script="[/s].py",
+        created=1.0,
+        generations=[{**gen, "id": 1, "start_step": 0, "reason": GLOO_ERROR}],
+        events=[EventView(time=1.0, kind="failure", message=GLOO_ERROR)],
+    )
+    print_status(s)
+    out = capsys.readouterr().out
+    assert out.count("[/__w/pytorch/pytorch/third_party/gloo") == 2, out
+
+    import time
+
+    progress = Progress(coord=None, enabled=True)
+    progress._new_events = lambda: [EventView(time=1.0, kind="failure", message=GLOO_ERROR)]
+    progress._last = time.monotonic() - 0.3  # events are due, the progress line is not
+    progress.update()
+    assert "[/__w/pytorch" in capsys.readouterr().out

@@ -114,7 +114,7 @@ def test_reshard_moves_the_rows_over_real_gloo_point_to_point():
     [
         ({"w": (6, 4), "b": (6,)}, 6, None),
         ({"w": (6, 4), "b": (2,)}, 4, None),  # small ones pad: FSDP2's uneven shards
-        ({"w": (6, 4), "b": (6,)}, 7, "--max-workers 7 is more than .* \\(6, 'w'\\)"),
+        ({"w": (6, 4), "b": (6,)}, 7, "7 workers is more than .* \\(6, 'w'\\)"),
         ({"w": (6, 4), "s": ()}, 2, "parameter 's' is a scalar"),
         ({}, 1, "no parameters"),
     ],

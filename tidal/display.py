@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tidal.protocol import JobState, JobStatus, RecoveryPath
@@ -41,7 +42,7 @@ class Progress:
         status = self.coord.db.load_status(self.coord.spec.name) if final else None
         events = self._new_events()
         for e in events:
-            self.console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {e.message}")
+            self.console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {escape(e.message)}")
         if final or now - self._last >= PROGRESS_EVERY_S:
             self._last = now
             c = self.coord
@@ -54,7 +55,7 @@ class Progress:
                     parts.append(f"{key} {m[key]:.4g}")
             if status is not None:
                 parts.append(status.state.value)
-            self.console.print(f"[bold]{c.spec.name}[/bold] " + " | ".join(parts))
+            self.console.print(f"[bold]{escape(c.spec.name)}[/bold] " + " | ".join(parts))
 
     def _new_events(self) -> list:
         events = self.coord.db.load_events(self.coord.spec.name, after=self._events_seen)
@@ -102,7 +103,7 @@ def print_status(s: JobStatus) -> None:
     state = s.state.value
     if s.coordinator_unresponsive:
         state += " (its coordinator is alive but does not answer)"
-    summary.add_row("job", f"[bold]{s.name}[/bold]", "state", state)
+    summary.add_row("job", f"[bold]{escape(s.name)}[/bold]", "state", escape(state))
     summary.add_row(
         "step",
         str(s.step),
@@ -117,7 +118,8 @@ def print_status(s: JobStatus) -> None:
     if s.checkpoint_failures:
         summary.add_row(
             "checkpoints",
-            f"{s.checkpoint_failures} could not be written; last: {s.last_checkpoint_error}",
+            f"{s.checkpoint_failures} could not be written; last: "
+            + escape(str(s.last_checkpoint_error)),
             "",
             "",
         )
@@ -131,7 +133,7 @@ def print_status(s: JobStatus) -> None:
     if s.dashboard_url:
         long += [("dashboard", s.dashboard_url), ("metrics url", s.metrics_url or "-")]
     for label, value in long:
-        console.print(f"{label:<12}{value}", overflow="fold")
+        console.print(f"{label:<12}{escape(value)}", overflow="fold")
     workers = Table(title="workers")
     for col in ("id", "rank", "pid", "state", "node", "exit"):
         workers.add_column(col)
@@ -157,11 +159,11 @@ def print_status(s: JobStatus) -> None:
             "-" if g.pause_s is None else f"{g.pause_s:.3f}",
             _phases(g.pause_phases),
             recovery_cell(g.recovery, g.redone_steps),
-            g.reason,
+            escape(g.reason),
         )
     console.print(gens)
     for e in s.events[-8:]:
-        console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {e.message}")
+        console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {escape(e.message)}")
 
 
 def print_jobs(rows: list[JobStatus]) -> None:

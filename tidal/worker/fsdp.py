@@ -57,7 +57,6 @@ class Fsdp:
         committed_step: int,
         tracked: TrackedState | None,
     ) -> ShardHealResult:
-        self.sharded.check_world(len(members))
         self.guard = Guard()
         result = heal_sharded(
             self.sharded,

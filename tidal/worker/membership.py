@@ -124,6 +124,8 @@ class Membership:
                 self._debug(f"join gen {info.id}")
                 # Fatal, not a failure to heal from: every member would refuse the same way.
                 self.sampler.check_world_size(len(info.members))
+                if self._fsdp is not None:
+                    self._fsdp.sharded.check_world(len(info.members))
                 probes.point("join", self.step, info.id)
                 outcome = grp.rendezvous(
                     self._store, info, timeout_s=self._cfg.collective_timeout_s

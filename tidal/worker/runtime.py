@@ -118,6 +118,10 @@ class Trainer(Membership, ShardedSteps):
                 "would see only this member's shard): use bf16, or sharding='ddp'"
             )
         self._sharding = sharding
+        if sharding == "fsdp":  # refused now, not when the job first forms a group
+            from tidal.worker.shards import check_shardable
+
+            check_shardable({n: tuple(p.shape) for n, p in model.named_parameters()}, 1)
         self.module = model
         self.optimizer = optimizer
         data, loading = unwrap(

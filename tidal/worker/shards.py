@@ -45,7 +45,7 @@ def check_shardable(shapes: dict[str, tuple[int, ...]], max_world: int) -> None:
     name, shape = max(shapes.items(), key=lambda kv: kv[1][0])
     if max_world > shape[0]:
         raise ValueError(
-            f"--max-workers {max_world} is more than the largest first dimension of any "
+            f"{max_world} workers is more than the largest first dimension of any "
             f"parameter ({shape[0]}, {name!r}): with sharding, workers past {shape[0]} would "
             f"hold nothing; use --max-workers {shape[0]} or fewer, or sharding='ddp'"
         )
