@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import ROOT, Home, summarize
+from e2e_helpers import ROOT, Home, kill_pid, summarize, wait_gone
 
 from tidal.worker.ring import DEFAULT_EVERY
 from tidal.worker.shards import shard_range
@@ -125,3 +125,38 @@ def test_resizes_and_kills_end_equal_to_one_ddp_worker(tidal_home: Home, tmp_pat
         assert failed[0]["redone_steps"] == at % DEFAULT_EVERY, summarize(status)
     assert any(e["kind"] == "recovery" for e in status["events"]), summarize(status)
     assert_shards_match(out, _reference(tmp_path / "ref"), expect_members=gens[-1]["world_size"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_checkpoints_resume_at_another_world_size(tidal_home: Home, tmp_path: Path) -> None:
+    """The whole job is lost (kill -9 of every process); ``tidal resume`` continues from
+    the sharded checkpoints at another world size. The newest checkpoint's shard is
+    corrupted first: it is refused by its checksum and the previous one is used."""
+    out = tmp_path / "out"
+    job = tidal_home.start(
+        "lost",
+        "--workers",
+        "3",
+        "--checkpoint-every",
+        "10",
+        script=SCRIPT,
+        script_args=["--max-steps", str(STEPS), "--out", str(out), "--slow", "0.08"],
+    )
+    status = job.wait_for(lambda s: len(s["checkpoints"]) >= 3, timeout=150, what="3 checkpoints")
+    for pid in tidal_home.live_processes():  # the job is lost
+        kill_pid(pid)
+    assert not wait_gone(tidal_home.live_processes(), timeout=10)
+    folders = sorted((job.dir / "checkpoints").glob("step-*"))
+    assert len(folders) >= 3, folders
+    shards = sorted(folders[-1].glob("shard-*-of-00003.safetensors"))
+    assert len(shards) == 3, list(folders[-1].iterdir())  # each member wrote its own rows
+    data = bytearray(shards[1].read_bytes())
+    data[-3] ^= 0xFF
+    shards[1].write_bytes(bytes(data))
+    proc = tidal_home.cli("resume", "lost", "--workers", "2", "--quiet", timeout=240)
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    assert f"{folders[-1]}" in proc.stderr and "mismatch" in proc.stderr, proc.stderr
+    status = job.status()
+    assert status["state"] == "succeeded", summarize(status)
+    assert_shards_match(out, _reference(tmp_path / "ref"), expect_members=2)

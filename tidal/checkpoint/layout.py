@@ -44,6 +44,16 @@ TRACKED_TENSORS, TRACKED_JSON = "tracked.safetensors", "tracked.json"
 OPTIONAL = (TRACKED_TENSORS, TRACKED_JSON)
 TRACKED_KEY_RE = re.compile(r"^t\.\d+$")
 OPTIMIZER_KEY_RE = re.compile(r"^state\.\d+\..+$")
+# A sharded checkpoint (``sharding="fsdp"``, ``tidal.checkpoint.sharded``): the manifest says
+# ``"layout": "sharded"`` and ``"shards": W``; each member's rows are in its own file.
+SHARDED = "sharded"
+REPLICATED = "replicated.safetensors"
+SHARDED_REQUIRED = (REPLICATED, "optimizer.json", "meta.json")
+ROW_KEY_RE = re.compile(r"^(p\.[^.].*|o\.[^.].*\..+)$")
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
 
 
 class CheckpointError(ValueError):
@@ -186,10 +196,19 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise refuse("the manifest has no table of files")
-    missing = [n for n in REQUIRED if n not in files]
+    sharded = manifest.get("layout") == SHARDED
+    shards = manifest.get("shards")
+    if sharded and not (_is_int(shards) and shards >= 1):
+        raise refuse("the manifest of a sharded checkpoint gives no number of shards")
+    required = (
+        (*(shard_file(r, shards) for r in range(shards)), *SHARDED_REQUIRED)
+        if sharded
+        else REQUIRED
+    )
+    missing = [n for n in required if n not in files]
     if missing:
         raise refuse(f"the manifest does not list {', '.join(missing)}")
-    extra = sorted(set(files) - set(REQUIRED) - set(OPTIONAL))
+    extra = sorted(set(files) - set(required) - set(OPTIONAL))
     if extra:
         raise refuse(f"the manifest lists unexpected files: {', '.join(extra)}")
     present = [n for n in OPTIONAL if n in files]
@@ -201,7 +220,7 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
     named = NAME_RE.match(path.name)
     if named and int(named.group(1)) != step:
         raise refuse(f"the manifest says step {step}, the folder's name another")
-    for name in (*REQUIRED, *present):
+    for name in (*required, *present):
         want, f = files[name], path / name
         if not (isinstance(want, dict) and _is_int(want.get("bytes"))):
             raise refuse(f"the manifest's entry for {name} is malformed")
@@ -223,20 +242,36 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
         opt = _json_object(path / "optimizer.json")
         if not isinstance(opt.get("param_groups"), list) or not isinstance(opt.get("state"), dict):
             raise ValueError("optimizer.json has no param_groups list and state table")
-        if not _tensor_names(path / "model.safetensors"):
-            raise ValueError("model.safetensors holds no tensors")
-        odd = [
-            k
-            for k in _tensor_names(path / "optimizer.safetensors")
-            if not OPTIMIZER_KEY_RE.match(k)
-        ]
-        if odd:
-            raise ValueError(f"optimizer.safetensors holds a tensor named {odd[0]!r}")
+        if sharded:
+            _check_shards(path, shards, meta)
+        else:
+            if not _tensor_names(path / "model.safetensors"):
+                raise ValueError("model.safetensors holds no tensors")
+            odd = [
+                k
+                for k in _tensor_names(path / "optimizer.safetensors")
+                if not OPTIMIZER_KEY_RE.match(k)
+            ]
+            if odd:
+                raise ValueError(f"optimizer.safetensors holds a tensor named {odd[0]!r}")
         if present:
             _check_tracked(path)
     except ValueError as exc:
         raise refuse(str(exc)) from None
     return manifest
+
+
+def _check_shards(path: Path, shards: int, meta: dict) -> None:
+    """Every shard holds rows of the keys ``meta.json`` lists, and nothing else."""
+    keys = meta.get("keys")
+    if not isinstance(keys, dict) or not keys:
+        raise ValueError("meta.json of a sharded checkpoint lists no row keys")
+    for r in range(shards):
+        names = _tensor_names(path / shard_file(r, shards))
+        odd = [k for k in names if k not in keys or not ROW_KEY_RE.match(k)]
+        if odd:
+            raise ValueError(f"{shard_file(r, shards)} holds a tensor named {odd[0]!r}")
+    _tensor_names(path / REPLICATED)
 
 
 def _check_tracked(path: Path) -> None:

@@ -41,6 +41,7 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     MANIFEST,
     NAME_RE,
     REQUIRED,
+    SHARDED,
     TRACKED_JSON,
     TRACKED_TENSORS,
     CheckpointError,
@@ -351,8 +352,15 @@ def load(
     returns its meta (RNG restored by ``restore_rng``). Raises ``CheckpointError`` (one line)
     for a checkpoint that does not fit the model, optimizer or tracked state (the worker must
     not train on after that: a scheduler left at step 0 would silently diverge)."""
-    verify(path)
+    manifest = verify(path)
     try:
+        if manifest.get("layout") == SHARDED:  # written by sharding="fsdp": whole tensors
+            from tidal.checkpoint.sharded import load_unsharded
+
+            meta, saved_tracked = load_unsharded(path, module, optimizer)
+            if tracked or saved_tracked[0]:
+                (tracked or TrackedState({})).restore(*saved_tracked)
+            return meta
         model = load_file(str(path / "model.safetensors"))
         _check_model(path, model, module)
         tensors = load_file(str(path / "optimizer.safetensors"))

@@ -80,6 +80,11 @@ class Durable:
         self._last_time = time.monotonic()
         self._writer.save(step=step, module=module, optimizer=optimizer, meta=meta, tracked=tracked)
 
+    def mark_saved(self) -> None:
+        """A checkpoint was written by other means (``sharding="fsdp"``): the interval
+        restarts."""
+        self._last_time = time.monotonic()
+
     def quiesce(self) -> None:
         """Call before changing parameters or optimizer state (a snapshot may be copying)."""
         if self._writer is not None:

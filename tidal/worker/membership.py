@@ -164,10 +164,16 @@ class Membership:
         self._durable.quiesce()  # the heal may overwrite what a snapshot is copying
         rolled_back = None
         if info.resume_from is not None and self.step != info.resume_step:
-            if self._fsdp is not None:
-                raise RuntimeError("sharding='fsdp' has no durable checkpoint to roll back to")
             before = self.step
-            self._roll_back(info)
+            if self._fsdp is not None:
+                from tidal.worker.sharded_ckpt import load_for_roll_back
+
+                self.step = load_for_roll_back(
+                    self._fsdp.sharded, Path(info.resume_from), gen=info.id, tracked=self._tracked
+                )
+                self._has_state = True
+            else:
+                self._roll_back(info)
             rolled_back = max(0, before - self.step)
         timeout_s = self._cfg.collective_timeout_s
         grp.form_group(
@@ -192,6 +198,8 @@ class Membership:
             )
             self.step, self._has_state = sharded.step, True
             self._recovery = (RECOVERY_OF[sharded.path], sharded.redone)
+            if rolled_back is not None:
+                self._recovery = (RecoveryPath.CHECKPOINT, rolled_back)
             self._fsdp.refresh_copies(self.step, self._tracked)
             result = HealResult(source=sharded.source, step=sharded.step, sent=True)
         else:

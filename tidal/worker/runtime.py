@@ -163,6 +163,8 @@ class Trainer(Membership, ShardedSteps):
         self._shrink = False  # this member knows the next generation drops a member
         self._final_state: dict[str, torch.Tensor] | None = None
         self._recovery: tuple[str | None, int] = (None, 0)  # how the last forming healed
+        self._ckpt_agreed = False  # fsdp: the members agreed to checkpoint this step
+        self._last_sharded_ckpt: int | None = None
         self._control = grp.ControlWord()
         self._env = WorkerEnv.from_environ()
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
@@ -257,8 +259,6 @@ class Trainer(Membership, ShardedSteps):
         self._agent.install_preemption_handler()
         cfg = self._agent.register(max_steps=max_steps).config
         self._cfg = cfg
-        if self._sharding == "fsdp":
-            self._start_sharded(cfg)
         self._durable = Durable(cfg, self._agent)
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these
             {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
@@ -267,6 +267,8 @@ class Trainer(Membership, ShardedSteps):
         if resumed is not None:
             self.step, self._has_state = resumed, True
             self._agent.step = resumed
+        if self._sharding == "fsdp":  # the module becomes the template: after any resume
+            self._start_sharded(cfg)
         self._connect_store()
         finished = False
         try:
@@ -289,9 +291,9 @@ class Trainer(Membership, ShardedSteps):
                     continue
                 self._time_split(step)
                 self._commit()
-                if self._durable.due(self.step) and self.rank == 0:
+                if self._fsdp is None and self._durable.due(self.step) and self.rank == 0:
                     self._checkpoint()
-                if not self._copies_taken():
+                if not (self._sharded_checkpoint_taken() and self._copies_taken()):
                     member = self._join()
                     continue
                 if self._control.stop:
@@ -304,13 +306,14 @@ class Trainer(Membership, ShardedSteps):
                     self._gather_for_leavers()
                     self._leave_group()
                     member = self._join()
-            if member and self._fsdp is not None:
+            if member and self._fsdp is not None:  # the job's last step, while the group lives
+                self._sharded_checkpoint_taken(final=True)
                 self._gather_final()
             self.completed = self.step >= max_steps
             finished = member or self._stopping
         finally:
             self._leave_group()
-            if finished and self._last_rank == 0:  # the job's last step: completion or stop
+            if finished and self._last_rank == 0 and self._fsdp is None:  # completion or stop
                 self._checkpoint()
             self._durable.wait()
             try:

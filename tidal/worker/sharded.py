@@ -217,6 +217,12 @@ class ShardedModel:
         self.module, self.layout = m, layout
         return m
 
+    def install(self, held: Held) -> None:
+        """Hold ``held`` instead of anything held now (a roll-back to a checkpoint)."""
+        self.module = None
+        self.optimizer.state.clear()
+        self._held, self.layout = held, held.layout
+
     def release(self) -> None:
         """Keep what is held, without the module (its group is gone)."""
         if self.module is not None:

@@ -27,13 +27,42 @@ class ShardedSteps:
         from tidal.worker.fsdp import Fsdp, warm_up
         from tidal.worker.ring import Ring
 
-        if cfg.checkpoint_dir is not None:
-            raise ValueError(
-                "durable checkpoints are not written with sharding='fsdp' yet: drop "
-                "--checkpoint-every/--checkpoint-interval, or use sharding='ddp'"
-            )
         warm_up()
         self._fsdp = Fsdp(self.module, self.optimizer, Ring())
+
+    def _sharded_checkpoint_taken(self, *, final: bool = False) -> bool:
+        """Every member's part of a checkpoint of the committed step, when one is due (the
+        control all-reduce carried rank 0's decision, so all agree) or at the job's last
+        step (``final``); False if a collective failed (the member has left the group and
+        reported it)."""
+        from pathlib import Path
+
+        from tidal.worker.sharded_ckpt import save_sharded
+
+        if self._fsdp is None:
+            return True
+        cfg = self._cfg
+        due = self._ckpt_agreed or final
+        self._ckpt_agreed = False
+        if cfg.checkpoint_dir is None or not due or self._last_sharded_ckpt == self.step:
+            return True
+        try:
+            save_sharded(
+                self._fsdp.sharded,
+                directory=Path(cfg.checkpoint_dir),
+                step=self.step,
+                position=vars(self.sampler.position(self.step)),
+                tracked=self._tracked,
+                keep=cfg.keep_checkpoints,
+                agent=self._agent,
+            )
+            self._last_sharded_ckpt = self.step
+            self._durable.mark_saved()
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
+            self._leave_group()
+            self._report_failure(self.generation, exc)
+            return False
 
     def _end_sharded_step(self) -> None:
         c = self._control
@@ -44,11 +73,12 @@ class ShardedSteps:
             switch=bool(c.send[c.SWITCH] > 0),
             stop=bool(c.send[c.STOP] > 0),
             shrink=self._shrink,
+            checkpoint=self.rank == 0 and self._durable.due(self.step + 1),
             clip=self._update.clip_grad_norm is not None,
         )
-        switch, stop, shrink = fsdp.flags()
+        switch, stop, shrink, checkpoint = fsdp.flags()
         c.recv[c.SWITCH], c.recv[c.STOP] = float(switch), float(stop)
-        self._shrink = shrink
+        self._shrink, self._ckpt_agreed = shrink, checkpoint
         c.comm_done = time.perf_counter()
 
     def _copies_taken(self) -> bool:
