@@ -124,6 +124,12 @@ class ShardedModel:
             rows[("p", n)] = params[n]._local_tensor
             for k, v in self.optimizer.state.get(params[n], {}).items():
                 if isinstance(v, DTensor):
+                    if tuple(v.shape) != self.shapes[n]:
+                        raise ValueError(
+                            f"the optimizer's state {k!r} of {n!r} has shape {tuple(v.shape)}, "
+                            f"not its parameter's {self.shapes[n]}: sharding='fsdp' carries "
+                            "optimizer state shaped like its parameter (Adam, SGD, ...) only"
+                        )
                     rows[("o", n, k)] = v._local_tensor
                 else:
                     scalars.setdefault(n, {})[k] = v
