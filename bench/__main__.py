@@ -32,26 +32,28 @@ MEASUREMENTS = (
     "dataloader",
     "control_plane",
     "capacity",
+    "fsdp_reshard",
 )
 
 SIZES = {
     # steps per throughput run and repetitions, rescale events and torchrun joins,
     # kills (Tidal, torchrun), state transfer MB and repetitions, steps per input-pipeline
-    # run and its repetitions
+    # run and its repetitions; sharded: planned changes, kills (the step offset of each
+    # within the neighbour-copy interval) and the DCP peer's restarts
     "full": dict(
         tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
-        ckcpu_reps=7,
+        ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
-        ckcpu_reps=3,
+        ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
-        ckcpu_reps=1,
+        ckcpu_reps=1, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=1,
     ),
 }  # fmt: skip
 
@@ -244,6 +246,52 @@ def run_capacity(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     return rows, res
 
 
+def run_fsdp_reshard(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import fsdp_reshard as fr
+    from bench.train_fsdp import ddp_bytes
+
+    (tmp / "tidal").mkdir()
+    (tmp / "peer").mkdir()
+    t = fr.tidal_sharded(size["fsdp_changes"], size["fsdp_kills"], tmp / "tidal")
+    log(
+        f"tidal reshard pauses (s): up {[round(p, 3) for p in t['up_s']]}, down "
+        f"{[round(p, 3) for p in t['down_s']]}; step {t['step_s']}"
+    )
+    p = fr.peer_dcp(size["fsdp_peer_changes"], tmp / "peer")
+    log(
+        f"DCP restart pauses (s): up {[round(x, 2) for x in p['up_s']]}, down "
+        f"{[round(x, 2) for x in p['down_s']]}; parts p50 "
+        + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in p["parts_p50"].items())
+    )
+    ddp = ddp_bytes()
+    full = (ddp["params"] + ddp["optimizer"]) / fr.MB
+    rows = [row("fsdp_reshard", percentile(t["pauses_s"], 50), percentile(p["pauses_s"], 50), "s",
+                higher_is_better=False)]  # fmt: skip
+    memory = {}
+    for world in (1, 2, 3):
+        m = fr.memory_per_worker(t["memory"], world)
+        memory[world] = m
+        held = m["total"] / fr.MB if m else float("nan")
+        rows.append(row(f"fsdp_memory_ws{world}", held, full, "MB", higher_is_better=False))
+    redone = [k["redone_steps"] for k in t["kills"]]
+    rows.append(
+        row("fsdp_redone_steps", percentile(redone, 50), float(t["copy_every"]), "steps",
+            higher_is_better=False)
+    )  # fmt: skip
+    copy_s = memory[2]["copy_s"] if memory[2] else float("nan")
+    save_s = [s for s, w in zip(p["save_s"], p["save_world"], strict=True) if w == 2]
+    rows.append(row("fsdp_copy_s", copy_s, percentile(save_s, 50), "s", higher_is_better=False))
+    log(
+        "memory per worker (MB, rows + neighbour copies): "
+        + ", ".join(
+            f"{w}: {m['shard'] / fr.MB:.1f} + {m['copies'] / fr.MB:.1f}" if m else f"{w}: -"
+            for w, m in memory.items()
+        )
+        + f"; DDP {full:.1f}; kills {t['kills']}"
+    )
+    return rows, {"tidal": t, "peer": p, "ddp_bytes": ddp, "memory": memory}
+
+
 RUNNERS = {
     "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
     "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
@@ -269,6 +317,18 @@ RUNNERS = {
     "capacity": (
         run_capacity,
         ["cold_start", "time_to_capacity_cold", "time_to_capacity_spare"],
+        "s",
+    ),
+    "fsdp_reshard": (
+        run_fsdp_reshard,
+        [
+            "fsdp_reshard",
+            "fsdp_memory_ws1",
+            "fsdp_memory_ws2",
+            "fsdp_memory_ws3",
+            "fsdp_redone_steps",
+            "fsdp_copy_s",
+        ],
         "s",
     ),
 }
