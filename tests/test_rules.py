@@ -7,6 +7,7 @@ import pytest
 
 from tidal.coordinator.rules import (
     HEARTBEATS_PER_S,
+    REFORMS_WITHOUT_PROGRESS,
     ExitFacts,
     HealthFacts,
     capacity_victims,
@@ -18,6 +19,7 @@ from tidal.coordinator.rules import (
     judge_exit,
     leaver_target,
     reform_due,
+    repeated_failure,
     roll_back,
     schedule_due,
     schedule_settled,
@@ -25,6 +27,7 @@ from tidal.coordinator.rules import (
     to_kill,
     wind_down,
 )
+from tidal.coordinator.rules import Streak as S
 from tidal.protocol import WorkerState
 
 EXITED, FAILED = WorkerState.EXITED, WorkerState.FAILED
@@ -279,6 +282,17 @@ def test_start_timed_out(pending, waited, why) -> None:
     assert start_timed_out(pending=pending, waited_s=waited, start_timeout_s=120.0) == why
 
 
+def test_start_timed_out_says_the_failed_collectives_that_kept_it_from_forming() -> None:
+    failed = S(step=0, count=7, last="worker 1: RuntimeError: boom")
+    why = start_timed_out(pending=True, waited_s=121.0, start_timeout_s=120.0, failed=failed)
+    assert why == (
+        "no generation formed within 120 s; the collective at step 0 failed 7 times in a row "
+        "(last: worker 1: RuntimeError: boom)"
+    )
+    running = start_timed_out(pending=False, waited_s=500.0, start_timeout_s=120.0, failed=failed)
+    assert running is None
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "action", "text"),
     [
@@ -369,6 +383,63 @@ def test_reform_due(age, reported, latest, due) -> None:
         requested_at=10.0, now=10.0 + age, grace_s=0.1, reported_gen=reported, latest_gen=latest
     )
     assert got is due
+
+
+PREMUL = "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"
+LOST = None  # a member lost: the coordinator forgets the streak (``Lifecycle._on_exit``)
+
+
+def fold(history):
+    """The verdicts of ``repeated_failure`` along ``history``: the job's committed step at
+    each failed collective due for a re-form, or ``LOST``."""
+    streak, verdicts = None, []
+    for i, step in enumerate(history):
+        if step is LOST:
+            streak = None
+            continue
+        streak, fail = repeated_failure(streak, step=step, worker_id=i % 2, error=PREMUL)
+        verdicts.append(fail)
+    return streak, verdicts
+
+
+@pytest.mark.parametrize(
+    ("history", "fails_at", "count"),
+    [
+        ([0] * 10, 9, 10),  # the tenth in a row at step 0 fails the job, not an eleventh
+        ([0] * 9, None, 9),  # nine: a legitimate run of forming failures under load
+        ([5] * 3 + [0] * 10, 12, 10),  # a roll-back to step 0: a new streak there
+        ([0] * 9 + [1] + [1] * 8, None, 9),  # one committed step resets the count
+        ([0] * 9 + [1] * 10, 18, 10),  # ...and a new streak fails at its own tenth
+        ([3, 4] * 20, None, 1),  # a failure every step, each one a step further: progress
+        ([7] * 9 + [LOST] + [7] * 9, None, 9),  # a lost member explains its peers' failures
+        ([7] * 5 + [LOST] + [7] * 10, 14, 10),
+        ([0] * 12, 9, 12),  # were it asked again, it still fails
+    ],
+)
+def test_repeated_failure(history, fails_at, count) -> None:
+    streak, verdicts = fold(history)
+    failed = [i for i, v in enumerate(verdicts) if v is not None]
+    assert (failed[0] if failed else None) == fails_at
+    assert streak.count == count
+
+
+def test_repeated_failure_names_the_repeat_and_quotes_the_last_error_in_one_line() -> None:
+    streak = S(step=0, count=REFORMS_WITHOUT_PROGRESS - 1, last="worker 0: RuntimeError: x")
+    streak, fail = repeated_failure(
+        streak, step=0, worker_id=1, error=PREMUL + "\nException raised from ...\n  frame #0"
+    )
+    assert fail == (
+        "the collective at step 0 failed 10 times in a row with every member alive "
+        "(last: worker 1: RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo)"
+    )
+    assert streak == S(step=0, count=10, last=f"worker 1: {PREMUL}")
+    _, fail = repeated_failure(None, step=3, worker_id=0, error="RuntimeError: " + "y" * 900)
+    assert fail is None
+    streak, fail = repeated_failure(
+        S(step=3, count=1, last=""), step=3, worker_id=0, error="E: " + "y" * 900, limit=2
+    )
+    assert fail is not None and len(streak.last) <= len("worker 0: ") + 300
+    assert REFORMS_WITHOUT_PROGRESS == 10
 
 
 @pytest.mark.parametrize(

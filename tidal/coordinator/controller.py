@@ -29,14 +29,17 @@ from tidal.coordinator.journal import Journal
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import (
     GenerationRecord,
+    ReformRequest,
     Resume,
     WorkerRecord,
     changed_rows,
 )
 from tidal.coordinator.rules import (
+    Streak,
     effective_target,
     final_checkpoint,
     reform_due,
+    repeated_failure,
     schedule_settled,
     start_timed_out,
     wind_down,
@@ -144,8 +147,11 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.failures = 0
         self.outcome: JobState | None = None  # decided; reached once every process is gone
         self.stop_requested_at: float | None = None
-        # (when, generation, why): a member's collective failed in that generation
-        self.reform_requested: tuple[float, int, str] | None = None
+        # A member's collective failed in the latest generation: re-form it (``_maybe_reform``)
+        self.reform_requested: ReformRequest | None = None
+        # The failed collectives in a row at one committed step (``rules.repeated_failure``);
+        # kept in the ``control`` record, so a restarted coordinator goes on counting.
+        self.failed_collectives: Streak | None = None
         # (generation, why): healing found no member of that generation holding the state
         self.state_lost: tuple[int, str] | None = None
         self.created = time.time()
@@ -279,20 +285,33 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self._decide(JobState.FAILED, why)
 
     def _maybe_reform(self, now: float) -> None:
-        if self.reform_requested is None:
+        """Re-form the latest generation with the same members once a reported failed
+        collective is due (``rules.reform_due``), unless it failed too many times in a row
+        at the same step (``rules.repeated_failure``): then the job fails saying so."""
+        req = self.reform_requested
+        if req is None:
             return
-        at, gen_id, why = self.reform_requested
         due = reform_due(
-            requested_at=at,
+            requested_at=req.at,
             now=now,
             grace_s=REFORM_GRACE_S,
-            reported_gen=gen_id,
+            reported_gen=req.generation,
             latest_gen=self.latest.id if self.latest else 0,
         )
         if due is not False:
             self.reform_requested = None
-        if due:
-            self._open(self.members, why)
+        if not due:
+            return
+        self.failed_collectives, fail = repeated_failure(
+            self.failed_collectives,
+            step=max(self.step, req.step),  # the report may be ahead of the heartbeats
+            worker_id=req.worker_id,
+            error=req.error,
+        )
+        if fail:
+            self._decide(JobState.FAILED, fail)
+            return
+        self._open(self.members, req.why)
 
     def _reconcile(self) -> None:
         members = [m for m in self.members if self.workers[m].live]
@@ -388,6 +407,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             pending=self.state == JobState.PENDING,
             waited_s=time.time() - self.created,
             start_timeout_s=self.spec.start_timeout_s,
+            failed=self.failed_collectives,
         )
         if why:
             self._decide(JobState.FAILED, why)

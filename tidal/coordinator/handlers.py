@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.coordinator.answers import Answers
+from tidal.coordinator.records import ReformRequest
 from tidal.coordinator.rules import completion_refused, merge_recovery, neighbour_copy_event
 from tidal.protocol import (
     CheckpointFailure,
@@ -277,8 +278,14 @@ class Handlers:
                 "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
             )
             if self.reform_requested is None:
-                why = f"worker {wid} reported a failed collective"
-                self.reform_requested = (time.monotonic(), latest.id, why)
+                self.reform_requested = ReformRequest(
+                    at=time.monotonic(),
+                    generation=latest.id,
+                    why=f"worker {wid} reported a failed collective",
+                    worker_id=wid,
+                    step=r.step,
+                    error=r.error,
+                )
                 self.wake.set()  # a dead peer's exit may be waiting to be polled
 
     def on_done(self, wid: int, r: DoneReport) -> None:

@@ -52,6 +52,7 @@ class Lifecycle:
         self.checkpoint_failed = control.checkpoint_failed or None
         self.checkpointed = {c.step for c in status.checkpoints}
         self.completing = control.completing
+        self.failed_collectives = control.failed_collectives
         if control.stop_requested:
             self.stop_requested_at = time.monotonic()
         self.created = status.created
@@ -102,6 +103,7 @@ class Lifecycle:
             outcome=self.outcome.value if self.outcome else None,
             completing=self.completing,
             checkpoint_failed=self.checkpoint_failed or {},
+            failed_collectives=self.failed_collectives,
             committed_step=latest.committed_step if latest else 0,
             resume_from=latest.resume_from if latest else None,
             resume_step=latest.resume_step if latest else None,
@@ -145,6 +147,8 @@ class Lifecycle:
         self.event(verdict.kind, verdict.message)
         if verdict.lost:
             self.failures += 1
+            if was_member:  # it explains its peers' failed collectives (``repeated_failure``)
+                self.failed_collectives = None
         if verdict.reform:
             self._open(
                 [m for m in self.members if m != w.id],

@@ -143,6 +143,18 @@ class GenerationRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReformRequest:
+    """A member reported a failed collective in ``generation`` (the first report of it)."""
+
+    at: float  # monotonic time of the report
+    generation: int
+    why: str  # the reason of the generation that answers it
+    worker_id: int
+    step: int  # the step the worker reported (its committed step count)
+    error: str  # its error as reported (``repeated_failure`` quotes its first line)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Resume:
     """Where a resumed job starts: a verified checkpoint, and why newer ones were refused."""
 

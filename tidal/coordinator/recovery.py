@@ -3,7 +3,8 @@
 A coordinator writes the job's rows (``db``) as it goes, and beside them a ``Control``
 record: what the rows do not hold but the control loop needs (the requested count, the
 failures so far, the job's length, the schedule's progress, a decided outcome, the latest
-generation's committed step, why workers were asked to leave). ``rebuild`` turns both into
+generation's committed step, why workers were asked to leave, the failed collectives in a
+row at one step). ``rebuild`` turns both into
 the records a new coordinator starts from; it is pure, so every rule has a table test.
 
 Rules (the new coordinator then applies them, see ``Coordinator._recover``):
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tidal.coordinator.records import GenerationRecord, WorkerRecord
+from tidal.coordinator.rules import Streak
 from tidal.protocol import JobState, JobStatus, WorkerState
 
 
@@ -47,6 +49,9 @@ class Control:
     outcome: str | None = None  # a decided ``JobState``, not yet reached
     completing: tuple[int, int] | None = None  # (worker, step): awaiting the final checkpoint
     checkpoint_failed: dict[int, str] = field(default_factory=dict)
+    # The failed collectives in a row at one step (``rules.repeated_failure``): the count
+    # goes on across a restart (a record of an older coordinator has none: it starts at 0).
+    failed_collectives: Streak | None = None
     committed_step: int = 0  # the latest generation's
     resume_from: str | None = None
     resume_step: int | None = None
@@ -64,6 +69,8 @@ class Control:
         data["workers"] = {int(k): WorkerFlags(**v) for k, v in data.get("workers", {}).items()}
         if data.get("completing") is not None:
             data["completing"] = tuple(data["completing"])
+        if data.get("failed_collectives") is not None:
+            data["failed_collectives"] = Streak(*data["failed_collectives"])
         return cls(**data)
 
 

@@ -9,6 +9,7 @@ Every rule has a table test (``tests/test_rules.py``) that runs in milliseconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tidal.protocol import RecoveryPath, WorkerState
 
@@ -168,11 +169,23 @@ def capacity_victims(alive: list[int], members: list[int], capacity: int) -> lis
 
 
 # -- the start ----------------------------------------------------------------------------
-def start_timed_out(*, pending: bool, waited_s: float, start_timeout_s: float) -> str | None:
-    """Why the job fails for never forming a generation, or None."""
-    if pending and waited_s > start_timeout_s:
-        return f"no generation formed within {start_timeout_s:.0f} s; see the worker logs"
-    return None
+def start_timed_out(
+    *,
+    pending: bool,
+    waited_s: float,
+    start_timeout_s: float,
+    failed: tuple[int, int, str] | None = None,
+) -> str | None:
+    """Why the job fails for never forming a generation, or None. ``failed``: the failed
+    collectives in a row (``Streak``: step, count, the last report), said too: they are
+    why no generation formed, and "see the worker logs" alone would hide it."""
+    if not (pending and waited_s > start_timeout_s):
+        return None
+    why = f"no generation formed within {start_timeout_s:.0f} s"
+    if failed is not None:
+        step, count, last = failed
+        return f"{why}; the collective at step {step} failed {count} times in a row (last: {last})"
+    return f"{why}; see the worker logs"
 
 
 # -- the state's holders were lost ---------------------------------------------------------
@@ -300,6 +313,68 @@ def reform_due(
     if now - requested_at < grace_s:
         return False
     return True if reported_gen == latest_gen else None
+
+
+#: Failed collectives in a row, all reported at the same committed step of the job with every
+#: member alive, after which the job fails instead of re-forming again. A forming that fails
+#: under heavy load (a peer too slow to connect within the window) is reported as a failed
+#: collective too, and each one in a row doubles the worker's connect window
+#: (``group.connect_timeout``), so a few in a row are legitimate; ten in a row at the same
+#: step means windows up to 0.3 s * 2^10 (capped at the collective timeout) came and went:
+#: nothing will form. A bug every step's collective hits (gloo refusing a reduce op) fails
+#: the same way each time and would otherwise re-form forever (~400 generations in 2 min).
+REFORMS_WITHOUT_PROGRESS = 10
+
+
+class Streak(NamedTuple):
+    """The failed collectives in a row at one committed step (``repeated_failure``);
+    a plain tuple, so the coordinator's ``control`` record keeps it as a JSON list."""
+
+    step: int  # the job's committed step when they failed
+    count: int  # failed collectives at that step, in a row, each answered by a re-form
+    last: str  # the last one's report: "worker 1: RuntimeError: ..."
+
+
+def repeated_failure(
+    streak: Streak | None,
+    *,
+    step: int,
+    worker_id: int,
+    error: str,
+    limit: int = REFORMS_WITHOUT_PROGRESS,
+) -> tuple[Streak, str | None]:
+    """A member's failed collective is due for a re-form (``reform_due`` said True) while
+    the job's committed step is ``step``: the streak it makes, and why the job fails
+    instead of re-forming (None: re-form). The ``limit``-th failure in a row at the same
+    step fails the job, quoting the last report in one line.
+
+    What ends a streak (the coordinator passes ``streak=None``, or the step differs):
+
+    - committed progress: the job's step advanced (or moved at all: a roll-back to a
+      checkpoint is a new state to train from). Only progress proves the failures were
+      transient; a failure every other step still trains on.
+    - a member lost (its process ended, a kill for missed heartbeats): a dying peer makes
+      its survivors' collectives fail, sometimes before its exit is seen (a Ray actor's
+      death takes ~1 s, past the 100 ms grace), so those failures are explained and a
+      cascade of losses at one step must not add up to a false verdict. Losses are
+      bounded (``--max-restarts``, then the workers left), so this reset cannot feed a
+      loop of its own.
+
+    What does not: a scale (``tidal scale``, a policy, the capacity), a standby or a
+    replacement joining. They explain nothing (every member runs the same code, and the
+    failure was with every member alive), and they can repeat without bound: a policy
+    reacting to a job that makes no progress would keep the loop going. A restart of the
+    coordinator does not either: the streak is in its ``control`` record."""
+    line = (error.strip().splitlines() or [""])[0][:300]
+    last = f"worker {worker_id}: {line}"
+    count = streak.count + 1 if streak is not None and streak.step == step else 1
+    now = Streak(step=step, count=count, last=last)
+    if count < limit:
+        return now, None
+    return now, (
+        f"the collective at step {step} failed {count} times in a row with every member "
+        f"alive (last: {last})"
+    )
 
 
 # -- heartbeat pacing ------------------------------------------------------------------------
