@@ -24,11 +24,11 @@ KILL_AT = 53  # a copy was taken at 50: 3 steps are redone
 EXACT = 1e-12
 
 
-def _reference(out: Path) -> Path:
+def _reference(out: Path, *extra: str, steps: int = STEPS) -> Path:
     """A one-worker DDP run: the script alone (the same mathematics as a 1-worker job)."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sharding", "ddp", "--max-steps", str(STEPS)]
-        + ["--out", str(out)],
+        [sys.executable, str(SCRIPT), "--sharding", "ddp", "--max-steps", str(steps)]
+        + ["--out", str(out), *extra],
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")},
         capture_output=True,
@@ -47,7 +47,9 @@ def _rel(pairs) -> float:
     return (num / den) ** 0.5
 
 
-def assert_shards_match(out: Path, ref: Path, expect_members: int) -> None:
+def assert_shards_match(
+    out: Path, ref: Path, expect_members: int, *, steps: int = STEPS, within: float = EXACT
+) -> None:
     from safetensors.torch import load_file
 
     (ref_file,) = ref.glob("worker-*.safetensors")
@@ -59,19 +61,19 @@ def assert_shards_match(out: Path, ref: Path, expect_members: int) -> None:
         facts = json.loads(m.with_suffix(".json").read_text())
         got = load_file(str(m))
         assert set(got) == set(want), sorted(set(got) ^ set(want))  # optimizer state too
-        assert facts["step"] == STEPS
+        assert facts["step"] == steps
         pairs = []
         for key, tensor in got.items():
             start, stop = shard_range(want[key].shape[0], facts["world"], facts["rank"])
             assert tensor.shape == want[key][start:stop].shape, key
             pairs.append((tensor, want[key][start:stop]))
         rel = _rel(pairs)
-        assert rel <= EXACT, f"{m.name} (rank {facts['rank']}): relative L2 {rel:.3e}"
+        assert rel <= within, f"{m.name} (rank {facts['rank']}): relative L2 {rel:.3e}"
         ranks.add(facts["rank"])
     assert ranks == set(range(len(members)))  # the members' shards make the whole state
     full = load_file(str(out / "full.safetensors"))
     params = [(full[k[2:]], v) for k, v in want.items() if k.startswith("p.")]
-    assert _rel(params) <= EXACT
+    assert _rel(params) <= within
 
 
 @pytest.mark.slow
@@ -160,3 +162,26 @@ def test_sharded_checkpoints_resume_at_another_world_size(tidal_home: Home, tmp_
     status = job.status()
     assert status["state"] == "succeeded", summarize(status)
     assert_shards_match(out, _reference(tmp_path / "ref"), expect_members=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_float32_trains_sharded_over_gloo(tidal_home: Home, tmp_path: Path) -> None:
+    """float32 gradients are reduce-scattered with a plain SUM (FSDP2's PREMUL_SUM, which a
+    divide factor selects for float32 and bf16, is refused by gloo: every step failed)."""
+    out, steps = tmp_path / "out", 20
+    proc, job = tidal_home.run(
+        "f32",
+        "--workers",
+        "2",
+        script=SCRIPT,
+        script_args=["--max-steps", str(steps), "--out", str(out), "--dtype", "float32"],
+        timeout=180,
+    )
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    status = job.status()
+    assert [g["world_size"] for g in status["generations"]] == [2], summarize(status)
+    ref = _reference(tmp_path / "ref", "--dtype", "float32", steps=steps)
+    # float32: another split sums in another order, and Adam amplifies it (7e-5 measured
+    # here, the optimizer's second moments included): within float32's reach, not exact
+    assert_shards_match(out, ref, expect_members=2, steps=steps, within=1e-3)

@@ -33,7 +33,7 @@ def joiner():
     return MemberFacts(step=None, live=FRESH_LAYOUT)
 
 
-L, O, N = Slot.LIVE, Slot.OWN, Slot.NEIGHBOUR
+LIVE, OWN, NB = Slot.LIVE, Slot.OWN, Slot.NEIGHBOUR
 
 
 def srcs(*pairs):
@@ -49,7 +49,7 @@ CASES = [
         Path.FRESH,
         0,
         1,
-        srcs((0, L)),
+        srcs((0, LIVE)),
     ),
     (
         "scale-up: the old members hold both ranks; the joiner nothing",
@@ -58,7 +58,7 @@ CASES = [
         Path.LIVE,
         15,
         2,
-        srcs((0, L), (1, L)),
+        srcs((0, LIVE), (1, LIVE)),
     ),
     (
         "members in a new order: each old rank from whoever held it",
@@ -67,7 +67,7 @@ CASES = [
         Path.LIVE,
         15,
         2,
-        srcs((2, L), (0, L)),
+        srcs((2, LIVE), (0, LIVE)),
     ),
     (
         "a planned shrink: the whole state was gathered onto every member (world 1)",
@@ -76,7 +76,7 @@ CASES = [
         Path.LIVE,
         30,
         1,
-        srcs((0, L)),
+        srcs((0, LIVE)),
     ),
     (
         "after the gather any holder serves, the lowest first",
@@ -85,7 +85,7 @@ CASES = [
         Path.LIVE,
         30,
         1,
-        srcs((0, L)),
+        srcs((0, LIVE)),
     ),
     (
         "a kill lost rank 0's live rows: its successor's copy and the survivor's snapshot",
@@ -94,7 +94,7 @@ CASES = [
         Path.COPY,
         40,
         2,
-        srcs((0, N), (0, O)),
+        srcs((0, NB), (0, OWN)),
     ),
     (
         "a peer died inside the all-reduce: one survivor committed past the other",
@@ -103,7 +103,7 @@ CASES = [
         Path.COPY,
         40,
         3,
-        srcs((0, O), (1, O), (0, N)),
+        srcs((0, OWN), (1, OWN), (0, NB)),
     ),
     (
         "a laggard at the best step but in an older layout is not mixed in",
@@ -139,7 +139,7 @@ CASES = [
         Path.LIVE,
         55,
         2,
-        srcs((0, L), (1, L)),
+        srcs((0, LIVE), (1, LIVE)),
     ),
     (
         "copies of different steps: only a step whose copies cover is used",
@@ -148,7 +148,7 @@ CASES = [
         Path.COPY,
         30,
         2,
-        srcs((0, N), (0, O)),
+        srcs((0, NB), (0, OWN)),
     ),
 ]
 

@@ -137,6 +137,11 @@ def group_prefix(prefix: str) -> str:
     return f"{prefix}/pg"
 
 
+def copies_prefix(prefix: str) -> str:
+    """Where the generation's neighbour-copy group (``sharding="fsdp"``) keeps its keys."""
+    return f"{prefix}/copies"
+
+
 class GenerationInfo(BaseModel):
     """One membership epoch: its members in rank order and the store prefix they meet on.
 

@@ -1,4 +1,4 @@
-"""A float64 transformer-like model trained with ``sharding="fsdp"`` (or ``"ddp"`` for the
+"""A float64 (or ``--dtype float32``) transformer-like model trained with ``sharding="fsdp"`` (or ``"ddp"`` for the
 reference), AdamW, a warmup LR scheduler and gradient clipping. Test fixture of
 tests/test_fsdp_e2e.py, not an example.
 
@@ -26,7 +26,6 @@ from torch.utils.data import Dataset
 import tidal
 
 torch.set_num_threads(1)
-torch.set_default_dtype(torch.float64)
 
 VOCAB, WIDTH, SEQ, HEADS = 29, 16, 8, 2
 
@@ -83,7 +82,9 @@ def main() -> None:
     p.add_argument("--sharding", default="fsdp")
     p.add_argument("--out", required=True)
     p.add_argument("--slow", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     args = p.parse_args()
+    torch.set_default_dtype(getattr(torch, args.dtype))
 
     torch.manual_seed(0)
     model = Tiny()

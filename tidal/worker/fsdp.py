@@ -22,7 +22,7 @@ inside the user's code; the step is then not committed and is redone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,13 @@ class Fsdp:
         step: int | None,
         committed_step: int,
         tracked: TrackedState | None,
+        side_group: Callable[[], dist.ProcessGroup],
     ) -> ShardHealResult:
+        """Heal the shards over the new default group, build the generation's module, and
+        make the group the neighbour copies travel on (``side_group``: connected within the
+        same short window as the default group, so a peer lost meanwhile costs that window,
+        not the collective timeout)."""
+        self.ring.bind(None)
         self.guard = Guard()
         result = heal_sharded(
             self.sharded,
@@ -69,12 +75,16 @@ class Fsdp:
             guard=self.guard,
         )
         self.members = list(members)
+        if len(members) > 1:
+            self.ring.bind(side_group())
         return result
 
     def refresh_copies(self, step: int, tracked: TrackedState | None) -> None:
         self.ring.refresh(self.sharded, step, tracked)
 
     def leave(self) -> None:
+        """Before the generation's groups are destroyed: the copy in flight ends first."""
+        self.ring.bind(None)
         self.sharded.release()
 
     def micro_batch(self, last: bool) -> None:

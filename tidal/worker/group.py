@@ -50,6 +50,7 @@ from tidal.protocol import (
     GEN_OPEN,
     GenerationInfo,
     arrived_key,
+    copies_prefix,
     generation_prefix,
     group_prefix,
     state_key,
@@ -181,6 +182,33 @@ class _Superseded(dist.Store):
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"wait timed out after {limit:.0f} s for {keys}")
             time.sleep(POLL_S)
+
+
+def side_group(
+    store: dist.Store,
+    info: GenerationInfo,
+    rank: int,
+    *,
+    namespace: str,
+    timeout_s: float,
+    connect_s: float,
+) -> dist.ProcessGroup:
+    """A second gloo group of the generation's members, outside c10d's registry (its owner
+    keeps it, and drops it once nothing uses it): for traffic that must not interleave with
+    the training's collectives (the neighbour copies). Its store waits give up like the
+    default group's (``Superseded``), and it connects within ``connect_s``."""
+    watched = _Superseded(
+        dist.PrefixStore(copies_prefix(info.store_prefix), store),
+        store,
+        state_key(generation_prefix(namespace, info.id + 1)),
+        wait_s=timeout_s,
+        on_set=lambda: None,
+    )
+    pg = dist.ProcessGroupGloo(
+        watched, rank, len(info.members), datetime.timedelta(seconds=min(connect_s, timeout_s))
+    )
+    pg._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+    return pg
 
 
 def form_group(

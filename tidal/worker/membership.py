@@ -195,6 +195,14 @@ class Membership:
                 step=self.step if self._has_state else None,
                 committed_step=info.committed_step,
                 tracked=self._tracked,
+                side_group=lambda: grp.side_group(
+                    self._store,
+                    info,
+                    rank,
+                    namespace=self._cfg.store_namespace,
+                    timeout_s=timeout_s,
+                    connect_s=grp.connect_timeout(self._failed_forms, timeout_s),
+                ),
             )
             self.step, self._has_state = sharded.step, True
             self._recovery = (RECOVERY_OF[sharded.path], sharded.redone)

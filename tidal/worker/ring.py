@@ -6,18 +6,31 @@ generation snapshots its own rows with the replicated state (``own``, ``blob``) 
 its rows to rank ``r + 1`` while it receives rank ``r - 1``'s (``theirs``). A lost member's
 rows then survive in its successor's memory, and every survivor can roll back to the copy
 step from its own snapshot (``shard_plan.decide``: path ``COPY``): at most ``every`` steps
-are redone. When both holders of a shard are lost, only a durable checkpoint has it.
+are redone (plus the copy in flight). When both holders of a shard are lost, only a
+durable checkpoint has it.
 
-The copy is taken between steps, over the generation's group, by every member at the same
-step (a pure function of the step count and of the generation's start), so all members
-take part in the same exchange. Memory: two more shards per member (its own snapshot and
-its neighbour's), and during an exchange the previous pair too: a new copy replaces the old
-one only once it is whole (buffers are never overwritten in place, so a failure half-way
-leaves the old copy intact, never a torn one).
+**Never blocking a step.** The training thread only copies its own rows (a memory copy of
+one shard) at the step boundary; the exchange runs on a thread, over a process group of
+its own (``bind``: made with each generation, so it never interleaves with the training's
+collectives), while the next steps train. A copy counts (``copies``) once its exchange has
+completed; until then, and if it fails, the previous whole copy stays. Buffers are never
+overwritten in place, so a failure half-way never leaves a torn copy. The next copy step,
+and leaving the generation, wait for an exchange still in flight (``wait``): the thread
+must be done before its group is destroyed.
+
+A lone member keeps no copy (it would die with the member): memory is the live shards
+alone, and a joiner lost before the generation's first copy completes costs a roll-back to
+a durable checkpoint.
+
+The copy is taken by every member at the same steps (a pure function of the step count
+and of the generation's start), so all members take part in the same exchange. Memory: two
+more shards per member (its own snapshot and its neighbour's), and during an exchange the
+previous pair too.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -48,37 +61,76 @@ class Ring:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"the neighbour copy interval must be a positive int, got {every!r}")
         self.every = every
-        self.copies: Copies | None = None
-        self.seconds = 0.0  # the last refresh's duration
+        self.copies: Copies | None = None  # the newest whole copy
+        self.group: dist.ProcessGroup | None = None
+        self.snapshot_s = 0.0  # the last copy's cost to the training thread
+        self.exchange_s = 0.0  # the last exchange's duration, on its thread
+        self.error: str | None = None  # why the last exchange failed, if it did
+        self._thread: threading.Thread | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def bind(self, group: dist.ProcessGroup | None) -> None:
+        """The process group of this generation's exchanges (None: none, e.g. alone)."""
+        self.wait()
+        self.group = group
+
     def refresh(self, sm: ShardedModel, step: int, tracked: TrackedState | None) -> None:
-        """Take this member's part of the copy at ``step`` (a collective of the group)."""
+        """Take this member's part of the copy at ``step``: snapshot now, exchange on a
+        thread (module contract)."""
+        self.wait()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world == 1:  # alone: a copy in this member's memory dies with it; none is kept
+            self.copies = None
+            return
         t0 = time.perf_counter()
         held = sm.held()
-        world, rank = dist.get_world_size(), dist.get_rank()
         keys = sm.keys(held.rows)
         own = {k: held.rows[k].detach().clone() for k in keys}
-        blob = sm.replicated_blob(held, tracked)
-        theirs: dict[Key, torch.Tensor] = {}
-        neighbour = None
-        if world > 1:
-            nxt, neighbour = (rank + 1) % world, (rank - 1) % world
+        copy = Copies(
+            step=step,
+            layout=held.layout,
+            own=own,
+            blob=sm.replicated_blob(held, tracked),
+            neighbour=None,
+            theirs={},
+        )
+        self.snapshot_s = time.perf_counter() - t0
+        if self.group is None:
+            self.copies = copy
+            return
+        copy.neighbour = (rank - 1) % world
+        sizes = {k: shard_range(sm.full_shape(k)[0], world, copy.neighbour) for k in keys}
+        self._thread = threading.Thread(
+            target=self._exchange,
+            args=(copy, sizes, (rank + 1) % world, self.group),
+            name="tidal-neighbour-copy",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _exchange(self, copy: Copies, sizes: dict, nxt: int, group: dist.ProcessGroup) -> None:
+        t0 = time.perf_counter()
+        try:
             works = []
-            for k in keys:
-                rows = sm.full_shape(k)[0]
-                a, b = shard_range(rows, world, neighbour)
-                t = held.rows[k]
-                buf = theirs[k] = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype)
-                if own[k].shape[0]:
-                    works.append(dist.isend(own[k], nxt))
+            for k, (a, b) in sizes.items():
+                mine = copy.own[k]
+                buf = copy.theirs[k] = torch.empty((b - a, *mine.shape[1:]), dtype=mine.dtype)
+                if mine.shape[0]:  # the group is a bare backend (group.side_group)
+                    works.append(group.send([mine], nxt, 0))
                 if b > a:
-                    works.append(dist.irecv(buf, neighbour))
+                    works.append(group.recv([buf], copy.neighbour, 0))
             for w in works:
                 w.wait()
-        self.copies = Copies(
-            step=step, layout=held.layout, own=own, blob=blob, neighbour=neighbour, theirs=theirs
-        )
-        self.seconds = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - the generation's failure is seen elsewhere
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self.exchange_s = time.perf_counter() - t0
+        self.copies = copy  # whole: it counts from now on
+
+    def wait(self) -> None:
+        """Until the exchange in flight, if any, has completed or failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -34,7 +34,16 @@ from tidal.worker.guard import Guard
 from tidal.worker.heal import StateLost, _send_blob
 from tidal.worker.ring import Ring
 from tidal.worker.sharded import Key, ShardedModel
-from tidal.worker.shards import reshard
+from tidal.worker.shards import from_whole, reshard
+
+
+def _whole_holders(decision: plan.Decision, facts: list[plan.MemberFacts]) -> list[int]:
+    """The members holding the decided layout whole, live, at the decided step (empty
+    unless the layout is a whole one: world 1)."""
+    if decision.world != 1 or decision.sources[0].slot != plan.Slot.LIVE:
+        return []
+    layout = facts[decision.sources[0].member].live
+    return [r for r, f in enumerate(facts) if f.step == decision.step and f.live == layout]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,9 +102,24 @@ def heal_sharded(
     blob = _send_blob(blob, src.member, [r for r in range(world) if r != src.member])
     meta = torch.load(io.BytesIO(blob), weights_only=True)
     holders = [s.member for s in decision.sources]
+    # Members that hold the whole state at the decided step (after the gather before a
+    # planned shrink, a resume, a roll-back) cut their own rows from it: nothing is sent
+    # to them.
+    local = _whole_holders(decision, [plan.decode(r) for r in gathered])
     rows: dict[Key, torch.Tensor] = {}
     for key, dtype in zip(map(tuple, meta["keys"]), meta["dtypes"], strict=True):
         shape = sm.full_shape(key)
+        if local:
+            rows[key] = from_whole(
+                held.rows[key] if rank in local else None,
+                torch.empty((0, *shape[1:]), dtype=getattr(torch, dtype)),
+                rows=shape[0],
+                new_world=world,
+                rank=rank,
+                src=holders[0],
+                local=local,
+            )
+            continue
         mine_held = {
             old: slot(s)[key] for old, s in enumerate(decision.sources) if s.member == rank
         }

@@ -12,9 +12,9 @@ which is the current generation's FSDP module.
 
 Contracts:
 
-- Gradients are summed across members (``set_gradient_divide_factor(1.0)`` on every FSDP
-  unit): each micro-batch's loss is already scaled by its share of the global batch, as
-  with DDP. Micro-batches before the last accumulate without communication
+- Gradients are summed across members (``set_gradient_divide_factor(1.0)`` and a plain
+  SUM on the wire, ``set_force_sum_reduction_for_comms``, on every FSDP unit): each
+  micro-batch's loss is already scaled by its share of the global batch, as with DDP. Micro-batches before the last accumulate without communication
   (``set_requires_gradient_sync(False)``).
 - What a member holds (``Held``) is a set of row blocks of one layout, keyed by
   ``("p", name)`` for a parameter and ``("o", name, key)`` for an optimizer state tensor of
@@ -197,6 +197,9 @@ class ShardedModel:
         for sub in m.modules():
             if isinstance(sub, FSDPModule):
                 sub.set_gradient_divide_factor(1.0)  # summed: losses carry their share
+                # A plain SUM on the wire: with a divide factor, FSDP2 reduces float32 and
+                # bf16 with PREMUL_SUM, which gloo refuses (float64 it sums anyway).
+                sub.set_force_sum_reduction_for_comms(True)
                 sub.set_custom_all_gather(GuardedAllGather(guard))
                 sub.set_custom_reduce_scatter(GuardedReduceScatter(guard))
         params = dict(m.named_parameters())

@@ -6,8 +6,8 @@ Each is a no-op with ``sharding="ddp"``. Contracts:
   backward and decides, like DDP's control word, that every member switches or stops after
   the same step.
 - Neighbour copies (``_copies_taken``) are taken by every member at the same committed
-  steps (``Ring.due``); a failure of the exchange is a failure of the generation (reported,
-  re-formed), and the old copy stays whole.
+  steps (``Ring.due``): a snapshot here, the exchange on the ring's thread (a failure of
+  it leaves the old copy whole; the generation's failure is seen by its collectives).
 - Before a planned switch that drops a member, every member gathers the whole state
   (``_gather_for_leavers``): a leaver then takes no row with it and nothing is redone.
 - At the job's last step the members gather the whole model onto rank 0
@@ -90,6 +90,11 @@ class ShardedSteps:
         try:
             probes.point("copy", self.step, self.generation)
             fsdp.refresh_copies(self.step, self._tracked)
+            if self.rank == 0:  # what a copy costs: the snapshot here, the exchange beside
+                ring = fsdp.ring
+                self._agent.post_metrics(
+                    {"copy_snapshot_s": ring.snapshot_s, "copy_exchange_s": ring.exchange_s}
+                )
             return True
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
             self._leave_group()

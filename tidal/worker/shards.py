@@ -136,3 +136,37 @@ def reshard(
     for work in pending:
         work.wait()
     return out
+
+
+def from_whole(
+    whole: torch.Tensor | None,
+    like: torch.Tensor,
+    *,
+    rows: int,
+    new_world: int,
+    rank: int,
+    src: int,
+    local: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """This member's shard at ``new_world`` of a tensor some members hold whole: the
+    members in ``local`` (``whole`` is theirs) cut their rows from it; ``src`` (one of
+    them) sends every other member its rows, point to point. Every member calls it with
+    the same ``src`` and ``local``."""
+    start, stop = shard_range(rows, new_world, rank)
+    if rank in local:
+        assert whole is not None
+        out = whole[start:stop].clone()
+        if rank == src:
+            works = []
+            for dst in range(new_world):
+                a, b = shard_range(rows, new_world, dst)
+                if dst not in local and b > a:
+                    works.append(dist.isend(whole[a:b].contiguous(), dst, group=group))
+            for w in works:
+                w.wait()
+        return out
+    out = torch.empty(stop - start, *like.shape[1:], dtype=like.dtype)
+    if stop > start:
+        dist.irecv(out, src, group=group).wait()
+    return out
