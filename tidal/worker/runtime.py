@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.protocol import PAUSE_PHASES, Role, StepReport
+from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
 from tidal.worker import group as grp
 from tidal.worker import probes
@@ -40,6 +40,7 @@ from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.membership import Membership
 from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
+from tidal.worker.reports import Reports
 from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
 from tidal.worker.update import Update
@@ -70,7 +71,7 @@ def log(*, reduce: str | None = None, **metrics: float) -> None:
         _current._log(values, reduce)
 
 
-class Trainer(Membership, ShardedSteps):
+class Trainer(Membership, ShardedSteps, Reports):
     """Elastic data-parallel training of ``model`` with ``optimizer`` over ``dataset``.
 
     Under ``tidal run`` it joins the job's coordinator; run as a plain script it trains
@@ -395,42 +396,6 @@ class Trainer(Membership, ShardedSteps):
         if self._agent is not None:
             self._agent.step = self.step
             self._maybe_report_rate()
-
-    def _pause_phases(self, first_step_time: float) -> dict[str, float]:
-        """Where this member's pause went (``protocol.PAUSE_PHASES``); empty for a joiner,
-        which had no step before."""
-        if self._gen_prev_time is None:
-            return {}
-        marks = [
-            self._gen_prev_time,
-            self._t_join,
-            self._t_rendezvous,
-            self._t_formed,
-            self._t_healed,
-            first_step_time,
-        ]
-        return {name: marks[i + 1] - marks[i] for i, name in enumerate(PAUSE_PHASES)}
-
-    def _time_split(self, step: Step) -> None:
-        """Accumulate this step's compute time and exposed communication wait."""
-        c = self._control
-        total = time.perf_counter() - step._started
-        comm = max(0.0, min(total, c.comm_done - c.comm_started)) if c.comm_done else 0.0
-        self._split[0] += total - comm
-        self._split[1] += comm
-
-    def _maybe_report_rate(self) -> None:
-        t0, s0 = self._rate_mark
-        now = time.monotonic()
-        if now - t0 >= 0.5 and self.rank == 0:
-            steps = self.step - s0
-            rate = steps * self.sampler.global_batch_size / (now - t0)
-            metrics = {"samples_per_s": rate, "world_size": self.world_size}
-            if steps:
-                metrics.update(compute_s=self._split[0] / steps, comm_s=self._split[1] / steps)
-            self._agent.post_metrics(metrics)
-            self._rate_mark = (now, self.step)
-            self._split = [0.0, 0.0]
 
     def _log(self, metrics: dict[str, float], reduce: str | None = None) -> None:
         """Record ``metrics`` for ``self.step``: the step in flight inside the loop (committed
