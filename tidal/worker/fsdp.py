@@ -134,16 +134,26 @@ def _local_norm_sq(optimizer: torch.optim.Optimizer) -> float:
 
 
 def warm_up() -> None:
-    """Pay FSDP's one-time costs (its lazy imports, the first mesh) before joining anyone:
-    a 1-rank group on an in-memory store, a meta-device module sharded, all torn down."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    """Pay FSDP's one-time costs before joining anyone (a first generation's module took
+    ~250 ms more to build than the next one, and its first step longer): a 1-rank group on
+    an in-memory store, a small module built the way ``ShardedModel`` builds one, one
+    forward, backward and Adam step on it, all torn down."""
+    from tidal.worker.sharded import ShardedModel
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        module = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-        fully_shard(module[0], mesh=mesh)
-        fully_shard(module, mesh=mesh)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        optimizer = torch.optim.Adam(module.parameters())
+        sharded = ShardedModel(module, optimizer)
+        held = sharded.held()
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        built = sharded.build(
+            layout=held.layout,
+            rows=held.rows,
+            replicated={"buffers": held.buffers, "scalars": {}, "param_groups": groups},
+            guard=Guard(),
+        )
+        built(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
     finally:
         dist.destroy_process_group()

@@ -72,9 +72,14 @@ class Ring:
         return step % self.every == 0
 
     def bind(self, group: dist.ProcessGroup | None) -> None:
-        """The process group of this generation's exchanges (None: none, e.g. alone)."""
+        """The process group of this generation's exchanges (None: none, e.g. alone). The
+        previous one is freed on a thread (a gloo group's destructor joins its threads:
+        ~20 ms the next generation need not wait for)."""
         self.wait()
-        self.group = group
+        old, self.group = [self.group], group
+        # Not a daemon: the interpreter joins it (a process exiting while a gloo destructor
+        # runs aborts).
+        threading.Thread(target=old.clear, name="tidal-free-copy-group").start()
 
     def refresh(self, sm: ShardedModel, step: int, tracked: TrackedState | None) -> None:
         """Take this member's part of the copy at ``step``: snapshot now, exchange on a
