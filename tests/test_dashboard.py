@@ -384,6 +384,8 @@ def test_live_job_in_chromium_then_finished_job_from_sqlite(tidal_home: Home, pa
     job.wait_for(lambda s: s["world_size"] == 3, 120, "world size 3 after tidal scale")
     page.wait_for_function(SCALED, timeout=30_000)
     page.wait_for_selector('#timeline tbody tr[data-kind="generation"]:has-text("3 workers")')
+    # How the joiner got the state: healed from a member (the generations table says so).
+    page.wait_for_selector("#generations tbody tr td:text-is('heal')", timeout=30_000)
     shot = _screenshot(page, "dashboard-live-job.png")
     assert shot.stat().st_size > 10_000
 

@@ -358,6 +358,7 @@ function tidalJobPage(name) {
         el("td", { text: g.members.join(", ") }),
         el("td", { class: "num", text: g.start_step ?? "–" }),
         el("td", { class: "num", text: g.pause_s === null ? "–" : (g.pause_s * 1000).toFixed(0) + " ms" }),
+        el("td", { text: g.recovery ? g.recovery + (g.redone_steps ? ` (${g.redone_steps} steps redone)` : "") : "–" }),
         el("td", { text: g.reason }))));
     fillBody(document.getElementById("checkpoints"), s.checkpoints.slice().reverse().map((c) =>
       el("tr", {},
