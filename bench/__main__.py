@@ -39,21 +39,25 @@ SIZES = {
     # steps per throughput run and repetitions, rescale events and torchrun joins,
     # kills (Tidal, torchrun), state transfer MB and repetitions, steps per input-pipeline
     # run and its repetitions; sharded: planned changes, kills (the step offset of each
-    # within the neighbour-copy interval) and the DCP peer's restarts
+    # within the neighbour-copy interval), the DCP peer's restarts, and the steps at 2
+    # members between the changes and the kills (copies' cost to the steps)
     "full": dict(
         tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
+        fsdp_steady=60,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
         ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
+        fsdp_steady=30,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
         ckcpu_reps=1, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=1,
+        fsdp_steady=5,
     ),
 }  # fmt: skip
 
@@ -252,7 +256,9 @@ def run_fsdp_reshard(size: dict, tmp: Path) -> tuple[list[dict], dict]:
 
     (tmp / "tidal").mkdir()
     (tmp / "peer").mkdir()
-    t = fr.tidal_sharded(size["fsdp_changes"], size["fsdp_kills"], tmp / "tidal")
+    t = fr.tidal_sharded(
+        size["fsdp_changes"], size["fsdp_kills"], tmp / "tidal", steady=size["fsdp_steady"]
+    )
     log(
         f"tidal reshard pauses (s): up {[round(p, 3) for p in t['up_s']]}, down "
         f"{[round(p, 3) for p in t['down_s']]}; step {t['step_s']}"
@@ -278,9 +284,18 @@ def run_fsdp_reshard(size: dict, tmp: Path) -> tuple[list[dict], dict]:
         row("fsdp_redone_steps", percentile(redone, 50), float(t["copy_every"]), "steps",
             higher_is_better=False)
     )  # fmt: skip
-    copy_s = memory[2]["copy_s"] if memory[2] else float("nan")
+    # what a copy costs the training thread (the snapshot; the exchange runs beside the
+    # training) against what a DCP user's training waits for (a dcp.save), at 2 members
+    c2, b2 = t["copies"][2], t["boundary"][2]
     save_s = [s for s, w in zip(p["save_s"], p["save_world"], strict=True) if w == 2]
-    rows.append(row("fsdp_copy_s", copy_s, percentile(save_s, 50), "s", higher_is_better=False))
+    save = percentile(save_s, 50)
+    rows.append(row("fsdp_copy_stall_s", c2["snapshot_s_p50"], save, "s", higher_is_better=False))
+    # ... and what it costs the steps (the exchange's CPU comes out of them on busy cores)
+    rows.append(row("fsdp_copy_cost_s", b2["copy_extra_s"], save, "s", higher_is_better=False))
+    step2 = t["step_s"][2]
+    rows.append(row("fsdp_step_ws2_s", step2, p["step_s"].get(2, float("nan")), "s",
+                    higher_is_better=False))  # fmt: skip
+    every = t["copy_every"]
     log(
         "memory per worker (MB, rows + neighbour copies): "
         + ", ".join(
@@ -288,6 +303,17 @@ def run_fsdp_reshard(size: dict, tmp: Path) -> tuple[list[dict], dict]:
             for w, m in memory.items()
         )
         + f"; DDP {full:.1f}; kills {t['kills']}"
+    )
+    log(
+        f"copies at 2 members: snapshot p50 {c2['snapshot_s_p50'] * 1e3:.1f} ms "
+        f"(max {c2['snapshot_s_max'] * 1e3:.1f}, n {c2['snapshots']}), exchange p50 "
+        f"{c2['exchange_s_p50'] * 1e3:.1f} ms (max {c2['exchange_s_max'] * 1e3:.1f}, n "
+        f"{c2['exchanges']}); from the step records: boundary +"
+        f"{b2['gap_extra_s'] * 1e3:.1f} ms at a copy step, steps after it +"
+        f"{b2['copy_extra_s'] * 1e3:.1f} ms; snapshot / ({every} steps of {step2 * 1e3:.0f} "
+        f"ms) = {c2['snapshot_s_p50'] / (every * step2):.2%}; at 1 member "
+        f"{t['copies'][1]['snapshots']} snapshots; copy errors {t['copy_errors']}; job "
+        f"metrics {t['final_metrics']}"
     )
     return rows, {"tidal": t, "peer": p, "ddp_bytes": ddp, "memory": memory}
 
@@ -327,7 +353,9 @@ RUNNERS = {
             "fsdp_memory_ws2",
             "fsdp_memory_ws3",
             "fsdp_redone_steps",
-            "fsdp_copy_s",
+            "fsdp_copy_stall_s",
+            "fsdp_copy_cost_s",
+            "fsdp_step_ws2_s",
         ],
         "s",
     ),

@@ -9,10 +9,16 @@ Tidal, one job: ``tidal run --workers 2 --max-workers 3 --max-restarts K-1 --sch
 ``pause_s`` from ``tidal status --json`` (the largest gap, among the members, between the
 last step before the change and the first step committed after it: leave, rendezvous,
 resharding over the new group, the neighbour copy of the new layout, and one step). Once
-the schedule is done the bench SIGKILLs a member K times, each at a chosen step (a fault,
-``tidal.testing.fault_env``, armed through a file once the victim's id is known), and reads
-the failure generation's ``redone_steps``; after the last kill the survivor trains alone.
-Every member writes what it holds once per generation (``train_fsdp.memory_facts``).
+the schedule is done the job trains ``steady`` steps at 2 members, then the bench SIGKILLs
+a member K times, each at a chosen step (a fault, ``tidal.testing.fault_env``, armed
+through a file once the victim's id is known), and reads the failure generation's
+``redone_steps``; after the last kill the survivor trains alone. A failure reported before
+the first kill fails the bench (float32 must train: FSDP2's PREMUL_SUM once failed every
+step on gloo). Every member writes what it holds once per generation
+(``train_fsdp.memory_facts``) and every neighbour copy it takes (``train_fsdp.CopyLog``:
+the snapshot on the training thread, the exchange on the ring's thread); the step records
+give the same cost as the training loop sees it (``boundary_costs``), and the job's
+``copy_*`` metrics are sampled from the status.
 
 Peer, what a torchtitan / DCP user does for a resize: ``torchrun --standalone
 --nproc-per-node N`` on the same model under FSDP2; at the change the job saves
@@ -66,12 +72,14 @@ def tidal_sharded(
     kill_offsets: list[int],
     tmp: Path,
     *,
+    steady: int = 5,
     first: int = 12,
     spacing: int = 10,
     timeout: float = 120,
 ) -> dict:
-    """One job: ``changes`` planned changes 2 -> 3 -> 2 ..., then a SIGKILL of a member at
-    each step ``s`` with ``s % every == offset`` for each of ``kill_offsets``."""
+    """One job: ``changes`` planned changes 2 -> 3 -> 2 ..., then ``steady`` steps at 2
+    members (copies every ``DEFAULT_EVERY``: their cost to the steps), then a SIGKILL of a
+    member at each step ``s`` with ``s % every == offset`` for each of ``kill_offsets``."""
     from tidal.testing import fault_env
     from tidal.worker.ring import DEFAULT_EVERY
 
@@ -82,6 +90,8 @@ def tidal_sharded(
     faults.write_text("")
     procs = Procs()
     kills: list[dict] = []
+    samples: list[dict] = []  # the job's copy metrics, each time they change
+    kills_armed = False
     try:
         env = fault_env(f"@{faults}", procs.env())
         cmd = tidal_cmd(home, name, "--workers", "2", "--max-workers", "3")
@@ -93,9 +103,18 @@ def tidal_sharded(
             if proc.poll() is not None:
                 raise RuntimeError(f"tidal run exited {proc.returncode}; see {tmp}")
             try:
-                return tidal_status(home, name)
+                s = tidal_status(home, name)
             except Exception:  # noqa: BLE001 - not up yet
                 return None
+            _sample_metrics(s, samples)
+            if not kills_armed:  # no failure is expected before the first kill
+                failed = [e["message"] for e in s["events"] if e["kind"] == "failure"]
+                if failed:
+                    raise RuntimeError(
+                        f"float32 sharded training failed before any kill ({len(failed)} "
+                        f"failures; the first: {failed[0]}); see {tmp}"
+                    )
+            return s
 
         def settled(min_step: int) -> dict | None:
             """The status once two members train in a generation 5+ steps old."""
@@ -107,7 +126,7 @@ def tidal_sharded(
                 return None
             return s
 
-        wait_until(lambda: settled(last_change + 5), timeout, "the schedule done", 0.2)
+        wait_until(lambda: settled(last_change + steady), timeout, "the steady steps", 0.2)
         for k, offset in enumerate(kill_offsets):
             s = wait_until(lambda: settled(0), timeout, "two members training", 0.2)
             latest = max(s["generations"], key=lambda g: g["id"])
@@ -115,6 +134,7 @@ def tidal_sharded(
             at = s["step"] + 4  # a few steps ahead: the fault file is read at every probe
             at += (offset - at) % DEFAULT_EVERY
             _write_fault(faults, f"sigkill@worker={victim},step={at},id=k{k}")
+            kills_armed = True
             armed = time.time()
             log(f"tidal: SIGKILL of worker {victim} armed at step {at} (kill {k + 1})")
 
@@ -160,6 +180,10 @@ def tidal_sharded(
     recs = read_records(out)
     step = {w: median_step(recs, w) for w in (1, 2, 3)}
     mem = _memory(out)
+    bad = [m for m in mem if m["dtypes"] != ["torch.float32"]]
+    if bad:
+        raise RuntimeError(f"the bench measures float32 shards, a member held {bad[0]['dtypes']}")
+    copies = _jsonl(out, "copies")
     return {
         "pauses_s": [g["pause_s"] for g in planned],
         "up_s": [g["pause_s"] for g in planned if g["world_size"] == 3],
@@ -172,13 +196,18 @@ def tidal_sharded(
         "kills": kills,
         "memory": mem,
         "copy_every": DEFAULT_EVERY,
+        "copies": {w: copy_costs(copies, w) for w in (1, 2, 3)},
+        "copy_errors": [c["error"] for c in copies if c["kind"] == "error"],
+        "boundary": {w: boundary_costs(recs, w, DEFAULT_EVERY) for w in (2, 3)},
+        "metric_samples": samples,
+        "final_metrics": {k: v for k, v in final["metrics"].items() if k.startswith("copy_")},
         "generations": gens,
     }
 
 
-def _memory(out: Path) -> list[dict]:
+def _jsonl(out: Path, prefix: str) -> list[dict]:
     rows = []
-    for path in out.glob("mem-*.jsonl"):
+    for path in out.glob(f"{prefix}-*.jsonl"):
         for line in path.read_text().splitlines():
             try:
                 rows.append(json.loads(line))
@@ -187,20 +216,79 @@ def _memory(out: Path) -> list[dict]:
     return rows
 
 
+def _memory(out: Path) -> list[dict]:
+    return _jsonl(out, "mem")
+
+
+def _sample_metrics(status: dict, samples: list[dict]) -> None:
+    """Append the job's ``copy_*`` metrics (rank 0's last copy) when they changed."""
+    m = status.get("metrics") or {}
+    got = {k: m[k] for k in ("copy_snapshot_s", "copy_exchange_s") if k in m}
+    if got and (not samples or {k: samples[-1].get(k) for k in got} != got):
+        samples.append({"step": status["step"], "world": status["world_size"], **got})
+
+
 def memory_per_worker(mem: list[dict], world: int) -> dict | None:
-    """The most any member held at ``world`` members: its rows, its copies, their total; and
-    the median duration of a neighbour copy at that size."""
+    """The most any member held at ``world`` members: its rows, its copies, their total."""
     rows = [m for m in mem if m["world"] == world]
     if not rows:
         return None
     worst = max(rows, key=lambda m: m["params"] + m["optimizer"] + m["copy_own"] + m["copy_theirs"])
     shard = worst["params"] + worst["optimizer"]
     copies = worst["copy_own"] + worst["copy_theirs"]
+    return {"shard": shard, "copies": copies, "total": shard + copies}
+
+
+def copy_costs(copies: list[dict], world: int) -> dict:
+    """Every member's neighbour copies at ``world`` members (``train_fsdp.CopyLog``): the
+    training thread's snapshot and the exchange on the ring's thread, in seconds."""
+    snap = [c["seconds"] for c in copies if c["kind"] == "snapshot" and c["world"] == world]
+    exch = [c["seconds"] for c in copies if c["kind"] == "exchange" and c["world"] == world]
     return {
-        "shard": shard,
-        "copies": copies,
-        "total": shard + copies,
-        "copy_s": _median([m["copy_s"] for m in rows]),  # every member's, every generation's
+        "snapshots": len(snap),
+        "snapshot_s_p50": _median(snap),
+        "snapshot_s_max": max(snap, default=float("nan")),
+        "exchanges": len(exch),
+        "exchange_s_p50": _median(exch),
+        "exchange_s_max": max(exch, default=float("nan")),
+    }
+
+
+def boundary_costs(recs: list, world: int, every: int) -> dict:
+    """What a copy costs the training loop, from the step records alone: each member's
+    gap between a step's end and the next step's begin (the commit, the optimizer update
+    and, after every ``every``-th committed step, the copy's snapshot), at copy steps and
+    at others; and the period (end to end) of the step during which the exchange runs
+    (the first after a copy) against the steps 3 or more past a copy (none of it)."""
+    by_pid: dict[int, list] = {}
+    for r in recs:
+        if r.world == world:
+            by_pid.setdefault(r.pid, []).append(r)
+    gap_copy: list[float] = []
+    gap_other: list[float] = []
+    period: dict[int, list[float]] = {}
+    for rs in by_pid.values():
+        for a, b in zip(rs, rs[1:], strict=False):
+            if a.kind == "E" and b.kind == "B" and b.index == a.index + 1:
+                gap = b.time - a.time
+                if gap < 1.0:  # not a pause (a change, a failure)
+                    (gap_copy if b.index % every == 0 else gap_other).append(gap)
+        ends_ = [r for r in rs if r.kind == "E"]
+        for a, b in zip(ends_, ends_[1:], strict=False):
+            if b.index == a.index + 1 and b.time - a.time < 2.0:
+                period.setdefault(b.index % every, []).append(b.time - a.time)
+    base = _median([x for k, v in period.items() if k >= 3 for x in v])
+    p50 = {k: _median(v) for k, v in sorted(period.items())}
+    return {
+        "gap_copy_s_p50": _median(gap_copy),
+        "gap_other_s_p50": _median(gap_other),
+        "gap_extra_s": _median(gap_copy) - _median(gap_other),
+        "copies": len(gap_copy),
+        "period_by_offset_s_p50": p50,
+        "period_base_s": base,
+        # the steps after a copy (offsets 0 to 2) over the ones without: snapshot + the
+        # exchange's CPU taken from the training, per copy
+        "copy_extra_s": sum(p50.get(k, base) - base for k in (0, 1, 2)),
     }
 
 
@@ -278,7 +366,7 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as t:
         which = sys.argv[1] if len(sys.argv) > 1 else "tidal"
         if which == "tidal":
-            res = tidal_sharded(2, [5], Path(t))
+            res = tidal_sharded(2, [5], Path(t), steady=30)
             res.pop("generations")
             print(json.dumps(res, indent=1, default=str))
         else:

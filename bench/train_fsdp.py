@@ -4,9 +4,11 @@
 ``--mode tidal``: ``tidal.Trainer(..., sharding="fsdp")`` (or ``--sharding ddp``) under
 ``tidal run``. Once per generation, a few steps in, each member appends to
 ``OUT/mem-PID.jsonl`` what it holds: the bytes of its rows of the parameters and of the
-optimizer state (``trainer._fsdp.sharded.held()``), of its neighbour copies
-(``trainer._fsdp.ring.copies``: its own snapshot and its neighbour's shard), and the last
-copy's duration.
+optimizer state (``trainer._fsdp.sharded.held()``) and of its neighbour copies
+(``trainer._fsdp.ring.copies``: its own snapshot and its neighbour's shard; none alone).
+After every step it appends to ``OUT/copies-PID.jsonl`` each copy the ring took since
+(``CopyLog``: the snapshot's and the exchange's seconds). The parameters must be float32
+(``check_float32``: else the worker exits).
 
 ``--mode dcp``: what a torchtitan / DCP user does for a resize, run under ``torchrun``: FSDP2
 (``fully_shard`` on every Linear, then the root) over gloo; with ``--resume DIR`` it loads
@@ -89,85 +91,103 @@ def ddp_bytes() -> dict[str, int]:
 
 
 def memory_facts(trainer) -> dict | None:
-    """This member's bytes at its current layout, or None until its neighbour copy is of
-    that layout (the copy is refreshed as every generation forms)."""
+    """This member's bytes at its current layout: its rows and the neighbour copies it
+    keeps (whatever ``ring.copies`` holds: a lone member should keep none). None until
+    AdamW's state exists and, at 2+ members, until the first exchange of this layout has
+    completed (the copy is taken as every generation forms and exchanged on a thread)."""
     fsdp = trainer._fsdp
-    if fsdp is None or fsdp.module is None or fsdp.ring.copies is None:
+    if fsdp is None or fsdp.module is None:
         return None
     held = fsdp.sharded.held()
     copies = fsdp.ring.copies
-    with_state = any(k[0] == "o" for k in held.rows)  # AdamW's state exists after a step
-    if copies.layout != held.layout or set(copies.own) != set(held.rows) or not with_state:
-        return None  # no step yet, or the copy predates this layout or AdamW's state
+    if not any(k[0] == "o" for k in held.rows):  # AdamW's state exists after a step
+        return None
+    if held.layout.world > 1 and (
+        copies is None or copies.layout != held.layout or set(copies.own) != set(held.rows)
+    ):
+        return None  # the copy of this layout is still in flight
     return {
         "generation": trainer.generation,
         "world": held.layout.world,
         "rank": held.layout.rank,
         "step": trainer.step,
+        "dtypes": sorted({str(v.dtype) for v in held.rows.values()}),
         "params": nbytes(v for k, v in held.rows.items() if k[0] == "p"),
         "optimizer": nbytes(v for k, v in held.rows.items() if k[0] == "o"),
-        "copy_own": nbytes(copies.own.values()),
-        "copy_theirs": nbytes(copies.theirs.values()),
-        "copy_blob": len(copies.blob),
-        "copy_s": fsdp.ring.seconds,
+        "copy_own": nbytes(copies.own.values()) if copies else 0,
+        "copy_theirs": nbytes(copies.theirs.values()) if copies else 0,
+        "copy_blob": len(copies.blob) if copies else 0,
         "copy_every": fsdp.ring.every,
     }
 
 
-def sum_reduction_on_gloo() -> list[bool]:
-    """Work around a bug of ``sharding="fsdp"`` (found by this bench, reported, not fixed in
-    ``tidal/``): Tidal sets ``set_gradient_divide_factor(1.0)`` on every FSDP unit, and for
-    float32 or bfloat16 gradients FSDP2 then reduce-scatters with
-    ``ReduceOp.PREMUL_SUM(1.0)``, which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with
-    Gloo"): every step fails and the job re-forms generations until it times out. float64
-    (tests/scripts/sharded.py) takes FSDP2's other path (plain SUM) and works.
+class CopyLog:
+    """Every neighbour copy this member takes, as the ring reports it (the numbers rank 0
+    posts as ``copy_snapshot_s`` / ``copy_exchange_s`` in the job's metrics): a snapshot
+    line when ``ring.snapshot_s`` changes (the training thread's part, at a copy step), an
+    exchange line when a new whole copy lands (``ring.copies`` replaced: its thread's
+    ``exchange_s``), an error line when ``ring.error`` changes. Read after every step."""
 
-    This wraps ``ShardedModel.build`` so that each generation's module also gets
-    ``set_force_sum_reduction_for_comms(True)`` (SUM, then a division by the factor 1.0:
-    the same numbers), only where a unit does not have it already, so it turns itself off
-    once Tidal does it. Returns a list that gets ``True`` each time it had to act."""
-    from torch.distributed.fsdp import FSDPModule
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.last: tuple | None = None
 
-    from tidal.worker import sharded
+    def __call__(self, trainer) -> None:
+        fsdp = trainer._fsdp
+        if self.path is None or fsdp is None:
+            return
+        ring = fsdp.ring
+        now = (ring.snapshot_s, id(ring.copies) if ring.copies else None, ring.error)
+        last, self.last = self.last, now
+        if last is None:
+            last = (0.0, None, None)
+        base = {"generation": trainer.generation, "world": trainer.world_size, "step": trainer.step}
+        lines = []
+        if now[0] != last[0]:
+            lines.append({**base, "kind": "snapshot", "seconds": ring.snapshot_s})
+        if now[1] != last[1] and ring.copies is not None:
+            lines.append(
+                {**base, "kind": "exchange", "seconds": ring.exchange_s, "of": ring.copies.step}
+            )
+        if now[2] != last[2] and ring.error:
+            lines.append({**base, "kind": "error", "error": ring.error})
+        if lines:
+            with open(self.path, "a") as fh:
+                fh.writelines(json.dumps(x) + "\n" for x in lines)
 
-    acted: list[bool] = []
-    original = sharded.ShardedModel.build
 
-    def build(self, **kwargs):  # noqa: ANN001, ANN202 - the wrapped method's signature
-        module = original(self, **kwargs)
-        for sub in module.modules():
-            if not isinstance(sub, FSDPModule):
-                continue
-            group = sub._get_fsdp_state()._fsdp_param_group
-            if group is not None and not group.force_sum_reduction_for_comms:
-                sub.set_force_sum_reduction_for_comms(True)
-                acted.append(True)
-        return module
-
-    sharded.ShardedModel.build = build
-    return acted
+def check_float32(trainer) -> None:
+    """The bench measures float32 training (what FSDP2 reduced with PREMUL_SUM, which gloo
+    refuses, before Tidal forced a plain SUM): fail loudly if the model is anything else."""
+    dtypes = {p.dtype for p in trainer.model.parameters()}
+    if dtypes != {torch.float32}:
+        raise SystemExit(f"train_fsdp: the bench trains float32, got {sorted(map(str, dtypes))}")
 
 
 def run_tidal(args: argparse.Namespace, rec: Recorder) -> None:
     import tidal
 
-    acted = sum_reduction_on_gloo() if args.sharding == "fsdp" else []
     model, opt, data = build(args.seed)
     trainer = tidal.Trainer(
         model, opt, data, global_batch_size=args.global_batch_size, sharding=args.sharding
     )
     mem_path = args.out / f"mem-{os.getpid()}.jsonl" if args.out else None
+    copy_log = CopyLog(args.out / f"copies-{os.getpid()}.jsonl" if args.out else None)
     recorded: set[int] = set()
+    checked = False
     for step in trainer.run(max_steps=args.steps):
+        if not checked:
+            check_float32(trainer)
+            checked = True
         rec("B", step.index, trainer.world_size, trainer.rank)
         for x, y in step.micro_batches():
             step.backward(F.cross_entropy(trainer.model(x), y))
         rec("E", step.index, trainer.world_size, trainer.rank)
+        copy_log(trainer)
         if mem_path is not None and trainer.generation not in recorded:
             facts = memory_facts(trainer)
             if facts is not None:
                 recorded.add(trainer.generation)
-                facts["workaround_sum_reduction"] = bool(acted)
                 with open(mem_path, "a") as fh:
                     fh.write(json.dumps(facts) + "\n")
 
