@@ -30,6 +30,7 @@ previous pair too.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class Ring:
         self.snapshot_s = 0.0  # the last copy's cost to the training thread
         self.exchange_s = 0.0  # the last exchange's duration, on its thread
         self.error: str | None = None  # why the last exchange failed, if it did
+        self.failures = 0  # exchanges that failed (the old copy stayed)
         self._thread: threading.Thread | None = None
 
     def due(self, step: int) -> bool:
@@ -129,7 +131,14 @@ class Ring:
             for w in works:
                 w.wait()
         except Exception as exc:  # noqa: BLE001 - the generation's failure is seen elsewhere
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = " ".join(f"{type(exc).__name__}: {exc}".split())
+            self.failures += 1
+            print(
+                f"tidal: neighbour copy of step {copy.step} failed (the copy of step "
+                f"{self.copies.step if self.copies else None} stays): {self.error}",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self.exchange_s = time.perf_counter() - t0
         self.copies = copy  # whole: it counts from now on

@@ -90,10 +90,16 @@ class ShardedSteps:
         try:
             probes.point("copy", self.step, self.generation)
             fsdp.refresh_copies(self.step, self._tracked)
-            if self.rank == 0:  # what a copy costs: the snapshot here, the exchange beside
-                ring = fsdp.ring
+            ring = fsdp.ring
+            if self.rank == 0 and ring.group is not None:  # a lone member takes no copy
+                # What a copy costs: this one's snapshot here, and the last completed
+                # exchange beside the training (this one's is still running).
                 self._agent.post_metrics(
-                    {"copy_snapshot_s": ring.snapshot_s, "copy_exchange_s": ring.exchange_s}
+                    {
+                        "copy_snapshot_s": ring.snapshot_s,
+                        "copy_exchange_s": ring.exchange_s,
+                        "copy_failures": float(ring.failures),
+                    }
                 )
             return True
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
