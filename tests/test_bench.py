@@ -176,4 +176,4 @@ def test_bench_tiny_fsdp_reshard(tmp_path: Path) -> None:
     assert copies["snapshots"] > 0 and copies["exchanges"] > 0, copies
     assert tidal["copies"]["1"]["snapshots"] == 0, tidal["copies"]["1"]
     assert tidal["copy_errors"] == []
-    assert set(tidal["final_metrics"]) == {"copy_snapshot_s", "copy_exchange_s"}
+    assert {"copy_snapshot_s", "copy_exchange_s"} <= set(tidal["final_metrics"])
