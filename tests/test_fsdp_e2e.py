@@ -39,6 +39,12 @@ def _reference(out: Path, *extra: str, steps: int = STEPS) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The float64 one-worker DDP run the float64 tests compare with (made once)."""
+    return _reference(tmp_path_factory.mktemp("sharded-ref") / "ref")
+
+
 def _rel(pairs) -> float:
     num = den = 0.0
     for got, want in pairs:
@@ -78,7 +84,9 @@ def assert_shards_match(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_resizes_and_kills_end_equal_to_one_ddp_worker(tidal_home: Home, tmp_path: Path) -> None:
+def test_resizes_and_kills_end_equal_to_one_ddp_worker(
+    tidal_home: Home, tmp_path: Path, reference: Path
+) -> None:
     out = tmp_path / "out"
     armed = tmp_path / "faults"
     # Worker 2 dies as step 22 begins (every worker is a member then): its peers are inside
@@ -126,13 +134,13 @@ def test_resizes_and_kills_end_equal_to_one_ddp_worker(tidal_home: Home, tmp_pat
         assert failed and failed[0]["recovery"] == "neighbour_copy", summarize(status)
         assert failed[0]["redone_steps"] == at % DEFAULT_EVERY, summarize(status)
     assert any(e["kind"] == "recovery" for e in status["events"]), summarize(status)
-    assert_shards_match(out, _reference(tmp_path / "ref"), expect_members=gens[-1]["world_size"])
+    assert_shards_match(out, reference, expect_members=gens[-1]["world_size"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_both_holders_lost_then_the_whole_job_lost_resume_from_sharded_checkpoints(
-    tidal_home: Home, tmp_path: Path
+    tidal_home: Home, tmp_path: Path, reference: Path
 ) -> None:
     """Ranks 1 and 2 of three die at once: rank 1's rows had two holders (itself, and rank
     2's neighbour copy), so only the durable checkpoint has them: the job rolls back to it.
@@ -177,7 +185,7 @@ def test_both_holders_lost_then_the_whole_job_lost_resume_from_sharded_checkpoin
     assert f"{folders[-1]}" in proc.stderr and "mismatch" in proc.stderr, proc.stderr
     status = job.status()
     assert status["state"] == "succeeded", summarize(status)
-    assert_shards_match(out, _reference(tmp_path / "ref"), expect_members=2)
+    assert_shards_match(out, reference, expect_members=2)
 
 
 @pytest.mark.slow
