@@ -23,7 +23,6 @@ before use; safetensors and JSON only. It loads at any world size and into eithe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -32,17 +31,15 @@ import torch
 from safetensors.torch import load_file
 
 from tidal.checkpoint.layout import (
-    MANIFEST,
     REPLICATED,
     SHARDED,
     TRACKED_JSON,
     TRACKED_TENSORS,
     checkpoint_name,
-    file_digest,
     shard_file,
     verify,
 )
-from tidal.checkpoint.store import Written, _fsync_dir, _fsync_file, _write_json
+from tidal.checkpoint.store import Written, publish, write_json_files
 from tidal.checkpoint.tensorfile import HASH, write_tensors
 
 
@@ -73,23 +70,13 @@ def finalize(
         for name, held in ((REPLICATED, replicated), (TRACKED_TENSORS, tracked_tensors)):
             size, digest = write_tensors(tmp / name, held)
             files[name] = {HASH: digest, "bytes": size}
-        for name, data in (
-            ("optimizer.json", optimizer_meta),
-            ("meta.json", meta),
-            (TRACKED_JSON, tracked_meta),
-        ):
-            _write_json(tmp / name, data)
-            _fsync_file(tmp / name)
-            files[name] = {HASH: file_digest(tmp / name, HASH), "bytes": (tmp / name).stat().st_size}
-        manifest = {"step": step, "layout": SHARDED, "shards": world, "files": files}
-        _write_json(tmp / MANIFEST, manifest)
-        _fsync_file(tmp / MANIFEST)
-        _fsync_dir(tmp)
+        write_json_files(
+            tmp,
+            files,
+            {"optimizer.json": optimizer_meta, "meta.json": meta, TRACKED_JSON: tracked_meta},
+        )
         final = directory / checkpoint_name(step)
-        if final.exists():  # the same step written again (a stop right after a save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
+        publish(tmp, final, {"step": step, "layout": SHARDED, "shards": world, "files": files})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -235,6 +235,26 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
+def write_json_files(tmp: Path, files: dict, contents: dict[str, object]) -> None:
+    """Write each JSON file into the write's folder, fsynced; its manifest entry in ``files``."""
+    for name, data in contents.items():
+        _write_json(tmp / name, data)
+        _fsync_file(tmp / name)
+        files[name] = {HASH: file_digest(tmp / name, HASH), "bytes": (tmp / name).stat().st_size}
+
+
+def publish(tmp: Path, final: Path, manifest: dict) -> None:
+    """The manifest last, fsynced, then the folder renamed into place and its parent
+    fsynced: a crash leaves no ``step-*`` folder or a complete one."""
+    _write_json(tmp / MANIFEST, manifest)
+    _fsync_file(tmp / MANIFEST)
+    _fsync_dir(tmp)
+    if final.exists():  # the same step written again (e.g. a stop right after a save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def write(
     snapshot: Snapshot, directory: Path, *, during: Callable[[], None] | None = None
 ) -> Written:
@@ -258,21 +278,16 @@ def write(
             during()
         tensors("optimizer.safetensors", snapshot.optimizer_tensors)
         tensors(TRACKED_TENSORS, snapshot.tracked_tensors)
-        for name, data in (
-            ("optimizer.json", snapshot.optimizer_meta),
-            ("meta.json", snapshot.meta),
-            (TRACKED_JSON, snapshot.tracked_meta),
-        ):
-            _write_json(tmp / name, data)
-            _fsync_file(tmp / name)
-            files[name] = {HASH: file_digest(tmp / name, HASH), "bytes": (tmp / name).stat().st_size}
-        _write_json(tmp / MANIFEST, {"step": snapshot.step, "files": files})
-        _fsync_file(tmp / MANIFEST)
-        _fsync_dir(tmp)
-        if final.exists():  # the same step written again (e.g. a stop right after a save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
+        write_json_files(
+            tmp,
+            files,
+            {
+                "optimizer.json": snapshot.optimizer_meta,
+                "meta.json": snapshot.meta,
+                TRACKED_JSON: snapshot.tracked_meta,
+            },
+        )
+        publish(tmp, final, {"step": snapshot.step, "files": files})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -58,18 +59,23 @@ class Membership:
         except Exception:  # noqa: BLE001 - the coordinator also sees the failure itself
             pass
 
-    def _settle_buckets(self) -> bool:
-        """Make DDP's one-time bucket rebuild (a broadcast) now, between steps, where a
-        failure is a membership change like any other; False if it failed (the member has
-        left the group and reported it)."""
-        self._buckets_pending = False
+    def _between_steps(self, collective: Callable[[], object]) -> bool:
+        """Run ``collective`` of the current group between steps, where its failure is a
+        membership change like any other; False if it failed (the member has left the
+        group and reported it)."""
         try:
-            self._ddp.reducer._rebuild_buckets()
+            collective()
             return True
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
             self._leave_group()
             self._report_failure(self.generation, exc)
             return False
+
+    def _settle_buckets(self) -> bool:
+        """Make DDP's one-time bucket rebuild (a broadcast) now, between steps
+        (``_between_steps``)."""
+        self._buckets_pending = False
+        return self._between_steps(self._ddp.reducer._rebuild_buckets)
 
     def _leave_group(self) -> None:
         self._ddp = None

@@ -46,7 +46,8 @@ class ShardedSteps:
         self._ckpt_agreed = False
         if cfg.checkpoint_dir is None or not due or self._last_sharded_ckpt == self.step:
             return True
-        try:
+
+        def save() -> None:
             save_sharded(
                 self._fsdp.sharded,
                 directory=Path(cfg.checkpoint_dir),
@@ -58,11 +59,8 @@ class ShardedSteps:
             )
             self._last_sharded_ckpt = self.step
             self._durable.mark_saved()
-            return True
-        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            self._leave_group()
-            self._report_failure(self.generation, exc)
-            return False
+
+        return self._between_steps(save)
 
     def _end_sharded_step(self) -> None:
         c = self._control
@@ -87,25 +85,25 @@ class ShardedSteps:
         fsdp = self._fsdp
         if fsdp is None or fsdp.module is None or not fsdp.ring.due(self.step):
             return True
-        try:
+
+        def copy() -> None:
             probes.point("copy", self.step, self.generation)
             fsdp.refresh_copies(self.step, self._tracked)
-            ring = fsdp.ring
-            if self.rank == 0 and ring.group is not None:  # a lone member takes no copy
-                # What a copy costs: this one's snapshot here, and the last completed
-                # exchange beside the training (this one's is still running).
-                self._agent.post_metrics(
-                    {
-                        "copy_snapshot_s": ring.snapshot_s,
-                        "copy_exchange_s": ring.exchange_s,
-                        "copy_failures": float(ring.failures),
-                    }
-                )
-            return True
-        except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            self._leave_group()
-            self._report_failure(self.generation, exc)
+
+        if not self._between_steps(copy):
             return False
+        ring = fsdp.ring
+        if self.rank == 0 and ring.group is not None:  # a lone member takes no copy
+            # What a copy costs: this one's snapshot here, and the last completed exchange
+            # beside the training (this one's is still running).
+            self._agent.post_metrics(
+                {
+                    "copy_snapshot_s": ring.snapshot_s,
+                    "copy_exchange_s": ring.exchange_s,
+                    "copy_failures": float(ring.failures),
+                }
+            )
+        return True
 
     def _gather_for_leavers(self) -> None:
         """At a planned switch: if any member knows the next generation drops a member,
