@@ -246,8 +246,13 @@ def _launch(
 ) -> int:
     """Host the job here, or in a detached process. ``lock``: the job's lock (``_claim``;
     ``cmd_resume`` and ``tidal attach`` take it themselves), handed to the coordinator's
-    process. ``attach``: take over the live workers of a job whose coordinator died."""
+    process. ``attach``: take over the live workers of a job whose coordinator died.
+    Refuses, in one line and before anything is claimed or started, GPU settings this
+    machine cannot run (``--comm nccl`` without a GPU, more workers than GPUs)."""
     try:
+        from tidal.backends.gpus import check_spec
+
+        check_spec(spec)  # the backend checks again, for a coordinator started otherwise
         tensorboard = None
         if args.tensorboard:
             from tidal.tensorboard import check_available

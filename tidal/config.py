@@ -17,6 +17,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_SECONDS = 1e9
 # The largest amount of dollars (a price per worker-hour, a budget).
 MAX_DOLLARS = 1e12
+# ``--comm``: the process groups' backend; ``auto`` is NCCL where the worker has CUDA.
+COMMS = ("nccl", "gloo", "auto")
 
 
 # -- one source for each setting: a spec field carries its flag, help and number rule --------
@@ -317,6 +319,16 @@ class JobSpec:
             "local backend: allow more than 4 workers per core (memory still limits them)",
         ),
     )
+    comm: str = field(
+        default="auto",
+        metadata=flag(
+            "--comm", "process groups: nccl, gloo, or auto (nccl where workers have CUDA, default)"
+        ),
+    )
+    share_gpus: bool = field(
+        default=False,
+        metadata=flag("--share-gpus", "local backend: let more workers than GPUs share them"),
+    )
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -374,6 +386,8 @@ class JobSpec:
             raise ValueError(f"--spares must be at least 0, got {self.spares}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
+        if self.comm not in COMMS:
+            raise ValueError(f"--comm must be nccl, gloo or auto, got {self.comm!r}")
 
     @property
     def checkpoints(self) -> bool:

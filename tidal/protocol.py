@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, Field, PlainSerializer
 
@@ -188,6 +188,9 @@ class WorkerConfig(BaseModel):
     # A worker that reaches no coordinator for this long exits (its job was interrupted and
     # nobody else will stop it); meanwhile it trains on in its generation (``tidal attach``).
     orphan_timeout_s: float
+    # The process groups' backend, ``--comm``: nccl, gloo, or auto (nccl where the worker
+    # has CUDA). A default, so a worker and a coordinator of different versions still agree.
+    comm: Literal["nccl", "gloo", "auto"] = "auto"
 
     @classmethod
     def from_spec(cls, spec: JobSpec, **runtime: object) -> WorkerConfig:

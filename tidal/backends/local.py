@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tidal.backends.base import Backend, Exit, register_backend
+from tidal.backends.gpus import assign_gpu, check_spec, device_entry, entry_index, visible_gpus
 from tidal.config import JobSpec
 
 #: How many workers a core may hold: a worker spends part of each step waiting on its peers'
@@ -96,7 +97,10 @@ def _environ(pid: int) -> dict[str, str]:
 
 class LocalBackend(Backend):
     """Each worker runs ``command`` with the worker's environment; stdout and stderr go to
-    ``log_dir/worker-ID.log``."""
+    ``log_dir/worker-ID.log``. On a machine with GPUs each worker gets one of its own as
+    ``CUDA_VISIBLE_DEVICES`` (``gpus.assign_gpu``: the lowest free one; with
+    ``--share-gpus`` the least used); with none the variable is left as this process has it.
+    ``gpus``: the GPU count to use instead of this machine's (tests)."""
 
     #: Workers started at once at most; the next ones start as these register (each start
     #: imports torch: a core's worth of work for a second or more).
@@ -120,8 +124,14 @@ class LocalBackend(Backend):
                 f"local workers ({why}){hint}"
             )
 
-    def __init__(self, *, spec: JobSpec, log_dir: Path, cwd: Path | None = None) -> None:
+    def __init__(
+        self, *, spec: JobSpec, log_dir: Path, cwd: Path | None = None, gpus: int | None = None
+    ) -> None:
         self.check_capacity(spec)  # before anything is started (``tidal resume`` included)
+        self.gpus = visible_gpus(gpus)
+        check_spec(spec, n_gpus=self.gpus)  # --comm nccl without GPUs, too few GPUs
+        self.share_gpus = spec.share_gpus
+        self._gpu: dict[int, int] = {}  # worker id -> the GPU index it holds, until its exit
         self.command = [spec.python, spec.script, *spec.script_args]
         self.log_dir = log_dir
         self.cwd = cwd
@@ -137,10 +147,28 @@ class LocalBackend(Backend):
     def log_path(self, worker_id: int) -> Path:
         return self.log_dir / f"worker-{worker_id}.log"
 
+    def _pick_gpu(self) -> tuple[int | None, str]:
+        """The GPU for a new worker, and a line for its log when it must share one although
+        ``--share-gpus`` was not given (a stopping worker still holds its GPU: its exit has
+        not been polled yet); the launch check keeps that brief."""
+        try:
+            return assign_gpu(n_gpus=self.gpus, in_use=self._gpu, share=self.share_gpus), ""
+        except ValueError:
+            index = assign_gpu(n_gpus=self.gpus, in_use=self._gpu, share=True)
+            holders = sorted(w for w, i in self._gpu.items() if i == index)
+            return index, f"tidal: no free GPU yet: sharing GPU {index} with workers {holders}\n"
+
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         full_env.setdefault("OMP_NUM_THREADS", "1")
+        gpu, note = self._pick_gpu()
+        if gpu is not None:
+            parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+            full_env["CUDA_VISIBLE_DEVICES"] = device_entry(gpu, parent)
         with open(self.log_path(worker_id), "ab") as log:
+            if note:
+                log.write(note.encode())
+                log.flush()
             proc = subprocess.Popen(
                 self.command,
                 env=full_env,
@@ -154,6 +182,8 @@ class LocalBackend(Backend):
                 start_new_session=True,
             )
         self._procs[worker_id] = proc
+        if gpu is not None:
+            self._gpu[worker_id] = gpu
         return proc.pid
 
     def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
@@ -166,6 +196,11 @@ class LocalBackend(Backend):
         if any(environ.get(k) != v for k, v in env.items()):
             return False
         self._adopted[worker_id] = pid
+        gpu = entry_index(
+            environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
+        if gpu is not None and gpu < self.gpus:
+            self._gpu[worker_id] = gpu
         return True
 
     def _read_reaped(self) -> None:
@@ -187,6 +222,7 @@ class LocalBackend(Backend):
             if code is not None:
                 exits.append(Exit(worker_id=wid, returncode=code))
                 del self._procs[wid]
+                self._gpu.pop(wid, None)
         if self._adopted:
             self._read_reaped()
         now = time.monotonic()
@@ -197,9 +233,12 @@ class LocalBackend(Backend):
             if code is None and now - self._gone_since.setdefault(wid, now) < REAPED_WAIT_S:
                 continue
             reason = "" if code is not None else "lost while adopted (exit status unknown)"
-            exits.append(Exit(worker_id=wid, returncode=-9 if code is None else code, reason=reason))
+            exits.append(
+                Exit(worker_id=wid, returncode=-9 if code is None else code, reason=reason)
+            )
             del self._adopted[wid]
             self._gone_since.pop(wid, None)
+            self._gpu.pop(wid, None)
         return exits
 
     def signal(self, worker_id: int, sig: int) -> None:
