@@ -1,0 +1,30 @@
+"""Put on ``PYTHONPATH`` by ``bench.gpu`` part (c) for the workers of its ``tidal run`` of
+``examples/gpt.py``: a worker (it has ``TIDAL_WORKER_ID``) whose environment names
+``TIDAL_BENCH_GPU_STEPS=DIR`` writes ``B wall_time step generation backend device_bytes`` to
+``DIR/steps-PID.txt`` as each step begins (the ``step`` probe point,
+``tidal.worker.probes``), the format ``bench/gpu_gpt_ddp.py`` writes for the torchrun peer.
+The example itself is run unchanged. Other processes import nothing."""
+
+import os
+
+if os.environ.get("TIDAL_BENCH_GPU_STEPS") and os.environ.get("TIDAL_WORKER_ID"):
+    import time
+    from pathlib import Path
+
+    from tidal.worker import probes
+
+    _dir = Path(os.environ["TIDAL_BENCH_GPU_STEPS"])
+    _dir.mkdir(parents=True, exist_ok=True)
+    _fh = open(_dir / f"steps-{os.getpid()}.txt", "a", buffering=1)  # noqa: SIM115
+
+    def _record(phase, step, generation):
+        if phase != "step":
+            return
+        import torch
+        import torch.distributed as dist
+
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        used = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
+        _fh.write(f"B {time.time():.6f} {step} {generation} {backend} {used}\n")
+
+    probes.install(_record)

@@ -1,0 +1,88 @@
+"""The GPU check (``python -m bench.gpu``, docs/gpu.md): its refusal without CUDA, its whole
+logic on the CPU (``--device cpu``: gloo instead of NCCL, CPU tensors), and, where CUDA
+exists, the check itself (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_CUDA = "no CUDA device: the GPU check needs one; `--device cpu` runs its logic on CPU"
+
+
+def gpu_check(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.timeout(60)
+def test_without_cuda_the_check_says_so_in_one_line_and_exits_2() -> None:
+    proc = gpu_check(timeout=50)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [NO_CUDA], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_check_logic_passes_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = gpu_check("--device", "cpu", "--quick", "--json", str(out), timeout=140)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = proc.stderr[-3000:]  # the human summary, one line a part
+    result = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == result
+    assert result["device"] == "cpu" and result["passed"] is True
+    parts = result["parts"]
+    for key in "abc":
+        assert parts[key]["passed"] is True, (parts[key], summary)
+        assert parts[key]["checks"] and all(c["ok"] for c in parts[key]["checks"]), parts[key]
+        assert 0 < parts[key]["seconds"] <= parts[key]["timeout_s"], (parts[key], summary)
+    assert parts["d"]["skipped"], parts["d"]  # two GPUs or --only d
+
+    a = parts["a"]
+    assert a["world_sizes"][0] == 2 and 3 in a["world_sizes"] and a["world_sizes"][-1] == 1, a
+    assert a["rel_l2"] and finite(a["max_rel_l2"]) and a["max_rel_l2"] <= a["rel_bound"], a
+    assert finite(a["kill_pause_s"]), (a, summary)
+
+    b = parts["b"]
+    assert finite(b["reform_pause_s"]) and b["reform_pause_s"] > 0, b
+    assert b["resumed_from_step"] >= 20 and b["checkpoints"], b
+    assert finite(b["max_rel_l2"]) and b["max_rel_l2"] <= a["rel_bound"], b
+
+    c = parts["c"]
+    assert finite(c["tidal_samples_per_s"]) and c["tidal_samples_per_s"] > 0, c
+    assert finite(c["peer_samples_per_s"]) and c["peer_samples_per_s"] > 0, c
+    (row,) = result["rows"]
+    assert set(row) == {"name", "tidal", "peer", "ratio", "unit"}, row
+    assert row["unit"] == "samples/s" and finite(row["ratio"]), row
+    assert "GPU check on cpu" in proc.stderr and "PASSED" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(620)
+def test_the_gpu_check_passes(tmp_path: Path) -> None:
+    proc = gpu_check("--workdir", str(tmp_path / "work"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(proc.stdout)
+    assert result["device"] == "cuda" and result["passed"] is True, proc.stderr[-6000:]
+    for key in "abc":
+        assert result["parts"][key]["passed"] is True, result["parts"][key]
