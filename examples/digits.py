@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument(
         "--double", action="store_true", help="train in float64 (exactness tests compare runs)"
     )
+    parser.add_argument(
+        "--device", default=None, help="cpu or cuda (default: the worker's GPU where CUDA exists)"
+    )
     args = parser.parse_args()
     if args.double:
         torch.set_default_dtype(torch.float64)
@@ -103,7 +106,9 @@ def main() -> None:
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         seed=args.seed,
+        device=args.device,
     )
+    x_test, y_test = x_test.to(trainer.device), y_test.to(trainer.device)
     for step in trainer.run(max_steps=args.max_steps):  # tidal
         for x, y in step.micro_batches():  # tidal
             loss = F.cross_entropy(trainer.model(x), y)  # tidal: trainer.model
@@ -120,7 +125,7 @@ def main() -> None:
     tidal.log(test_accuracy=acc, test_loss=test_loss)  # tidal
     print(f"done after {trainer.step} steps: held-out accuracy {acc:.4f}, loss {test_loss:.4f}")
     if args.save and trainer.completed and trainer.rank == 0:
-        state = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+        state = {name: p.detach().cpu().contiguous() for name, p in model.state_dict().items()}
         safetensors.torch.save_file(state, args.save)
 
 

@@ -7,11 +7,33 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from e2e_helpers import Home, standalone_params
 
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.host.server import ApiServer
+
+
+#: The devices a device-dependent test runs on: the CPU always; a GPU where CUDA exists
+#: (marked ``gpu``: ``pytest -m gpu`` runs those alone).
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The device a device-parametrized test runs on (``DEVICES``)."""
+    return request.param
 
 
 @pytest.fixture

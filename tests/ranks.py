@@ -18,11 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, n: int, *, timeout: float = 100) -> list[dict]:
+def run_ranks(
+    script: str, n: int, *, timeout: float = 100, args: tuple[str, ...] = ()
+) -> list[dict]:
+    """``args`` follow ``RANK PORT`` on each process's command line (e.g. a device)."""
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", script, str(r), str(port)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", script, str(r), str(port), *args],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for r in range(n)
     ]

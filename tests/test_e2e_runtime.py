@@ -141,14 +141,18 @@ def test_sigkill_of_a_worker_is_survived(tidal_home: Home) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_failure_inside_allreduce_applies_no_step_twice(
-    tidal_home: Home, tmp_path: Path, reference_params
+    tidal_home: Home, tmp_path: Path, reference_params, device: str
 ) -> None:
+    """On every device (``DEVICES``): on a GPU the three workers share it over gloo, their
+    gradients and control word CUDA tensors."""
     out = tmp_path / "elastic.safetensors"
+    on_gpu = ["--comm", "gloo", "--share-gpus"] if device == "cuda" else []
     proc, job = tidal_home.run(
         "allreduce-kill",
         "--workers",
         "3",
-        script_args=["--max-steps", "200", "--seed", "0", "--save", str(out)],
+        *on_gpu,
+        script_args=["--max-steps", "200", "--seed", "0", "--save", str(out), "--device", device],
         faults="sigkill@worker=1,step=60,phase=allreduce",
     )
     status = assert_succeeded(proc, job, 200)

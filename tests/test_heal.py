@@ -1,41 +1,47 @@
 """Healing between real processes over gloo: a joiner with no state adopts the source's
-parameters, optimizer state (Adam's and SGD's) and RNG exactly."""
+parameters, optimizer state (Adam's and SGD's) and RNG exactly, on every device (gloo's
+wire is the CPU: CUDA tensors travel as host copies, small and large ones)."""
 
 import pytest
 from ranks import run_ranks
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker.heal import heal
-rank, port = int(sys.argv[1]), int(sys.argv[2])
+from tidal.worker.heal import heal, LARGE
+rank, port, dev = int(sys.argv[1]), int(sys.argv[2]), torch.device(sys.argv[3])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 torch.manual_seed(rank)
+if dev.type == "cuda":
+    torch.cuda.manual_seed(rank)
 out = {}
 for name in ("adam", "sgd"):
-    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    m = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)).to(dev)
+    assert max(p.numel() for p in m.parameters()) >= LARGE  # one travels alone
     opt = (torch.optim.Adam(m.parameters(), 1e-3) if name == "adam"
            else torch.optim.SGD(m.parameters(), 0.1, momentum=0.9))
     if rank == 0:
         for _ in range(3):
-            m(torch.randn(5, 16)).sum().backward(); opt.step(); opt.zero_grad()
-    result = heal(module=m, optimizer=opt, step=7 if rank == 0 else None)
+            m(torch.randn(5, 16).to(dev)).sum().backward(); opt.step(); opt.zero_grad()
+    result = heal(module=m, optimizer=opt, step=7 if rank == 0 else None, wire=torch.device("cpu"))
     sd = opt.state_dict()
     out[name] = {
         "step": result.step, "sent": result.sent, "source": result.source,
-        "params": [p.detach().flatten().tolist() for p in m.parameters()],
-        "state": {str(k): {kk: (v.flatten().tolist() if torch.is_tensor(v) else v)
+        "params": [p.detach().flatten()[::97].tolist() for p in m.parameters()],
+        "devices": sorted({str(t.device) for t in list(m.parameters()) + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]}),
+        "state": {str(k): {kk: (v.flatten()[::97].tolist() if torch.is_tensor(v) else v)
                            for kk, v in st.items()} for k, st in sd["state"].items()},
         "groups": repr(sd["param_groups"]),
         "draw": torch.rand(2).tolist(),
+        "cuda_draw": torch.rand(2, device=dev).tolist() if dev.type == "cuda" else None,
     }
 print(json.dumps(out))
 """
 
 
 @pytest.mark.timeout(120)
-def test_joiner_adopts_the_source_state_exactly():
-    outs = run_ranks(SCRIPT, 2)
+def test_joiner_adopts_the_source_state_exactly(device):
+    outs = run_ranks(SCRIPT, 2, args=(device,))
     source, joiner = outs
     for name in ("adam", "sgd"):
         assert joiner[name]["sent"] and joiner[name]["source"] == 0 and joiner[name]["step"] == 7
@@ -43,6 +49,8 @@ def test_joiner_adopts_the_source_state_exactly():
         assert joiner[name]["state"] == source[name]["state"] and joiner[name]["state"]
         assert joiner[name]["groups"] == source[name]["groups"]
         assert joiner[name]["draw"] == source[name]["draw"]  # the RNG came along
+        assert joiner[name]["cuda_draw"] == source[name]["cuda_draw"]
+        assert {d.split(":")[0] for d in joiner[name]["devices"]} == {device}  # stayed there
 
 
 SCRIPT3 = r"""

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tidal import devices
 from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's names
     BAD,
     CHUNK,
@@ -88,6 +89,7 @@ def _rng_meta() -> dict:
     return {
         "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "python_rng": [version, list(state), gauss],
+        "cuda_rng": devices.cuda_rng_text(),  # None where CUDA was never used
     }
 
 
@@ -98,6 +100,7 @@ def restore_rng(meta: dict) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     version, state, gauss = meta["python_rng"]
     random.setstate((version, tuple(state), gauss))
+    devices.set_cuda_rng_text(meta.get("cuda_rng"))
 
 
 class Buffers:

@@ -220,8 +220,11 @@ def form_group(
     timeout_s: float,
     connect_s: float,
     on_published: Callable[[], None] = lambda: None,
+    backend: str = "gloo",
 ) -> None:
-    """Make the default process group this generation's (gloo; the old one must be gone).
+    """Make the default process group this generation's (the old one must be gone), on
+    ``backend``: ``gloo``, or ``nccl`` (the caller has set its CUDA device; NCCL connects at
+    the first collective, the heal, which the abort watch bounds: ``watch``).
 
     Waits up to ``timeout_s`` for the peers' addresses (giving up with ``Superseded`` if the
     coordinator opens a newer generation meanwhile), connects within about five times
@@ -239,11 +242,14 @@ def form_group(
     )
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             store=watched,
             rank=rank,
             world_size=len(info.members),
-            timeout=datetime.timedelta(seconds=min(connect_s, timeout_s)),
+            # gloo connects here, bounded by the short window; NCCL connects later
+            timeout=datetime.timedelta(
+                seconds=min(connect_s, timeout_s) if backend == "gloo" else timeout_s
+            ),
         )
         c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     except BaseException:
@@ -253,17 +259,30 @@ def form_group(
         raise
 
 
-def destroy_group() -> None:
+def destroy_group(backend: str = "gloo") -> None:
     """Unregister the current group at once; free it on a thread.
 
     Freeing a gloo group that has run collectives takes ~20 ms (its destructor joins its
-    threads, without the GIL): the next generation need not wait for that."""
+    threads, without the GIL): the next generation need not wait for that. An NCCL group is
+    aborted, not shut down: a shutdown waits for collectives that a lost peer never joins,
+    an abort frees the communicators at once (and is a no-op after the watch aborted them)."""
+    if backend == "nccl":
+        abort_group()
+        return
     if dist.is_initialized():
         box = [dist.group.WORLD]
         dist.destroy_process_group()
         # Not a daemon: the interpreter joins it before exiting; a process that exits while
         # a gloo destructor runs aborts ("terminate called without an active exception").
         threading.Thread(target=box.clear, name="tidal-free-group").start()
+
+
+def abort_group() -> None:
+    """Abort the current group's communicators (NCCL: a blocked collective returns) and
+    unregister it; a no-op when there is none."""
+    if dist.is_initialized():
+        c10d._abort_process_group()
+    c10d._world.group_count = 0
 
 
 def warm_up(module: torch.nn.Module) -> None:
@@ -292,9 +311,11 @@ class ControlWord:
 
     SWITCH, STOP = 0, 1
 
-    def __init__(self) -> None:
-        self.send = torch.zeros(2)
-        self.recv = torch.zeros(2)
+    def __init__(self, device: torch.device | None = None) -> None:
+        """``device``: where the gradients are (the word rides on their bucket; reading a
+        flag on a GPU synchronises with the step's all-reduce, after the backward)."""
+        self.send = torch.zeros(2, device=device)
+        self.recv = torch.zeros(2, device=device)
         self.before_allreduce: Callable[[], None] = lambda: None
         # When the last bucket's all-reduce started and completed: the step's exposed
         # communication wait (earlier buckets overlap the backward pass).
@@ -302,9 +323,14 @@ class ControlWord:
         self.comm_done = 0.0
 
     def set(self, *, switch: bool, stop: bool) -> None:
-        self.send[self.SWITCH] = float(switch)
-        self.send[self.STOP] = float(stop)
+        self.send.copy_(torch.tensor([float(switch), float(stop)]))
         self.recv.zero_()
+
+    def settle(self) -> None:
+        """Wait until the step's all-reduce has delivered the word (on a GPU the backward
+        returns before it has; on the CPU it already has)."""
+        if self.recv.is_cuda:
+            self.recv.cpu()
 
     @property
     def switch(self) -> bool:

@@ -6,7 +6,9 @@ only to them: members already at that step hold the same state (synchronous trai
 keeps them equal), so a scale-up sends to the joiners alone and a scale-down sends nothing.
 Joiners (no state yet) and laggards (a peer died mid all-reduce, leaving one survivor past
 the step and another before it) take the same path, so a join and a failure share one code
-path. The optimizer's structure travels as a ``torch.save`` blob loaded with
+path. Messages live on the group's wire device (``devices.wire_device``: the CPU for gloo,
+whatever the tensors' device; the GPU for NCCL): a tensor elsewhere travels as a copy there
+and lands back in place. The optimizer's structure travels as a ``torch.save`` blob loaded with
 ``weights_only=True`` (tensors and plain containers only, never arbitrary pickles), the
 tracked objects' as JSON text inside it; their tensors travel raw, into tensors the
 receivers allocate from that structure.
@@ -22,7 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tidal import devices
 from tidal.tracked import Captured, TrackedState
+
+CPU = torch.device("cpu")
 
 NO_STATE = -1
 
@@ -49,15 +54,17 @@ class HealResult:
     sent: bool
 
 
-def _send_blob(blob: bytes | None, src: int, receivers: list[int]) -> bytes:
-    size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64)
+def _send_blob(
+    blob: bytes | None, src: int, receivers: list[int], wire: torch.device = CPU
+) -> bytes:
+    size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64, device=wire)
     _transfer([size], src, receivers)
     if blob is not None:
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(wire)
     else:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
     _transfer([data], src, receivers)
-    return data.numpy().tobytes()
+    return data.cpu().numpy().tobytes()
 
 
 LARGE = 1 << 18  # elements: a tensor this big travels alone, in place, with no copy
@@ -79,25 +86,35 @@ def _transfer(tensors: list[torch.Tensor], src: int, receivers: list[int]) -> No
 
 
 @torch.no_grad()
-def _send_tensors(tensors: list[torch.Tensor], src: int, receivers: list[int]) -> None:
-    """Large contiguous tensors travel in place, one message each; the small ones are
-    flattened into one message per dtype (a message each would cost its latency)."""
-    large, by_dtype = [], {}
+def _send_tensors(
+    tensors: list[torch.Tensor], src: int, receivers: list[int], wire: torch.device = CPU
+) -> None:
+    """Large contiguous tensors on the wire device travel in place, one message each (a
+    large one elsewhere as a copy on the wire device); the small ones are flattened into one
+    message per dtype (a message each would cost its latency)."""
+    large, moved, by_dtype = [], [], {}
+    sending = dist.get_rank() == src
     for t in tensors:
         if t.numel() >= LARGE and t.is_contiguous():
-            large.append(t.detach())
+            if t.device == wire:
+                large.append(t.detach())
+            else:  # a copy travels: the sender's holds the data, the receiver's lands back
+                copy = t.detach().to(wire) if sending else torch.empty_like(t, device=wire)
+                large.append(copy)
+                moved.append((copy, t))
         else:
             by_dtype.setdefault(t.dtype, []).append(t)
-    sending = dist.get_rank() == src
     flats = [
-        torch.cat([t.detach().reshape(-1) for t in group])
+        torch.cat([t.detach().reshape(-1).to(wire) for t in group])
         if sending
-        else torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype)
+        else torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=wire)
         for group in by_dtype.values()
     ]
     _transfer(large + flats, src, receivers)
     if sending:
         return
+    for copy, t in moved:
+        t.copy_(copy)
     for flat, group in zip(flats, by_dtype.values(), strict=True):
         offset = 0
         for t in group:
@@ -112,15 +129,17 @@ def heal(
     step: int | None,
     committed_step: int = 0,
     tracked: TrackedState | None = None,
+    wire: torch.device = CPU,
 ) -> HealResult:
     """Make this member's state equal to the most advanced member's: model, optimizer, RNG
     and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
     no trained state yet; ``committed_step``
     a lower bound of the job's committed step (``GenerationInfo.committed_step``). Raises
     ``StateLost`` when the most advanced member is more than one step behind it (members
-    are at most one step apart, so a member with the state is never further behind)."""
+    are at most one step apart, so a member with the state is never further behind). ``wire``:
+the group's wire device (module doc)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64)
+    mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
     steps = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(steps, mine)
     values = [int(t.item()) for t in steps]
@@ -136,7 +155,7 @@ def heal(
         return HealResult(source=source, step=best, sent=False)
     if rank != source and rank not in receivers:  # already holds the source's state
         return HealResult(source=source, step=best, sent=False)
-    _send_tensors(list(module.parameters()) + list(module.buffers()), source, receivers)
+    _send_tensors(list(module.parameters()) + list(module.buffers()), source, receivers, wire)
     # The optimizer's structure travels as a small blob; its tensors travel flat, per
     # dtype, straight into tensors the receivers allocate from that structure.
     blob = None
@@ -150,21 +169,23 @@ def heal(
                 "layout": layout,
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
+                "cuda_rng": devices.cuda_rng_state(),
                 "tracked": captured.to_json(),  # JSON text: no pickle of user objects
             },
             buf,
         )
         blob = buf.getvalue()
-    meta = torch.load(io.BytesIO(_send_blob(blob, source, receivers)), weights_only=True)
+    meta = torch.load(io.BytesIO(_send_blob(blob, source, receivers, wire)), weights_only=True)
     shipped = json.loads(meta["tracked"])
     if rank != source:
         tensors = [_empty(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
         extra = [_empty(shape, dtype) for shape, dtype in shipped["tensors"]]
-    _send_tensors(tensors + extra, source, receivers)
+    _send_tensors(tensors + extra, source, receivers, wire)
     if rank != source:
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])
         random.setstate(meta["python_rng"])
+        devices.set_cuda_rng_state(meta.get("cuda_rng"))
         if tracked is not None or shipped["skeleton"]:
             (tracked or TrackedState({})).restore(shipped["skeleton"], extra)
     return HealResult(source=source, step=best, sent=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tidal import devices
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, RecoveryPath, Role
 from tidal.worker import group as grp
@@ -81,7 +82,9 @@ class Membership:
         self._ddp = None
         if self._fsdp is not None:
             self._fsdp.leave()
-        grp.destroy_group()
+        if self._watch is not None:
+            self._watch.close()
+        grp.destroy_group(self._backend)
 
     def _hold(self, step: int) -> bool:
         """Wait at a scheduled step until the coordinator has settled its membership;
@@ -190,7 +193,9 @@ class Membership:
             timeout_s=timeout_s,
             connect_s=grp.connect_timeout(self._failed_forms, timeout_s),
             on_published=lambda: probes.point("connect", self.step, info.id),
+            backend=self._backend,
         )
+        self._members = list(info.members)
         self._t_formed = time.time()
         self._debug("group formed")
         probes.point("heal", self.step, info.id)
@@ -217,13 +222,18 @@ class Membership:
             self._fsdp.refresh_copies(self.step, self._tracked)
             result = HealResult(source=sharded.source, step=sharded.step, sent=True)
         else:
+            if self._watch is not None:
+                self._watch.open()
             result = heal(
                 module=self.module,
                 optimizer=self.optimizer,
                 step=self.step if self._has_state else None,
                 committed_step=info.committed_step,
                 tracked=self._tracked,
+                wire=devices.wire_device(self._backend, self.device),
             )
+            if self._watch is not None and (aborted := self._watch.close()) is not None:
+                raise RuntimeError(f"heal aborted: {aborted}")
             self.step = result.step
             self._has_state = True
             self._recovery = (RecoveryPath.HEAL if result.sent else RecoveryPath.NONE, 0)

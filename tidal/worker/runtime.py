@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
 from tidal.worker import group as grp
@@ -44,6 +45,7 @@ from tidal.worker.reports import Reports
 from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
 from tidal.worker.update import Update
+from tidal.worker.watch import AbortWatch, Facts
 
 _current: Trainer | None = None
 
@@ -98,6 +100,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         persistent_workers: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         sharding: str = "ddp",
+        device: str | torch.device | None = None,
     ) -> None:
         """``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
         ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
@@ -110,7 +113,17 @@ class Trainer(Membership, ShardedSteps, Reports):
         fails. ``sharding``: ``"ddp"`` (every member holds the whole model) or ``"fsdp"``
         (parameters and optimizer state sharded across the members with FSDP2, resharded in
         process at every membership change: ``tidal.worker.fsdp``; call ``trainer.model``,
-        never the module you passed, which becomes the meta-device template)."""
+        never the module you passed, which becomes the meta-device template). ``device``:
+        where to train (``tidal.devices.resolve_device``: None is the worker's GPU where CUDA
+        exists, else the CPU); the model is moved there in place (build the optimizer from
+        its parameters before or after: they keep their identity) and every micro-batch is
+        moved there before the loop sees it."""
+        self.device = devices.resolve_device(device, cuda_available=torch.cuda.is_available())
+        if sharding == "fsdp" and self.device.type != "cpu":
+            raise ValueError(
+                "sharding='fsdp' trains on the CPU only so far (its resharding and neighbour "
+                "copies move host tensors over gloo): pass device='cpu', or sharding='ddp'"
+            )
         if sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
         if sharding == "fsdp" and grad_scaler is not None:
@@ -123,6 +136,7 @@ class Trainer(Membership, ShardedSteps, Reports):
             from tidal.worker.shards import check_shardable
 
             check_shardable({n: tuple(p.shape) for n, p in model.named_parameters()}, 1)
+        devices.place_module(model, optimizer, self.device)
         self.module = model
         self.optimizer = optimizer
         data, loading = unwrap(
@@ -166,7 +180,11 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._recovery: tuple[str | None, int] = (None, 0)  # how the last forming healed
         self._ckpt_agreed = False  # fsdp: the members agreed to checkpoint this step
         self._last_sharded_ckpt: int | None = None
-        self._control = grp.ControlWord()
+        self._control = grp.ControlWord(self.device)
+        self._backend = "gloo"  # the process groups' backend, chosen when the job is joined
+        self._watch: AbortWatch | None = None  # NCCL only: bounds a collective a peer left
+        self._members: list[int] = []  # the worker ids of the generation this one formed
+        self._step_s: float | None = None  # a recent step's time (the watch's grace)
         self._env = WorkerEnv.from_environ()
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
@@ -191,6 +209,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._t_join = self._t_rendezvous = self._t_formed = self._t_healed = 0.0
         self._rate_mark = (time.monotonic(), 0)
         self._pipeline = Pipeline(data, self.sampler, loading)
+        self._non_blocking = loading.pin_memory and self.device.type == "cuda"
 
     # -- user surface ----------------------------------------------------------------
     @property
@@ -260,6 +279,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._agent.install_preemption_handler()
         cfg = self._agent.register(max_steps=max_steps).config
         self._cfg = cfg
+        self._start_comm(cfg.comm)
         self._durable = Durable(cfg, self._agent)
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these
             {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
@@ -317,10 +337,35 @@ class Trainer(Membership, ShardedSteps, Reports):
             if finished and self._last_rank == 0 and self._fsdp is None:  # completion or stop
                 self._checkpoint()
             self._durable.wait()
+            if self._watch is not None:
+                self._watch.stop()
             try:
                 self._agent.report_done(step=self.step, completed=self.completed)
             finally:
                 atexit.register(self._agent.close)
+
+    def _start_comm(self, comm: str) -> None:
+        """Choose the process groups' backend (``devices.resolve_comm``); on NCCL, take the
+        device and start the abort watch (``watch``), torch's watchdog told to do nothing."""
+        self._backend = devices.resolve_comm(comm, self.device)
+        if self._backend != "nccl":
+            return
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # the watch handles errors
+        torch.cuda.set_device(self.device)
+        self._watch = AbortWatch(self._watch_facts, grp.abort_group)
+
+    def _watch_facts(self, open_s: float | None) -> Facts:
+        latest = self._agent.latest() if self._agent else None
+        dropped = False
+        if latest is not None and latest.generation is not None:
+            gen = latest.generation
+            dropped = gen.id > self.generation and not set(self._members) <= set(gen.members)
+        return Facts(
+            open_s=open_s,
+            step_s=self._step_s,
+            dropped=dropped,
+            timeout_s=self._cfg.collective_timeout_s,
+        )
 
     def _connect_store(self) -> None:
         """A client of the store named by the newest registration (a restarted coordinator
@@ -374,6 +419,8 @@ class Trainer(Membership, ShardedSteps, Reports):
         self.step += 1
         self._has_state = True
         now = time.time()
+        if self._last_step_gen == self.generation and self._last_step_time is not None:
+            self._step_s = now - self._last_step_time
         if self._gen_first_pending and self._agent is not None:
             self._debug(f"first step {self.step} in gen {self.generation}")
             self._gen_first_pending = False

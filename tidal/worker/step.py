@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tidal.devices import to_device
+
 if TYPE_CHECKING:
     from tidal.worker.runtime import Trainer
 
@@ -42,6 +44,7 @@ class Step:
         for i, (piece, batch) in enumerate(zip(pieces, batches, strict=True)):
             if self._failed is not None:
                 return
+            batch = to_device(batch, tr.device, non_blocking=tr._non_blocking)
             self._n_micro = len(piece)
             if fsdp is not None:
                 fsdp.micro_batch(last=i == len(pieces) - 1)
@@ -51,6 +54,8 @@ class Step:
             else:
                 self._last = True
                 tr._before_sync(self)
+                if tr._watch is not None and tr._ddp is not None:
+                    tr._watch.open()  # through the control word's read (``backward``)
                 yield batch
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -59,12 +64,19 @@ class Step:
             return
         share = self._n_micro / self.trainer.sampler.global_batch_size
         scaled = self.trainer._update.scale(loss * share)
+        last = getattr(self, "_last", False)
         try:
             scaled.backward()
+            if last and self.trainer._ddp is not None:
+                self.trainer._control.settle()
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            if self.trainer._ddp is None or not getattr(self, "_last", False):
+            if self.trainer._ddp is None or not last:
                 raise
             self._failed = exc
+        watch = self.trainer._watch
+        if last and watch is not None and (aborted := watch.close()) is not None:
+            # The watch cut the step's all-reduce: its buffers hold whatever the abort left.
+            self._failed = self._failed or RuntimeError(f"collective aborted: {aborted}")
         fsdp = self.trainer._fsdp
         if fsdp is not None and fsdp.module is not None:
             # FSDP's collectives never raise (``guard``): a failure is found here, and the

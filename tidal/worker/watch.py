@@ -1,0 +1,110 @@
+"""Bounding a collective whose peer died: the NCCL abort watch.
+
+A gloo collective whose peer died raises by itself (the peer's sockets close; a hung peer
+is killed by the coordinator after its missed heartbeats). An NCCL collective does not: its
+kernel waits on the GPU for data that never comes, and the host thread blocks at the next
+synchronisation; torch's own watchdog would either wait the group's timeout and then tear
+the process down, or do nothing. So a worker on NCCL runs this watch instead (torch's
+watchdog is told to do nothing, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``):
+
+- the training thread opens a **window** around each blocking stretch of communication (a
+  step's last micro-batch through its control-word read; a heal) and closes it after;
+- a thread polls ``abort_reason`` (pure, table-tested) with what the worker knows: how long
+  the window has been open, the recent step time, and whether the coordinator has announced
+  a newer generation that drops a current member (it does so when it sees a member lost);
+- on a reason it aborts the communicators (``_abort_process_group``): the blocked thread
+  returns, and ``close`` reports the window **aborted**, so the step is treated as failed
+  (whatever the aborted collective left in the buffers is never applied), the member leaves
+  the group (already gone) and joins the next generation.
+
+A planned shrink also announces a generation without a member, but that member is alive and
+finishes the step, so its collective completes within the grace; only a window open longer
+than the grace (a multiple of the recent step time, at least ``GRACE_FLOOR_S``) is cut.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: The shortest wait the watch ever cuts after a member was dropped: a healthy collective
+#: of the steps Tidal trains finishes well within it.
+GRACE_FLOOR_S = 1.0
+#: ... or this many recent step times, if longer (a long step's last backward is inside the
+#: window).
+GRACE_STEPS = 4.0
+POLL_S = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What the watch knows at one poll. ``open_s``: how long the window has been open (None:
+    closed); ``step_s``: the recent step time (None: none yet); ``dropped``: the coordinator
+    announced a newer generation without a member of this one; ``timeout_s``: the job's
+    collective timeout."""
+
+    open_s: float | None
+    step_s: float | None
+    dropped: bool
+    timeout_s: float
+
+
+def grace_s(step_s: float | None) -> float:
+    return max(GRACE_FLOOR_S, GRACE_STEPS * step_s) if step_s else GRACE_FLOOR_S
+
+
+def abort_reason(facts: Facts) -> str | None:
+    """Why to abort the communicators now, in words; None to let the collective go on."""
+    if facts.open_s is None:
+        return None
+    if facts.dropped and facts.open_s >= grace_s(facts.step_s):
+        return (
+            f"a member of the group was dropped while a collective waited {facts.open_s:.1f} s"
+        )
+    if facts.open_s >= facts.timeout_s:
+        return f"a collective waited {facts.open_s:.1f} s, the collective timeout"
+    return None
+
+
+class AbortWatch:
+    """The executor of ``abort_reason`` for one worker (see the module doc). ``facts`` is
+    called on the watch thread with the window's open time; ``abort`` aborts the
+    communicators. Contract: ``close`` returns the reason if the window was aborted (the
+    caller must then fail what ran in it), None otherwise; an abort never runs outside a
+    window (the lock orders them)."""
+
+    def __init__(self, facts: Callable[[float | None], Facts], abort: Callable[[], None]) -> None:
+        self._facts, self._abort = facts, abort
+        self._lock = threading.Lock()
+        self._opened: float | None = None
+        self._aborted: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tidal-abort-watch", daemon=True)
+        self._thread.start()
+
+    def open(self) -> None:
+        with self._lock:
+            if self._opened is None:
+                self._opened = time.monotonic()
+
+    def close(self) -> str | None:
+        with self._lock:
+            self._opened = None
+            reason, self._aborted = self._aborted, None
+            return reason
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            with self._lock:
+                if self._opened is None or self._aborted is not None:
+                    continue
+                reason = abort_reason(self._facts(time.monotonic() - self._opened))
+                if reason is None:
+                    continue
+                self._aborted = reason
+                self._abort()
