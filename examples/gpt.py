@@ -44,6 +44,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import tidal
 from tidal.data import TokenShards, write_tokens
+from tidal.devices import resolve_device
 
 torch.set_num_threads(1)  # several workers may share a few cores
 
@@ -188,20 +189,30 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights")
     parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     parser.add_argument(
-        "--autocast", choices=["off", "bf16"], default="off", help="forward in bfloat16"
+        "--autocast",
+        choices=["off", "bf16", "fp16"],
+        default="off",
+        help="forward in bfloat16, or float16 with a GradScaler",
+    )
+    parser.add_argument(
+        "--device", default=None, help="cpu or cuda (default: the worker's GPU where CUDA exists)"
     )
     args = parser.parse_args()
+    # tidal: the Trainer's own rule (None: the worker's GPU, else the CPU); resolved first so
+    # that the model, the EMA copy and the held-out windows are made on the device.
+    device = resolve_device(args.device, cuda_available=torch.cuda.is_available())
 
     train_path, val_path = token_files(args.data_dir, args.files)
     train_set = TokenShards(train_path, args.context)  # tidal: windows by global index
     val_all = TokenShards(val_path, args.context)
     pick = torch.linspace(0, len(val_all) - 1, min(args.val_windows, len(val_all))).long()
-    val = torch.stack([val_all[i] for i in pick])  # spread over every held-out file
+    val = torch.stack([val_all[i] for i in pick]).to(device)  # over every held-out file
     train_tokens = torch.from_numpy(np.fromfile(train_path, dtype=np.uint16).astype(np.int64))
-    baseline = unigram_loss(train_tokens, val[:, 1:].flatten())
+    baseline = unigram_loss(train_tokens, val[:, 1:].flatten().cpu())
 
     torch.manual_seed(args.seed)
     model = GPT(dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
+    model.to(device)
     if args.compile:
         model.compile()  # in place: same parameter names, DDP wraps it as usual
     optimizer = torch.optim.AdamW(
@@ -230,13 +241,16 @@ def main() -> None:
         lr_scheduler=scheduler,  # tidal: stepped once per committed step, and carried
         clip_grad_norm=args.clip,  # tidal: on the synchronised gradients
         state={"ema": ema},  # tidal: carried to joiners, checkpoints, resumes
+        grad_scaler=torch.amp.GradScaler(device.type) if args.autocast == "fp16" else None,
+        device=device,  # tidal: every micro-batch arrives there
     )
 
     @trainer.after_step  # tidal: once per committed step, after the optimizer step
     def update_ema(index: int) -> None:
         ema.update_parameters(model)
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16")
+    half = torch.float16 if args.autocast == "fp16" else torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=half, enabled=args.autocast != "off")
     for step in trainer.run(max_steps=args.max_steps):  # tidal
         for chunk in step.micro_batches():  # tidal: windows of context + 1 tokens
             with autocast:
@@ -263,7 +277,7 @@ def main() -> None:
             flush=True,
         )
         if args.save:
-            state = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+            state = {n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()}
             safetensors.torch.save_file(state, args.save)
 
 

@@ -74,7 +74,11 @@ OK = None
             "--max-workers 3 is more than this machine's 2 GPUs: lower it or pass --share-gpus",
         ),
         (dict(n_gpus=2, max_workers=3, comm="gloo", share=True), OK),
-        (dict(n_gpus=1, max_workers=8, comm="nccl", share=True), OK),
+        (
+            dict(n_gpus=1, max_workers=8, comm="nccl", share=True),
+            "--comm nccl cannot share a GPU between workers",
+        ),
+        (dict(n_gpus=2, max_workers=2, comm="nccl", share=True), OK),  # nothing shared
         (
             dict(n_gpus=2, max_workers=2, spares=1, comm="auto"),
             "--max-workers 2 + --spares 1 is more than this machine's 2 GPUs",
@@ -301,3 +305,18 @@ def test_the_backend_refuses_comm_nccl_without_gpus_before_starting_anything(tmp
     with pytest.raises(ValueError, match="more than this machine's 1 GPU: lower it"):
         _backend(tmp_path, 1, workers=2, max_workers=2)
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("comm", "share", "worker_comm"),
+    [("auto", False, "auto"), ("auto", True, "gloo"), ("gloo", True, "gloo"), ("nccl", False, "nccl")],
+)
+def test_workers_sharing_gpus_get_gloo_for_auto(comm, share, worker_comm):
+    from tidal.config import JobSpec
+    from tidal.protocol import WorkerConfig
+
+    spec = JobSpec(name="j", script="s.py", workers=1, max_workers=2, comm=comm, share_gpus=share)
+    cfg = WorkerConfig.from_spec(
+        spec, store_host="h", store_port=1, store_namespace="n", checkpoint_dir=None,
+    )
+    assert cfg.comm == worker_comm

@@ -200,6 +200,9 @@ class WorkerConfig(BaseModel):
         checkpoint folder, a checkpoint to resume from)."""
         names = {f.name for f in fields(spec)} & set(cls.model_fields)
         shared = {name: getattr(spec, name) for name in names}
+        if spec.share_gpus and spec.comm == "auto":
+            # NCCL cannot hold two members of one group on one GPU: sharing means gloo.
+            shared["comm"] = "gloo"
         return cls(**shared, hold_steps=[at for at, _ in spec.schedule], **runtime)
 
 

@@ -93,7 +93,8 @@ def check_launch(
     cannot run with, before anything is started. ``n_gpus``: this machine's GPUs (the
     local backend's); ``max_workers`` + ``spares``: the most worker processes at once;
     ``worker_gpus``: Ray's GPUs per worker. Rules: ``--comm`` is one of ``COMMS``; local:
-    ``--comm nccl`` needs a GPU, and more workers than GPUs need ``--share-gpus``; ray:
+    ``--comm nccl`` needs a GPU, and more workers than GPUs need ``--share-gpus``, which
+    NCCL cannot do (``--share-gpus`` makes ``auto`` gloo: ``WorkerConfig.from_spec``); ray:
     ``--comm nccl`` needs ``--worker-gpus`` above 0 (Ray places the GPUs)."""
     if comm not in COMMS:
         raise ValueError(f"--comm must be nccl, gloo or auto, got {comm!r}")
@@ -109,6 +110,11 @@ def check_launch(
             "--comm nccl needs CUDA GPUs, and this machine has none: use --comm gloo or auto"
         )
     wanted = max_workers + spares
+    if comm == "nccl" and share and wanted > n_gpus:
+        raise ValueError(
+            "--comm nccl cannot share a GPU between workers (NCCL holds one member of a group "
+            "per GPU): use --comm gloo (or auto) with --share-gpus, or fewer workers"
+        )
     if n_gpus > 0 and wanted > n_gpus and not share:
         asked = f"--max-workers {max_workers}" + (f" + --spares {spares}" if spares else "")
         raise ValueError(
