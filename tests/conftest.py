@@ -14,7 +14,6 @@ from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.host.server import ApiServer
 
-
 #: The devices a device-dependent test runs on: the CPU always; a GPU where CUDA exists
 #: (marked ``gpu``: ``pytest -m gpu`` runs those alone).
 DEVICES = [

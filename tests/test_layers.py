@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"dashboard", "tensorboard", "display"},
     {"host", "testing"},
     {"cli", "attach_cli", "sim_cli", "__init__"},
+    {"__main__"},  # ``python -m tidal``: the command itself
 ]
 SIBLINGS_MAY_IMPORT = {
     ("sim", "policy"),  # the simulator runs the policies' own code

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from tidal import devices
@@ -65,7 +66,14 @@ class Membership:
         membership change like any other; False if it failed (the member has left the
         group and reported it)."""
         try:
-            collective()
+            if self._watch is not None:  # NCCL: bounded like the step's all-reduce
+                self._watch.open()
+                collective()
+                torch.cuda.synchronize(self.device)
+                if (aborted := self._watch.close()) is not None:
+                    raise RuntimeError(f"collective aborted: {aborted}")
+            else:
+                collective()
             return True
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
             self._leave_group()
