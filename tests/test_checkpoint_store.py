@@ -19,11 +19,12 @@ from tidal.checkpoint.tensorfile import HASH, write_tensors
 from tidal.checkpoint.writer import AsyncCheckpointer
 
 
-def model_and_opt(seed: int = 0):
+def model_and_opt(seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    m.to(device)
     o = torch.optim.Adam(m.parameters(), lr=1e-2)
-    m(torch.randn(5, 8)).sum().backward()
+    m(torch.randn(5, 8).to(device)).sum().backward()
     o.step()
     return m, o
 
@@ -33,17 +34,31 @@ def save(directory: Path, step: int, seed: int = 0) -> store.Written:
     return store.write(store.take_snapshot(step=step, module=m, optimizer=o, meta={}), directory)
 
 
-def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
-    m, o = model_and_opt()
+def test_round_trip_restores_model_optimizer_and_rng(tmp_path, device):
+    """On every device: a CUDA state is snapshotted into (pinned) host memory and loads back
+    onto the device, with the CUDA generator's state."""
+    m, o = model_and_opt(device=device)
     torch.manual_seed(123)
-    snap = store.take_snapshot(step=7, module=m, optimizer=o, meta={"world_size": 2})
+    pool = store.Buffers()
+    pending = store.begin_snapshot(
+        step=7, module=m, meta={"world_size": 2}, tracked=None, pool=pool
+    )
+    snap = pending.complete(m, o)
     expected_draw = torch.rand(3)
+    expected_device_draw = torch.rand(3, device=device)
     written = store.write(snap, tmp_path)
     assert Path(written.path).name == "step-00000007" and written.bytes > 0
-    m2, o2 = model_and_opt(seed=1)
+    m2, o2 = model_and_opt(seed=1, device=device)
     meta = store.load(Path(written.path), m2, o2)
     store.restore_rng(meta)
     assert torch.equal(torch.rand(3), expected_draw)
+    if device == "cuda":
+        assert torch.equal(torch.rand(3, device=device), expected_device_draw)
+        assert all(t.is_pinned() for t in pool._held.values())
+    assert {p.device.type for p in m2.parameters()} == {device}
+    assert {
+        v.device.type for st in o2.state.values() for v in st.values() if v.dim() > 0
+    } == {device}
     assert meta["step"] == 7 and meta["world_size"] == 2
     for a, b in zip(m.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
