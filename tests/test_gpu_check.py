@@ -51,7 +51,7 @@ def test_the_check_logic_passes_on_cpu(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     assert result["device"] == "cpu" and result["passed"] is True
     parts = result["parts"]
-    for key in "abc":
+    for key in "abce":
         assert parts[key]["passed"] is True, (parts[key], summary)
         assert parts[key]["checks"] and all(c["ok"] for c in parts[key]["checks"]), parts[key]
         assert 0 < parts[key]["seconds"] <= parts[key]["timeout_s"], (parts[key], summary)
@@ -73,6 +73,17 @@ def test_the_check_logic_passes_on_cpu(tmp_path: Path) -> None:
     (row,) = result["rows"]
     assert set(row) == {"name", "tidal", "peer", "ratio", "unit"}, row
     assert row["unit"] == "samples/s" and finite(row["ratio"]), row
+
+    e = parts["e"]  # AMP: bf16 autocast, fp16 with a GradScaler killed and resumed
+    assert set(e["runs"]) == {"bf16", "fp16"}, e
+    for mode, run in e["runs"].items():
+        first, final = run["val_loss_first"], run["val_loss_final"]
+        assert finite(first) and finite(final) and final < first, (mode, run)
+    fp16 = e["runs"]["fp16"]
+    assert fp16["first_run_exit"] != 0 and fp16["checkpoints"], fp16
+    assert e["checkpoint_every"] <= e["resumed_from_step"] < e["kill_step"] < e["steps"], e
+    assert finite(fp16["grad_scaler_at_resume"]["scale"]), fp16
+    assert "bf16 val_loss" in summary and "fp16 val_loss" in summary, summary
     assert "GPU check on cpu" in proc.stderr and "PASSED" in proc.stderr
 
 
@@ -84,5 +95,5 @@ def test_the_gpu_check_passes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
     result = json.loads(proc.stdout)
     assert result["device"] == "cuda" and result["passed"] is True, proc.stderr[-6000:]
-    for key in "abc":
+    for key in "abce":
         assert result["parts"][key]["passed"] is True, result["parts"][key]

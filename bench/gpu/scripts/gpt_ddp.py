@@ -4,8 +4,8 @@ learning-rate schedule, gradient clipping and EMA as the example (imported from 
 a ``DataLoader`` with a ``DistributedSampler``; NCCL on CUDA, gloo on the CPU.
 
 Writes ``B wall_time step generation backend device_bytes`` to ``OUT/steps-PID.txt`` as each
-step begins, the format of ``bench/gpu_hooks`` for the Tidal side, so both sides are
-measured alike (``bench.gpu.samples_per_s``).
+step begins, the format of ``bench/gpu/hooks`` for the Tidal side, so both sides are
+measured alike (``bench.gpu.speed.samples_per_s``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, DistributedSampler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def load_example():

@@ -1,11 +1,12 @@
 """The GPU check's training script (``bench.gpu`` parts a, b and d): a small MLP on
 synthetic data in float32, through ``tidal.Trainer``, on the worker's device.
 
-Run under ``tidal run`` or alone (``python bench/gpu_train.py``: the one-worker reference,
-the same mathematics). The Trainer picks the device (``Trainer(device=None)``: the worker's
-GPU where CUDA exists, else the CPU); ``--device`` forces one, and ``--expect-device`` makes
-the script fail unless the model ended up on that kind of device (``cuda`` or ``cpu``), so a
-run that silently trained on the CPU is not mistaken for a GPU run.
+Run under ``tidal run`` or alone (``python bench/gpu/scripts/train.py``: the one-worker
+reference, the same mathematics). The Trainer picks the device (``Trainer(device=None)``:
+the worker's GPU where CUDA exists, else the CPU); ``--device`` forces one, and
+``--expect-device`` makes the script fail unless the model ended up on that kind of
+device (``cuda`` or ``cpu``), so a run that silently trained on the CPU is not mistaken for
+a GPU run.
 
 With ``--out DIR`` every worker that finishes writes ``DIR/w{ID}.json`` (its id, device,
 the process-group backends its steps ran under, the committed steps) and, when the job
