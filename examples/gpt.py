@@ -160,7 +160,8 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The example's flags (``bench.gpu``'s DDP peer reads the same ones)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--global-batch-size", type=int, default=32, help="windows a step")
@@ -197,7 +198,11 @@ def main() -> None:
     parser.add_argument(
         "--device", default=None, help="cpu or cuda (default: the worker's GPU where CUDA exists)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     # tidal: the Trainer's own rule (None: the worker's GPU, else the CPU); resolved first so
     # that the model, the EMA copy and the held-out windows are made on the device.
     device = resolve_device(args.device, cuda_available=torch.cuda.is_available())

@@ -10,7 +10,6 @@ measured alike (``bench.gpu.speed.samples_per_s``).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import time
@@ -34,27 +33,10 @@ def load_example():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-steps", type=int, default=400)
-    parser.add_argument("--global-batch-size", type=int, default=32)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--files", type=int, default=None)
-    parser.add_argument("--data-dir", type=Path, default=Path(".tidal-data") / "gpt")
-    parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--val-windows", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--ema", type=float, default=0.99)
-    parser.add_argument("--clip", type=float, default=1.0)
+    gpt = load_example()  # sets torch's threads to 1, as the example does
+    parser = gpt.arguments()  # the example's own flags and defaults: the same run
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-
-    gpt = load_example()  # sets torch's threads to 1, as the example does
     from tidal.data import TokenShards
 
     cuda = torch.cuda.is_available()
