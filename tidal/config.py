@@ -19,6 +19,7 @@ MAX_SECONDS = 1e9
 MAX_DOLLARS = 1e12
 # ``--comm``: the process groups' backend; ``auto`` is NCCL where the worker has CUDA.
 COMMS = ("nccl", "gloo", "auto")
+WORKER_STARTS = ("fork", "exec")  # how the local backend starts a worker (``--worker-start``)
 
 
 # -- one source for each setting: a spec field carries its flag, help and number rule --------
@@ -329,6 +330,14 @@ class JobSpec:
         default=False,
         metadata=flag("--share-gpus", "local backend: let more workers than GPUs share them"),
     )
+    worker_start: str = field(
+        default="fork",
+        metadata=flag(
+            "--worker-start",
+            "local backend: fork workers from an interpreter that imported torch once (fork, "
+            "default) or start each as a fresh interpreter (exec)",
+        ),
+    )
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -388,6 +397,8 @@ class JobSpec:
             raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
         if self.comm not in COMMS:
             raise ValueError(f"--comm must be nccl, gloo or auto, got {self.comm!r}")
+        if self.worker_start not in WORKER_STARTS:
+            raise ValueError(f"--worker-start must be fork or exec, got {self.worker_start!r}")
 
     @property
     def checkpoints(self) -> bool:

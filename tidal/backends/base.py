@@ -83,6 +83,17 @@ class Backend(ABC):
         """Where the worker runs (a host or cluster node id), once placed."""
         return None
 
+    def prepare(self) -> None:
+        """Get ready to start workers fast (the local backend starts its zygote); called once
+        when a coordinator starts hosting the job, before its first worker starts."""
+        return None
+
+    def wait_ready(self) -> bool:
+        """Wait, at most a bound of the backend's own, until what ``prepare`` began is done;
+        True if it is. A new job's coordinator waits here before its first pass (no worker
+        runs yet); a restarted one does not (its workers need the control loop)."""
+        return True
+
     def describe_exit(self, worker_id: int) -> str:
         """A line of context for a failed worker (e.g. its log's last line)."""
         return ""

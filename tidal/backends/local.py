@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tidal.backends.base import Backend, Exit, register_backend
 from tidal.backends.gpus import assign_gpu, check_spec, device_entry, entry_index, visible_gpus
+from tidal.backends.zygote import Zygote, fork_refusal
 from tidal.config import JobSpec
 
 #: How many workers a core may hold: a worker spends part of each step waiting on its peers'
@@ -66,9 +67,24 @@ def local_capacity(*, oversubscribe: bool = False) -> tuple[int, str]:
     return min(limits) if limits else (sys.maxsize, "no limit known")
 
 
-#: An adopted worker whose process is gone but whose exit status its reaper has not told
-#: (``reaped_fd``) within this long is reported as lost, status unknown.
+#: A watched worker (not a child of this process) whose process is gone but whose exit status
+#: its reaper (the zygote, or the supervisor through ``reaped_fd``) has not told within this
+#: long is reported as lost, status unknown.
 REAPED_WAIT_S = 1.0
+#: How long a new job's coordinator waits, before its first pass, for the zygote to finish its
+#: imports (``wait_ready``); workers that start before it is ready start with exec.
+ZYGOTE_WAIT_S = 10.0
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot): with the pid, it names one
+    process for good, as a pid alone does not once it is recycled."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[19] if len(fields) > 19 else None
 
 
 def _gone(pid: int) -> bool:
@@ -97,7 +113,10 @@ def _environ(pid: int) -> dict[str, str]:
 
 class LocalBackend(Backend):
     """Each worker runs ``command`` with the worker's environment; stdout and stderr go to
-    ``log_dir/worker-ID.log``. On a machine with GPUs each worker gets one of its own as
+    ``log_dir/worker-ID.log``. With ``--worker-start fork`` (the default) a worker is forked
+    from the job's zygote (``tidal.host.zygote``: torch is imported once, not once a worker),
+    unless its environment forbids it (``zygote.fork_refusal``) or the zygote is not ready or
+    failed; it is then started with exec, as with ``--worker-start exec``. On a machine with GPUs each worker gets one of its own as
     ``CUDA_VISIBLE_DEVICES`` (``gpus.assign_gpu``: the lowest free one; with
     ``--share-gpus`` the least used); with none the variable is left as this process has it.
     ``gpus``: the GPU count to use instead of this machine's (tests)."""
@@ -135,14 +154,74 @@ class LocalBackend(Backend):
         self.command = [spec.python, spec.script, *spec.script_args]
         self.log_dir = log_dir
         self.cwd = cwd
-        self._procs: dict[int, subprocess.Popen] = {}
-        # Workers a previous coordinator started (``adopt``): id -> pid, and since when each
-        # has been gone without a known exit status.
-        self._adopted: dict[int, int] = {}
+        self.worker_start = spec.worker_start
+        self._zygote: Zygote | None = None
+        self._procs: dict[int, subprocess.Popen] = {}  # workers started with exec
+        # Workers that are not children of this process (the zygote forked them, or a
+        # previous coordinator started them: ``adopt``): id -> pid, and since when each has
+        # been gone without a known exit status.
+        self._watched: dict[int, int] = {}
         self._gone_since: dict[int, float] = {}
         self._reaped: dict[int, int] = {}  # pid -> exit code, as the reaper told
         self.reaped_fd: int | None = None  # "PID CODE" lines from the supervisor (a reaper)
         log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _base_env(self) -> dict[str, str]:
+        """The environment every worker shares (its own variables come on top)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def prepare(self) -> None:
+        """Start the zygote (``--worker-start fork``): it imports torch while the coordinator
+        comes up, so the first workers start from it."""
+        if self.worker_start != "fork" or self._zygote is not None:
+            return
+        try:
+            self._zygote = Zygote(
+                python=self.command[0], env=self._base_env(), log=self.log_dir / "zygote.log"
+            )
+        except OSError as exc:  # every worker starts with exec
+            print(
+                f"tidal: the zygote did not start ({exc}): workers start with exec", file=sys.stderr
+            )
+
+    def wait_ready(self) -> bool:
+        """Up to ``ZYGOTE_WAIT_S`` for the zygote's imports."""
+        return self._zygote is None or self._zygote.ready(wait=ZYGOTE_WAIT_S)
+
+    def _fork(self, worker_id: int, env: dict[str, str]) -> tuple[int | None, str]:
+        """Fork the worker from the zygote: its pid, or None and why not (the worker is then
+        started with exec)."""
+        z = self._zygote
+        if z is None:
+            return None, ""
+        refused = fork_refusal(z.env, env)
+        if refused:
+            return None, refused
+        if not z.ready():
+            return (
+                None,
+                f"the zygote failed ({z.broken})" if z.broken else "the zygote is not ready",
+            )
+        pid = z.spawn(argv=self.command[1:], env=env, cwd=self.cwd, log=self.log_path(worker_id))
+        if pid is None:
+            return None, f"the zygote failed ({z.broken or 'no pid'})"
+        start = _start_time(pid)
+        if start is not None:  # ``adopt``'s proof that pid is this worker
+            self._identity_path(worker_id).write_text(f"{pid} {start}\n")
+        return pid, ""
+
+    def _identity_path(self, worker_id: int) -> Path:
+        return self.log_dir / f"worker-{worker_id}.pid"
+
+    def _forked_as(self, worker_id: int, pid: int) -> bool:
+        """True if the zygote forked ``pid`` as this worker (its record names the process)."""
+        try:
+            recorded = self._identity_path(worker_id).read_text().split()
+        except OSError:
+            return False
+        return recorded == [str(pid), str(_start_time(pid))]
 
     def log_path(self, worker_id: int) -> Path:
         return self.log_dir / f"worker-{worker_id}.log"
@@ -159,15 +238,23 @@ class LocalBackend(Backend):
             return index, f"tidal: no free GPU yet: sharing GPU {index} with workers {holders}\n"
 
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env = {**self._base_env(), **env}
         gpu, note = self._pick_gpu()
         if gpu is not None:
             parent = os.environ.get("CUDA_VISIBLE_DEVICES")
             full_env["CUDA_VISIBLE_DEVICES"] = device_entry(gpu, parent)
-        with open(self.log_path(worker_id), "ab") as log:
-            if note:
+        if note:
+            with open(self.log_path(worker_id), "ab") as log:
                 log.write(note.encode())
+        pid, why_exec = self._fork(worker_id, full_env)
+        if pid is not None:
+            self._watched[worker_id] = pid
+            if gpu is not None:
+                self._gpu[worker_id] = gpu
+            return pid
+        with open(self.log_path(worker_id), "ab") as log:
+            if why_exec:
+                log.write(f"tidal: started with exec, not forked: {why_exec}\n".encode())
                 log.flush()
             proc = subprocess.Popen(
                 self.command,
@@ -188,14 +275,16 @@ class LocalBackend(Backend):
 
     def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
         """Watch a worker a previous coordinator of the job started: True if ``pid`` runs
-        with exactly ``env`` (its id and credential), so a recycled pid is never taken for
-        it. Its exit status comes from ``reaped_fd`` (the supervisor reaps orphans)."""
+        with exactly ``env`` (its id and credential) or is the process the zygote forked as
+        this worker (``_forked_as``), so a recycled pid is never taken for it. Its exit
+        status comes from ``reaped_fd`` (the supervisor reaps orphans)."""
         if _gone(pid):
             return False
         environ = _environ(pid)
-        if any(environ.get(k) != v for k, v in env.items()):
+        launched_with = all(environ.get(k) == v for k, v in env.items())
+        if not launched_with and not self._forked_as(worker_id, pid):
             return False
-        self._adopted[worker_id] = pid
+        self._watched[worker_id] = pid
         gpu = entry_index(
             environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_VISIBLE_DEVICES")
         )
@@ -223,20 +312,22 @@ class LocalBackend(Backend):
                 exits.append(Exit(worker_id=wid, returncode=code))
                 del self._procs[wid]
                 self._gpu.pop(wid, None)
-        if self._adopted:
+        if self._zygote is not None:
+            self._reaped.update(self._zygote.exits())
+        if self._watched:
             self._read_reaped()
         now = time.monotonic()
-        for wid, pid in list(self._adopted.items()):
+        for wid, pid in list(self._watched.items()):
             if not _gone(pid):
                 continue
             code = self._reaped.pop(pid, None)
             if code is None and now - self._gone_since.setdefault(wid, now) < REAPED_WAIT_S:
                 continue
-            reason = "" if code is not None else "lost while adopted (exit status unknown)"
+            reason = "" if code is not None else "lost (its exit status is unknown)"
             exits.append(
                 Exit(worker_id=wid, returncode=-9 if code is None else code, reason=reason)
             )
-            del self._adopted[wid]
+            del self._watched[wid]
             self._gone_since.pop(wid, None)
             self._gpu.pop(wid, None)
         return exits
@@ -248,7 +339,7 @@ class LocalBackend(Backend):
                 proc.send_signal(sig)
             except ProcessLookupError:
                 pass
-        pid = self._adopted.get(worker_id)
+        pid = self._watched.get(worker_id)
         if pid is not None and not _gone(pid):
             try:
                 os.kill(pid, sig)
@@ -257,10 +348,10 @@ class LocalBackend(Backend):
 
     def alive(self) -> list[int]:
         running = [wid for wid, p in self._procs.items() if p.poll() is None]
-        return running + [wid for wid, pid in self._adopted.items() if not _gone(pid)]
+        return running + [wid for wid, pid in self._watched.items() if not _gone(pid)]
 
     def node(self, worker_id: int) -> str | None:
-        known = worker_id in self._procs or worker_id in self._adopted
+        known = worker_id in self._procs or worker_id in self._watched
         return socket.gethostname() if known else None
 
     def describe_exit(self, worker_id: int) -> str:
@@ -269,6 +360,11 @@ class LocalBackend(Backend):
         except OSError:
             return ""
         return lines[-1][:300] if lines else ""
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
 
 register_backend("local", LocalBackend)

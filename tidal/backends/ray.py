@@ -104,9 +104,7 @@ class RayBackend(Backend):
         """The worker's environment is its node's, plus this process's ``TIDAL_*`` variables
         and ``PYTHONPATH`` (a test's armed faults, ``tidal.testing.fault_env``, as the local
         backend passes them on), plus ``env``."""
-        ours = {
-            k: v for k, v in os.environ.items() if k.startswith("TIDAL_") or k == "PYTHONPATH"
-        }
+        ours = {k: v for k, v in os.environ.items() if k.startswith("TIDAL_") or k == "PYTHONPATH"}
         handle = self._host_cls.remote(str(self._log_dir / f"worker-{worker_id}.log"))
         ref = handle.start.remote(self._command, {**ours, **env}, self._cwd)
         with self._lock:

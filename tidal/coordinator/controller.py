@@ -155,7 +155,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         # (generation, why): healing found no member of that generation holding the state
         self.state_lost: tuple[int, str] | None = None
         self.created = time.time()
-        self._last_check = time.monotonic()  # the last heartbeat check (lifecycle)
+        self._last_check: float | None = None  # the last heartbeat check (lifecycle)
         self._last_health = 0.0  # when the loop last checked heartbeats
         # A resumed job has passed the schedule's earlier steps already.
         passed = [at for at, _ in spec.schedule if at <= self.step]

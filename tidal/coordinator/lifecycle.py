@@ -179,7 +179,8 @@ class Lifecycle:
         starved it, its VM was suspended), heartbeats could not be read meanwhile, so every
         clock restarts at once instead of condemning workers that trained on."""
         now, mono = time.time(), time.monotonic()
-        gap, self._last_check = mono - self._last_check, mono
+        last, self._last_check = self._last_check, mono
+        gap = 0.0 if last is None else mono - last  # None: the first check
         if clocks_restart(gap_s=gap, not_running_s=NOT_RUNNING_S):
             self.event(
                 "coordinator",

@@ -111,6 +111,7 @@ def _host(
         coord.close()
         print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
         return 1
+    coord.backend.prepare()  # the zygote imports torch while the rest comes up
     try:
         sink = None
         if tensorboard is not None:
@@ -139,6 +140,8 @@ def _host(
         pid=os.getpid(),
         supervisor_pid=hosting.supervisor_pid if hosting else None,
     )
+    if not recover:  # no worker runs yet: the first ones start from the zygote
+        coord.backend.wait_ready()
 
     # Everything built so far (torch, FastAPI, pydantic's schemas: ~10^6 objects) lives as
     # long as the process: out of the collector's sight. Otherwise each full collection

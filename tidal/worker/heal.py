@@ -132,12 +132,12 @@ def heal(
     wire: torch.device = CPU,
 ) -> HealResult:
     """Make this member's state equal to the most advanced member's: model, optimizer, RNG
-    and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
-    no trained state yet; ``committed_step``
-    a lower bound of the job's committed step (``GenerationInfo.committed_step``). Raises
-    ``StateLost`` when the most advanced member is more than one step behind it (members
-    are at most one step apart, so a member with the state is never further behind). ``wire``:
-the group's wire device (module doc)."""
+        and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
+        no trained state yet; ``committed_step``
+        a lower bound of the job's committed step (``GenerationInfo.committed_step``). Raises
+        ``StateLost`` when the most advanced member is more than one step behind it (members
+        are at most one step apart, so a member with the state is never further behind). ``wire``:
+    the group's wire device (module doc)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
     steps = [torch.empty_like(mine) for _ in range(world)]

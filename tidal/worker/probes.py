@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-PHASES = ("step", "allreduce", "join", "rendezvous", "connect", "heal", "first", "checkpoint", "copy")
+PHASES = (
+    "step",
+    "allreduce",
+    "join",
+    "rendezvous",
+    "connect",
+    "heal",
+    "first",
+    "checkpoint",
+    "copy",
+)
 
 Hook = Callable[[str, int, "int | None"], None]
 _hooks: list[Hook] = []

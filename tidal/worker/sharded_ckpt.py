@@ -192,7 +192,9 @@ def load_for_roll_back(sm: ShardedModel, path: Path, *, gen: int, tracked) -> in
     if tracked or full["tracked"][0]:
         (tracked or TrackedState({})).restore(*full["tracked"])
     store.restore_rng(full["meta"])
-    sm.install(Held(layout=Layout(gen=gen, world=1, rank=0), rows=rows, buffers=buffers, scalars=scalars))
+    sm.install(
+        Held(layout=Layout(gen=gen, world=1, rank=0), rows=rows, buffers=buffers, scalars=scalars)
+    )
     return int(full["meta"]["step"])
 
 

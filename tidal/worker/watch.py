@@ -60,9 +60,7 @@ def abort_reason(facts: Facts) -> str | None:
     if facts.open_s is None:
         return None
     if facts.dropped and facts.open_s >= grace_s(facts.step_s):
-        return (
-            f"a member of the group was dropped while a collective waited {facts.open_s:.1f} s"
-        )
+        return f"a member of the group was dropped while a collective waited {facts.open_s:.1f} s"
     if facts.open_s >= facts.timeout_s:
         return f"a collective waited {facts.open_s:.1f} s, the collective timeout"
     return None

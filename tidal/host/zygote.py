@@ -1,0 +1,170 @@
+"""The worker zygote: an interpreter that imported torch and Tidal's worker runtime once and
+forks each worker from itself, so a worker starts in milliseconds instead of the ~2.4 s of a
+core an interpreter spends importing torch, on every launch, scale-up and replacement.
+
+Started by the local backend (``tidal.backends.zygote.Zygote``) as ``PYTHON -P -m
+tidal.host.zygote FD`` with the workers' common environment; ``FD`` is a socket to the
+backend. Messages are JSON lines:
+
+- backend -> zygote: ``{"argv": [SCRIPT, ARG...], "env": {...}, "cwd": DIR|null, "log": PATH}``;
+- zygote -> backend: ``{"ready": PID}`` once its imports are done; one ``{"pid": N}`` (or
+  ``{"error": TEXT}``) per request, in order; ``{"exit": PID, "code": C}`` when a worker it
+  forked ends (C as ``Popen.returncode``: ``-N`` for signal N).
+
+The zygote exits when the socket closes (its coordinator ended or died). Its workers train on:
+they become children of the job's supervisor, its subreaper, which reports their exits to the
+next coordinator (``tidal.coordinator.supervisor``).
+
+Contract: a forked worker cannot tell itself from ``PYTHON SCRIPT ARG...`` started by
+``subprocess`` with ``start_new_session``:
+
+- its own session; stdin ``/dev/null``; stdout and stderr appended to ``log``;
+- exactly ``env`` as its environment (``os.environ``, so C's ``getenv`` sees it too), ``cwd``,
+  ``sys.argv`` and ``sys.path[0]`` the script's real directory (``-P``: the zygote itself
+  put nothing there);
+- the signal dispositions of a fresh interpreter, and no death signal;
+- its own random state: ``random`` reseeds itself at a fork, numpy's global generator is
+  reseeded here from the OS (the torch generator's default seed is fixed in any process);
+- ``sitecustomize`` run again once ``env`` is set: start-up hooks see the worker's own
+  variables (``tidal.testing``'s fault injector reads ``TIDAL_WORKER_ID``);
+- the script run as ``__main__`` ending as an interpreter ends: the traceback and exit code
+  1 of an uncaught exception, ``sys.exit`` codes, ``atexit``, non-daemon threads joined.
+
+What it cannot get is a variable a library reads when it is loaded (``OMP_NUM_THREADS``,
+``PYTHONPATH``...): the backend forks only workers whose environment differs from the zygote's
+in variables read later (``tidal.backends.zygote.fork_refusal``), and starts others with exec.
+The zygote creates no thread and runs no torch operation, so a fork copies no held lock (the
+fork-started DataLoader workers of every training script rely on the same).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+#: What the zygote imports before it forks: what nearly every worker imports first
+#: (``torch._dynamo``: every optimizer's constructor imports it, 1.5 s; ``safetensors``: the
+#: checkpoint format).
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "numpy",
+    "safetensors.torch",
+    "tidal.worker.runtime",
+)
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the worker imports it (or fails to) itself
+
+
+def _send(chan: socket.socket, msg: dict) -> None:
+    chan.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def _reap(chan: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(chan, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def serve(fd: int) -> dict | None:
+    """Answer requests on ``fd`` until it closes (returns None, in the zygote) or a fork is
+    made (returns the request, in the forked worker)."""
+    chan = socket.socket(fileno=fd)
+    _preload()
+    wake_r, wake_w = os.pipe()
+    for w in (wake_r, wake_w):
+        os.set_blocking(w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    _send(chan, {"ready": os.getpid()})
+    buf = b""
+    while True:
+        ready, _, _ = select.select([chan, wake_r], [], [])
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        _reap(chan)
+        if chan not in ready:
+            continue
+        data = chan.recv(1 << 20)
+        if not data:
+            return None
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                _send(chan, {"error": f"fork failed: {exc}"})
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for w in (wake_r, wake_w):
+                    os.close(w)
+                chan.close()
+                return request
+            _send(chan, {"pid": pid})
+
+
+def become(request: dict) -> str:
+    """Turn this forked process into the requested worker (the module's contract); returns
+    the script's path, for the caller to run."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "sitecustomize" in sys.modules:
+        import importlib
+
+        importlib.reload(sys.modules["sitecustomize"])
+    return script
+
+
+if __name__ == "__main__":
+    _request = serve(int(sys.argv[1]))
+    if _request is None:
+        sys.exit(0)
+    import runpy
+
+    runpy.run_path(become(_request), run_name="__main__")
