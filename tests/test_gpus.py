@@ -135,6 +135,21 @@ def test_entry_index_of_no_gpu_of_ours(entry, parent):
     assert entry_index(entry, parent) is None
 
 
+def test_without_a_gpu_driver_the_count_imports_no_torch():
+    """``tidal run`` counts GPUs before it starts anything: on a machine without a driver
+    that costs no torch import (~2 s before the zygote can start)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from tidal.backends import gpus; print(gpus.visible_gpus(), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    has_driver = any(Path(f).exists() for f in gpus.DRIVER_FILES)
+    if not has_driver:
+        assert out.stdout.split() == ["0", "False"]
+    else:
+        assert out.stdout.split()[1] == "True"
+
+
 def test_visible_gpus_counts_without_initialising_cuda():
     import torch
 

@@ -237,3 +237,60 @@ def test_exec_start_is_a_setting_and_a_broken_zygote_costs_no_worker(setup, monk
     broken.close()
     with pytest.raises(ValueError, match="--worker-start must be fork or exec"):
         _spec(probe, worker_start="spawn")
+
+
+def _in_child(fn) -> object:
+    """Run ``fn()`` in a forked copy of this process (as the supervisor forks a coordinator)
+    and return what it returned (it must be JSON)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(r)
+        try:
+            out = json.dumps({"ok": fn()})
+        except BaseException as exc:  # noqa: BLE001
+            out = json.dumps({"error": repr(exc)})
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert "ok" in data, data
+    return data["ok"]
+
+
+@pytest.mark.slow
+def test_one_zygote_serves_a_coordinator_and_its_successor(setup):
+    """The supervisor owns the zygote; each coordinator it forks uses its own copy. One that
+    dies with a request unanswered leaves nothing the next one mistakes for its own answers,
+    and the exit of a worker the first one forked reaches the next one."""
+    tmp, base, probe = setup
+    z = Zygote(python=sys.executable, env=base, log=tmp / "zygote.log")
+    env = {**base, "TIDAL_WORKER_ID": "1"}
+    try:
+
+        def first() -> list[int]:
+            assert z.ready(wait=60)
+            pid = z.spawn(argv=[str(probe), "sleep"], env=env, cwd=None, log=tmp / "a.log")
+            z._send({"argv": [str(probe), "6"], "env": env, "cwd": None, "log": str(tmp / "b.log")})
+            return [pid]  # it "dies" without reading the second answer
+
+        (sleeper,) = _in_child(first)
+        os.kill(sleeper, signal.SIGKILL)
+
+        def second() -> list:
+            assert z.ready(wait=30)
+            pid = z.spawn(argv=[str(probe), "7"], env=env, cwd=None, log=tmp / "c.log")
+            deadline, seen = time.monotonic() + 30, {}
+            while (sleeper not in seen or pid not in seen) and time.monotonic() < deadline:
+                seen.update(z.exits())
+                time.sleep(0.02)
+            return [pid, seen.get(sleeper), seen.get(pid)]
+
+        pid, sleeper_code, code = _in_child(second)
+        assert pid != sleeper and (sleeper_code, code) == (-9, 7)
+        assert _record(tmp / "c.log")["argv"][1] == "7"
+    finally:
+        z.close()
+    assert z._proc.returncode is not None  # the owner's close ended it

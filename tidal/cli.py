@@ -274,8 +274,18 @@ def _launch(
             return _detach(spec, home, resume, tensorboard=tensorboard, lock=lock, attach=attach)
         finally:
             os.close(lock)  # the coordinator's process holds it now
-    from tidal.host.runner import run_job
+    from tidal.backends.local import start_zygote
 
+    # Started before the coordinator's modules are imported (torch, ~3 s): the zygote's own
+    # imports run meanwhile, on the other core.
+    zygote = start_zygote(spec, job_dir(home, spec.name).logs)
+    try:
+        from tidal.host.runner import run_job
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        os.close(lock)
+        raise
     return run_job(
         spec,
         home,
@@ -284,6 +294,7 @@ def _launch(
         tensorboard=tensorboard,
         lock_fd=lock,
         attach=attach,
+        zygote=zygote,
     )
 
 

@@ -12,6 +12,10 @@ import signal
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.backends.zygote import Zygote
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,9 +87,11 @@ class Backend(ABC):
         """Where the worker runs (a host or cluster node id), once placed."""
         return None
 
-    def prepare(self) -> None:
-        """Get ready to start workers fast (the local backend starts its zygote); called once
-        when a coordinator starts hosting the job, before its first worker starts."""
+    def prepare(self, zygote: Zygote | None = None) -> None:
+        """Get ready to start workers fast; called once when a coordinator starts hosting the
+        job, before its first worker starts. ``zygote``: the warm interpreter the job's
+        supervisor started, which the local backend forks
+        its workers from (it starts its own without one); other backends ignore it."""
         return None
 
     def wait_ready(self) -> bool:

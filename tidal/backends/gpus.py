@@ -12,19 +12,27 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 from tidal.config import COMMS, JobSpec
+
+#: Files one of which exists wherever a GPU torch could use exists.
+DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
 
 
 def visible_gpus(override: int | None = None) -> int:
     """How many CUDA GPUs this process may use (0 without CUDA or torch's CUDA build).
     ``override`` (tests only) is returned as is. ``torch.cuda.device_count`` counts through
     NVML where it can and does not initialise CUDA in this process (the coordinator's), so
-    ``torch.cuda.is_initialized()`` stays False and the workers it starts are unaffected."""
+    ``torch.cuda.is_initialized()`` stays False and the workers it starts are unaffected.
+    A machine without a GPU driver's device files (NVIDIA's, or ROCm's ``/dev/kfd``) has none:
+    counted without importing torch (~2 s of ``tidal run``'s start)."""
     if override is not None:
         if override < 0:
             raise ValueError(f"a GPU count must be at least 0, got {override}")
         return override
+    if not any(Path(f).exists() for f in DRIVER_FILES):
+        return 0
     try:
         import torch
 

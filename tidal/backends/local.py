@@ -111,6 +111,26 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
 
 
+def worker_base_env() -> dict[str, str]:
+    """The environment every local worker shares (its own variables come on top)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def start_zygote(spec: JobSpec, log_dir: Path) -> Zygote | None:
+    """The zygote for ``spec``'s local workers (``--worker-start fork``), or None: exec for
+    every worker (with a line on stderr if it could not start)."""
+    if spec.backend != "local" or spec.worker_start != "fork":
+        return None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return Zygote(python=spec.python, env=worker_base_env(), log=log_dir / "zygote.log")
+    except OSError as exc:
+        print(f"tidal: the zygote did not start ({exc}): workers start with exec", file=sys.stderr)
+        return None
+
+
 class LocalBackend(Backend):
     """Each worker runs ``command`` with the worker's environment; stdout and stderr go to
     ``log_dir/worker-ID.log``. With ``--worker-start fork`` (the default) a worker is forked
@@ -154,8 +174,10 @@ class LocalBackend(Backend):
         self.command = [spec.python, spec.script, *spec.script_args]
         self.log_dir = log_dir
         self.cwd = cwd
+        self.spec = spec
         self.worker_start = spec.worker_start
         self._zygote: Zygote | None = None
+        self._owns_zygote = False  # a supervisor's zygote outlives this backend
         self._procs: dict[int, subprocess.Popen] = {}  # workers started with exec
         # Workers that are not children of this process (the zygote forked them, or a
         # previous coordinator started them: ``adopt``): id -> pid, and since when each has
@@ -166,25 +188,13 @@ class LocalBackend(Backend):
         self.reaped_fd: int | None = None  # "PID CODE" lines from the supervisor (a reaper)
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def _base_env(self) -> dict[str, str]:
-        """The environment every worker shares (its own variables come on top)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        return env
-
-    def prepare(self) -> None:
-        """Start the zygote (``--worker-start fork``): it imports torch while the coordinator
-        comes up, so the first workers start from it."""
+    def prepare(self, zygote: Zygote | None = None) -> None:
+        """Use ``zygote`` (its supervisor's), or start one of its own (``--worker-start
+        fork``): it imports torch while the coordinator comes up."""
         if self.worker_start != "fork" or self._zygote is not None:
             return
-        try:
-            self._zygote = Zygote(
-                python=self.command[0], env=self._base_env(), log=self.log_dir / "zygote.log"
-            )
-        except OSError as exc:  # every worker starts with exec
-            print(
-                f"tidal: the zygote did not start ({exc}): workers start with exec", file=sys.stderr
-            )
+        self._owns_zygote = zygote is None
+        self._zygote = zygote or start_zygote(self.spec, self.log_dir)
 
     def wait_ready(self) -> bool:
         """Up to ``ZYGOTE_WAIT_S`` for the zygote's imports."""
@@ -238,7 +248,7 @@ class LocalBackend(Backend):
             return index, f"tidal: no free GPU yet: sharing GPU {index} with workers {holders}\n"
 
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:
-        full_env = {**self._base_env(), **env}
+        full_env = {**worker_base_env(), **env}
         gpu, note = self._pick_gpu()
         if gpu is not None:
             parent = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -362,9 +372,9 @@ class LocalBackend(Backend):
         return lines[-1][:300] if lines else ""
 
     def close(self) -> None:
-        if self._zygote is not None:
+        if self._zygote is not None and self._owns_zygote:
             self._zygote.close()
-            self._zygote = None
+        self._zygote = None
 
 
 register_backend("local", LocalBackend)

@@ -1,16 +1,22 @@
 """Forking workers from a warm interpreter: the local backend's side of ``tidal.host.zygote``
-(the process and its contract are described there).
+(the process, its protocol and its contract are described there).
 
 ``fork_refusal`` decides whether a worker may be forked: only when its environment differs
 from the zygote's in variables nothing reads while a library is loaded. ``Zygote`` starts the
 process, forks workers through it and hands on their exit statuses. Any failure of the zygote
 (it cannot start, crashed, does not answer) makes ``spawn`` return None: the backend then
 starts the worker with exec, as it would without a zygote. A worker is never lost to one.
+
+A ``Zygote`` is made by the process that owns it (the job's supervisor) and used by the
+coordinators it forks, each with its copy of the object and of the socket: ``close`` in a
+coordinator only lets go of its copy; in the owner it ends the zygote.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import select
 import socket
 import subprocess
@@ -23,7 +29,7 @@ from pathlib import Path
 #: (the zygote never does).
 PER_WORKER_PREFIXES = ("TIDAL_",)
 PER_WORKER_KEYS = frozenset({"CUDA_VISIBLE_DEVICES"})
-#: How long a spawn waits for the zygote's answer before it gives up on the zygote.
+#: How long a fork waits for the zygote's answer before it gives up on the zygote.
 SPAWN_TIMEOUT_S = 5.0
 
 
@@ -43,29 +49,58 @@ def fork_refusal(base: Mapping[str, str], env: Mapping[str, str]) -> str | None:
 
 
 class Zygote:
-    """The zygote of one coordinator: ``python -P -m tidal.host.zygote`` started with
-    ``env`` (the environment every worker shares), its output appended to ``log``."""
+    """A zygote: ``python -P -m tidal.host.zygote`` started with ``env`` (the environment
+    every worker shares), its output appended to ``log``."""
 
     def __init__(self, *, python: str, env: Mapping[str, str], log: Path) -> None:
         self.env = dict(env)
+        self._owner = os.getpid()
         self._sock, theirs = socket.socketpair()
+        with open(log, "ab") as out:
+            try:
+                self._proc = subprocess.Popen(
+                    [python, "-P", "-m", "tidal.host.zygote", str(theirs.fileno())],
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+            except OSError:
+                self._sock.close()
+                raise
+            finally:
+                theirs.close()
+        self._sock.setblocking(False)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The reading state of one process (a forked coordinator starts its own)."""
+        self._user = os.getpid()
+        self._ids = itertools.count()
         self._buf = b""
-        self._replies: list[dict] = []
+        self._replies: dict[str, dict] = {}
         self._exits: list[tuple[int, int]] = []
+        self._ping: str | None = None
         self._ready = False
         self.broken: str | None = None
-        with open(log, "ab") as out:
-            self._proc = subprocess.Popen(
-                [python, "-P", "-m", "tidal.host.zygote", str(theirs.fileno())],
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-            )
-        theirs.close()
-        self._sock.setblocking(False)
+
+    def _mine(self) -> None:
+        if self._user != os.getpid():
+            self._fresh()
+
+    def _send(self, msg: dict) -> str | None:
+        """Send ``msg`` with a new id (returned); None if the zygote is given up."""
+        key = f"{os.getpid()}-{next(self._ids)}"
+        try:
+            self._sock.setblocking(True)
+            self._sock.sendall(json.dumps({"id": key, **msg}).encode() + b"\n")
+            self._sock.setblocking(False)
+        except OSError as exc:
+            self._give_up(f"a request failed: {exc}")
+            return None
+        return key
 
     def _read(self, timeout: float) -> None:
         """Take what the zygote sent, waiting up to ``timeout`` for something."""
@@ -79,32 +114,46 @@ class Zygote:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            data, self.broken = b"", f"its socket failed: {exc}"
+            self._give_up(f"its socket failed: {exc}")
+            return
         if not data:
-            self._give_up(self.broken or "it exited")
+            self._give_up("it exited")
             return
         self._buf += data
         while b"\n" in self._buf:
             line, self._buf = self._buf.split(b"\n", 1)
-            msg = json.loads(line)
-            if "ready" in msg:
-                self._ready = True
-            elif "exit" in msg:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue  # the tail of a line a dead coordinator had half read
+            if "exit" in msg:
                 self._exits.append((int(msg["exit"]), int(msg["code"])))
-            else:
-                self._replies.append(msg)
+            elif str(msg.get("id", "")).startswith(f"{os.getpid()}-"):
+                self._replies[msg["id"]] = msg  # others answer a dead coordinator's requests
 
     def _give_up(self, why: str) -> None:
         self.broken = self.broken or why
-        self.close()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _answer(self, key: str, deadline: float) -> dict | None:
+        while key not in self._replies and not self.broken:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._read(left)
+        return self._replies.pop(key, None)
 
     def ready(self, wait: float = 0.0) -> bool:
         """True once the zygote has imported what it preloads (waiting up to ``wait`` s)."""
-        deadline = time.monotonic() + wait
-        while not self._ready and not self.broken:
-            self._read(deadline - time.monotonic())
-            if time.monotonic() >= deadline:
-                break
+        self._mine()
+        if not self._ready and not self.broken:
+            if self._ping is None:
+                self._ping = self._send({"ping": True})
+            if self._ping is not None:
+                self._ready = self._answer(self._ping, time.monotonic() + wait) is not None
         return self._ready and not self.broken
 
     def spawn(
@@ -114,45 +163,30 @@ class Zygote:
         the zygote is not ready or failed (it is then given up)."""
         if not self.ready():
             return None
-        request = {
-            "argv": argv,
-            "env": dict(env),
-            "cwd": str(cwd) if cwd else None,
-            "log": str(log),
-        }
-        try:
-            self._sock.setblocking(True)
-            self._sock.sendall(json.dumps(request).encode() + b"\n")
-        except OSError as exc:
-            self._give_up(f"a request failed: {exc}")
+        key = self._send(
+            {"argv": argv, "env": dict(env), "cwd": str(cwd) if cwd else None, "log": str(log)}
+        )
+        if key is None:
             return None
-        finally:
-            if not self.broken:
-                self._sock.setblocking(False)
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not self._replies and not self.broken and time.monotonic() < deadline:
-            self._read(deadline - time.monotonic())
-        if not self._replies:
+        reply = self._answer(key, time.monotonic() + SPAWN_TIMEOUT_S)
+        if reply is None:
             self._give_up(self.broken or f"no answer within {SPAWN_TIMEOUT_S:g} s")
             return None
-        reply = self._replies.pop(0)
         return int(reply["pid"]) if "pid" in reply else None
 
     def exits(self) -> list[tuple[int, int]]:
         """``(pid, code)`` of forked workers that ended since the last call."""
+        self._mine()
         self._read(0)
         found, self._exits = self._exits, []
         return found
 
     def close(self) -> None:
-        """End the zygote (its workers train on)."""
-        self.broken = self.broken or "closed"
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        try:
-            self._proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
+        """Let go of the zygote; in its owner, end it at once (it may still be importing, and
+        reads its socket only after that; the workers it forked train on)."""
+        self._give_up("closed")
+        if os.getpid() != self._owner:
+            return
+        if self._proc.poll() is None:
             self._proc.kill()
-            self._proc.wait()
+        self._proc.wait()

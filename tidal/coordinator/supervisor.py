@@ -8,6 +8,8 @@ when it dies:
   serves the same URL and store port, and workers' calls made during the restart wait in
   the socket's backlog instead of being refused;
 - the job's token, from which every worker's credential derives;
+- the workers' zygote (``tidal.host.zygote``), started by the caller, which every
+  coordinator forks its local workers from;
 - the workers themselves, as their subreaper (``PR_SET_CHILD_SUBREAPER``): when a
   coordinator dies its workers become the supervisor's children, which it reaps and whose
   exit statuses it passes on (``Hosting.reaped_r``) to the next coordinator.
@@ -38,6 +40,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidal.backends.zygote import Zygote
+
 CRASHED = 70  # the exit code of a coordinator that raised what it could not handle
 MAX_CRASHES = 5
 CRASH_WINDOW_S = 60.0
@@ -54,6 +58,7 @@ class Hosting:
     reaped_r: int | None = None  # "PID CODE" lines: orphaned workers the supervisor reaped
     supervisor_pid: int
     incarnation: int = 0  # 0: the first coordinator; n: the n-th restart
+    zygote: Zygote | None = None  # the workers' warm interpreter (``tidal.host.zygote``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,10 +121,13 @@ def supervise(
     api_port: int = 0,
     recover: bool = False,
     name: str = "",
+    zygote: Zygote | None = None,
 ) -> int:
     """Run ``host_job(hosting, recover, stop_requested)`` in a forked coordinator until it
     returns; restart it when it dies. ``api_port``/``token``: those of a coordinator to take
-    over (``tidal attach``), with ``recover`` True. Returns the job's exit code."""
+    over (``tidal attach``), with ``recover`` True. ``zygote``: the workers' warm
+    interpreter, shared with every coordinator (its caller owns it and ends it). Returns the
+    job's exit code."""
     try:
         api_sock = listen(host, api_port)
     except OSError as exc:  # an attach: another process took the workers' address
@@ -138,6 +146,7 @@ def supervise(
         store_sock=store_sock,
         reaped_r=reaped_r,
         supervisor_pid=os.getpid(),
+        zygote=zygote,
     )
     state = {"child": 0, "signals": 0}
 

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from tidal.backends.local import start_zygote
+from tidal.backends.zygote import Zygote
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
@@ -52,12 +54,16 @@ def run_job(
     tensorboard: str | Path | None = None,
     lock_fd: int | None = None,
     attach: Attach | None = None,
+    zygote: Zygote | None = None,
 ) -> int:
     """Run the job to its end; 0 if it succeeded. Must run on the main thread: workers are
     tied to the thread that launched them (they die with it). ``tensorboard``: a folder for
     TensorBoard event files (``DIR/NAME``). ``lock_fd``: the job's lock, taken by the caller
     (``JobDir.lock``) and handed over (closed here); taken here if None. ``attach``: take
     over the live workers of a job whose coordinator and supervisor died (``tidal attach``).
+    ``zygote``: the local workers' warm interpreter, if the caller started it (``tidal run``
+    does, before it imports this module: the imports overlap); started here otherwise, and
+    ended here either way.
 
     On the local backend this process supervises the coordinator (``supervisor``): it runs
     in a forked child, restarted when it dies. On a cluster backend it runs here."""
@@ -69,6 +75,8 @@ def run_job(
     try:
         if spec.backend != "local":
             return _host(spec, home, quiet=quiet, resume=resume, tensorboard=tensorboard)
+        if zygote is None:
+            zygote = start_zygote(spec, job_dir(home, spec.name).logs)
 
         def host_job(hosting: Hosting, recover: bool, stop_requested: bool) -> int:
             return _host(
@@ -88,8 +96,11 @@ def run_job(
             api_port=attach.api_port if attach else 0,
             recover=attach is not None,
             name=spec.name,
+            zygote=zygote,
         )
     finally:
+        if zygote is not None:
+            zygote.close()
         os.close(lock_fd)  # after the coordinator has recorded the end and closed
 
 
@@ -111,7 +122,7 @@ def _host(
         coord.close()
         print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
         return 1
-    coord.backend.prepare()  # the zygote imports torch while the rest comes up
+    coord.backend.prepare(hosting.zygote if hosting else None)
     try:
         sink = None
         if tensorboard is not None:

@@ -6,14 +6,21 @@ Started by the local backend (``tidal.backends.zygote.Zygote``) as ``PYTHON -P -
 tidal.host.zygote FD`` with the workers' common environment; ``FD`` is a socket to the
 backend. Messages are JSON lines:
 
-- backend -> zygote: ``{"argv": [SCRIPT, ARG...], "env": {...}, "cwd": DIR|null, "log": PATH}``;
-- zygote -> backend: ``{"ready": PID}`` once its imports are done; one ``{"pid": N}`` (or
-  ``{"error": TEXT}``) per request, in order; ``{"exit": PID, "code": C}`` when a worker it
+- backend -> zygote: ``{"id": ID, "ping": true}``, or a fork: ``{"id": ID, "argv": [SCRIPT,
+  ARG...], "env": {...}, "cwd": DIR|null, "log": PATH}``;
+- zygote -> backend: ``{"id": ID, "ready": PID}`` for a ping, ``{"id": ID, "pid": N}`` (or
+  ``{"id": ID, "error": TEXT}``) for a fork, and ``{"exit": PID, "code": C}`` when a worker it
   forked ends (C as ``Popen.returncode``: ``-N`` for signal N).
 
-The zygote exits when the socket closes (its coordinator ended or died). Its workers train on:
-they become children of the job's supervisor, its subreaper, which reports their exits to the
-next coordinator (``tidal.coordinator.supervisor``).
+Requests are read only once the imports are done, so a ping's answer says the zygote is
+ready. The ids let a restarted coordinator, which shares the socket with its supervisor and
+its dead predecessor, ignore the answers to requests it did not make.
+
+The job's supervisor starts the zygote, before it imports the coordinator (the two imports
+overlap), and shares it with every coordinator it forks; the zygote exits when the socket
+closes, i.e. when the supervisor and its coordinators have ended. If the zygote dies first,
+its workers train on: they become children of the supervisor, the job's subreaper, which
+reports their exits to the coordinator (``tidal.coordinator.supervisor``).
 
 Contract: a forked worker cannot tell itself from ``PYTHON SCRIPT ARG...`` started by
 ``subprocess`` with ``start_new_session``:
@@ -95,7 +102,6 @@ def serve(fd: int) -> dict | None:
         os.set_blocking(w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    _send(chan, {"ready": os.getpid()})
     buf = b""
     while True:
         ready, _, _ = select.select([chan, wake_r], [], [])
@@ -113,13 +119,19 @@ def serve(fd: int) -> dict | None:
         buf += data
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            request = json.loads(line)
+            try:
+                request = json.loads(line)
+            except ValueError:
+                continue  # the tail of a request whose sender died while writing it
+            if request.get("ping"):
+                _send(chan, {"id": request.get("id"), "ready": os.getpid()})
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             try:
                 pid = os.fork()
             except OSError as exc:
-                _send(chan, {"error": f"fork failed: {exc}"})
+                _send(chan, {"id": request.get("id"), "error": f"fork failed: {exc}"})
                 continue
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -128,7 +140,7 @@ def serve(fd: int) -> dict | None:
                     os.close(w)
                 chan.close()
                 return request
-            _send(chan, {"pid": pid})
+            _send(chan, {"id": request.get("id"), "pid": pid})
 
 
 def become(request: dict) -> str:
