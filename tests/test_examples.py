@@ -87,7 +87,8 @@ TINY_GPT = ["--files", "12", "--dim", "32", "--layers", "1", "--heads", "2", "--
 TINY_GPT += ["--global-batch-size", "4", "--val-windows", "4"]
 
 
-@pytest.mark.slow
+# The examples alone are one process each, with no timing in them: not ``slow`` (that is
+# the multi-process tests, one at a time), so CI runs them beside the unit tests.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("script", "args", "done"),
@@ -101,7 +102,6 @@ def test_example_runs_alone(script: str, args: list[str], done: str) -> None:
     assert done in run_alone(script, args)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt_compile_runs_standalone(tmp_path: Path) -> None:
     """``--compile`` trains a few steps (alone: compiling in several workers at once on two
