@@ -136,8 +136,8 @@ class LocalBackend(Backend):
     ``log_dir/worker-ID.log``. With ``--worker-start fork`` (the default) a worker is forked
     from the job's zygote (``tidal.host.zygote``: torch is imported once, not once a worker),
     unless its environment forbids it (``zygote.fork_refusal``) or the zygote is not ready or
-    failed; it is then started with exec, as with ``--worker-start exec``. On a machine with GPUs each worker gets one of its own as
-    ``CUDA_VISIBLE_DEVICES`` (``gpus.assign_gpu``: the lowest free one; with
+    failed; it is then started with exec, as with ``--worker-start exec``. On a machine with
+    GPUs each worker gets one of its own as ``CUDA_VISIBLE_DEVICES`` (``gpus.assign_gpu``: the lowest free one; with
     ``--share-gpus`` the least used); with none the variable is left as this process has it.
     ``gpus``: the GPU count to use instead of this machine's (tests)."""
 
@@ -175,7 +175,6 @@ class LocalBackend(Backend):
         self.log_dir = log_dir
         self.cwd = cwd
         self.spec = spec
-        self.worker_start = spec.worker_start
         self._zygote: Zygote | None = None
         self._owns_zygote = False  # a supervisor's zygote outlives this backend
         self._procs: dict[int, subprocess.Popen] = {}  # workers started with exec
@@ -191,7 +190,7 @@ class LocalBackend(Backend):
     def prepare(self, zygote: Zygote | None = None) -> None:
         """Use ``zygote`` (its supervisor's), or start one of its own (``--worker-start
         fork``): it imports torch while the coordinator comes up."""
-        if self.worker_start != "fork" or self._zygote is not None:
+        if self.spec.worker_start != "fork" or self._zygote is not None:
             return
         self._owns_zygote = zygote is None
         self._zygote = zygote or start_zygote(self.spec, self.log_dir)
@@ -219,7 +218,10 @@ class LocalBackend(Backend):
             return None, f"the zygote failed ({z.broken or 'no pid'})"
         start = _start_time(pid)
         if start is not None:  # ``adopt``'s proof that pid is this worker
-            self._identity_path(worker_id).write_text(f"{pid} {start}\n")
+            try:
+                self._identity_path(worker_id).write_text(f"{pid} {start}\n")
+            except OSError:
+                pass  # it trains all the same; a restarted coordinator cannot adopt it
         return pid, ""
 
     def _identity_path(self, worker_id: int) -> Path:
