@@ -161,17 +161,21 @@ def joiner(tr: Trial) -> Event | None:
     n = s["target_workers"]  # not the members: a replacement may be starting (overlap)
     if n >= tr.max_workers:
         return None
-    delay = tr.rng.uniform(0, 4)
+    before = max(w["id"] for w in s["workers"])
+    # A forked joiner is a member ~0.5 s after its start: the kill lands within a second of
+    # it, inside its join or just after it.
+    delay = tr.rng.uniform(0, 1)
     tr.scale(n + 1)
-    # The joiner: a fresh worker, or one still starting from an earlier scale-up that a
-    # scale-down left running (the coordinator keeps it as the spare the new target needs).
+    # The joiner: a fresh worker (already a member if its join was quicker than this poll),
+    # or one still starting from an earlier scale-up that a scale-down left running (the
+    # coordinator keeps it as the spare the new target needs).
     s = tr.watch.until(
-        _joiners,
+        lambda s: _joiners(s) + _started_after(s, before),
         30,
         f"a worker starting to join after tidal scale {n + 1}",
     )
     tr.watch.idle(delay)
-    ids = {w["id"] for w in _joiners(s)}
+    ids = {w["id"] for w in _joiners(s) + _started_after(s, before)}
     w = max((w for w in tr.watch.last["workers"] if w["id"] in ids), key=lambda w: w["id"])
     wid = w["id"]
     t = time.time()
@@ -179,6 +183,12 @@ def joiner(tr: Trial) -> Event | None:
         return None
     what = f"SIGKILL worker {wid} joining ({delay:.1f} s after its start, state {w['state']})"
     return Event("joiner", [what], 1, LOST_S, time=t)
+
+
+def _started_after(s: dict, before: int) -> list[dict]:
+    """Live workers with a process whose id is above ``before`` (started since)."""
+    live = ("starting", "standby", "running")
+    return [w for w in s["workers"] if w["id"] > before and w["pid"] and w["state"] in live]
 
 
 def _joiners(s: dict) -> list[dict]:
