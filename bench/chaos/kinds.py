@@ -19,7 +19,8 @@ Kinds (and the bound on each pause they cause; hb is ``--heartbeat-timeout``):
   its peers connecting to it) or the heal (a scale up or down
   makes the membership change; the target is a survivor or the joiner), or inside a
   checkpoint write (2 s; SIGSTOP: hb + 2 s).
-- ``joiner``: SIGKILL of a worker joining after a scale up, 0-1 s after its start (a forked joiner is a member ~0.5 s after it; 2 s).
+- ``joiner``: SIGKILL of a worker joining after a scale up, 0-1 s after its start (a forked
+  joiner is a member ~0.5 s after it; 2 s).
 - ``double``: two of kill/stop/term at once on two of at least 3 members, or one of them
   and a SIGKILL of the coordinator (the larger bound; +2 s with the coordinator).
 - ``coordinator``: SIGKILL of the coordinator (``coordinator_pid``): back within 2 s with
