@@ -7,6 +7,9 @@ import pytest
 
 from tidal.coordinator.rules import (
     HEARTBEATS_PER_S,
+    LOOP_BUSY_S,
+    LOOP_SETTLE_S,
+    LOOP_SETTLED_S,
     REFORMS_WITHOUT_PROGRESS,
     ExitFacts,
     HealthFacts,
@@ -18,6 +21,7 @@ from tidal.coordinator.rules import (
     heartbeat_interval,
     judge_exit,
     leaver_target,
+    loop_wait,
     reform_due,
     repeated_failure,
     roll_back,
@@ -501,3 +505,19 @@ def test_wind_down(failed, waited, alive, begin, kill, end) -> None:
 @pytest.mark.parametrize(("gap", "restart"), [(0.02, False), (2.0, False), (2.01, True), (60, True)])
 def test_clocks_restart(gap, restart) -> None:
     assert clocks_restart(gap_s=gap, not_running_s=2.0) is restart
+
+
+@pytest.mark.parametrize(
+    ("settled", "since_wake_s", "wait_s", "why"),
+    [
+        (False, 10.0, LOOP_BUSY_S, "a change is in motion"),
+        (False, 0.0, LOOP_BUSY_S, "a change is in motion"),
+        (True, 0.0, LOOP_BUSY_S, "woken recently"),
+        (True, LOOP_SETTLE_S / 2, LOOP_BUSY_S, "woken recently"),
+        (True, LOOP_SETTLE_S, LOOP_SETTLED_S, "settled"),
+        (True, 60.0, LOOP_SETTLED_S, "settled"),
+    ],
+)
+def test_loop_wait(settled, since_wake_s, wait_s, why) -> None:
+    assert loop_wait(settled=settled, since_wake_s=since_wake_s) == (wait_s, why)
+    assert LOOP_BUSY_S < LOOP_SETTLED_S <= 0.25  # no slower than the heartbeat check

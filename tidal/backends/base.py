@@ -69,7 +69,8 @@ class Backend(ABC):
 
     @abstractmethod
     def alive(self) -> list[int]:
-        """Ids of workers whose process still runs."""
+        """Ids of workers whose process runs, or ended without ``poll`` reporting it yet
+        (the job ends only once every exit is recorded)."""
 
     def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
         """Watch a worker that a previous coordinator of the job started (it was restarted):
@@ -99,6 +100,13 @@ class Backend(ABC):
         True if it is. A new job's coordinator waits here before its first pass (no worker
         runs yet); a restarted one does not (its workers need the control loop)."""
         return True
+
+    def wake_fds(self) -> list[int]:
+        """File descriptors that become readable when ``poll`` has an exit to report: the
+        control loop sleeps on them (and on its ``Wake``) between passes, so an exit is
+        handled at once however long the loop sleeps. None by default: the loop then
+        sees exits at its passes."""
+        return []
 
     def describe_exit(self, worker_id: int) -> str:
         """A line of context for a failed worker (e.g. its log's last line)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tidal.backends.base import Backend, Exit, register_backend
 from tidal.backends.gpus import assign_gpu, check_spec, device_entry, entry_index, visible_gpus
+from tidal.backends.pidwatch import PidWatch, proc_gone
 from tidal.backends.zygote import Zygote, fork_refusal
 from tidal.config import JobSpec
 
@@ -85,21 +86,6 @@ def _start_time(pid: int) -> str | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()
     return fields[19] if len(fields) > 19 else None
-
-
-def _gone(pid: int) -> bool:
-    """True once ``pid`` no longer runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -182,6 +168,7 @@ class LocalBackend(Backend):
         # previous coordinator started them: ``adopt``): id -> pid, and since when each has
         # been gone without a known exit status.
         self._watched: dict[int, int] = {}
+        self._pids = PidWatch()  # the watched workers' processes
         self._gone_since: dict[int, float] = {}
         self._reaped: dict[int, int] = {}  # pid -> exit code, as the reaper told
         self.reaped_fd: int | None = None  # "PID CODE" lines from the supervisor (a reaper)
@@ -224,6 +211,10 @@ class LocalBackend(Backend):
                 pass  # it trains all the same; a restarted coordinator cannot adopt it
         return pid, ""
 
+    def _watch(self, worker_id: int, pid: int) -> None:
+        self._watched[worker_id] = pid
+        self._pids.add(pid)
+
     def _identity_path(self, worker_id: int) -> Path:
         return self.log_dir / f"worker-{worker_id}.pid"
 
@@ -260,7 +251,7 @@ class LocalBackend(Backend):
                 log.write(note.encode())
         pid, why_exec = self._fork(worker_id, full_env)
         if pid is not None:
-            self._watched[worker_id] = pid
+            self._watch(worker_id, pid)
             if gpu is not None:
                 self._gpu[worker_id] = gpu
             return pid
@@ -281,6 +272,7 @@ class LocalBackend(Backend):
                 start_new_session=True,
             )
         self._procs[worker_id] = proc
+        self._pids.add(proc.pid)  # only to wake the control loop at its exit (``wake_fds``)
         if gpu is not None:
             self._gpu[worker_id] = gpu
         return proc.pid
@@ -290,13 +282,13 @@ class LocalBackend(Backend):
         with exactly ``env`` (its id and credential) or is the process the zygote forked as
         this worker (``_forked_as``), so a recycled pid is never taken for it. Its exit
         status comes from ``reaped_fd`` (the supervisor reaps orphans)."""
-        if _gone(pid):
+        if proc_gone(pid):
             return False
         environ = _environ(pid)
         launched_with = all(environ.get(k) == v for k, v in env.items())
         if not launched_with and not self._forked_as(worker_id, pid):
             return False
-        self._watched[worker_id] = pid
+        self._watch(worker_id, pid)
         gpu = entry_index(
             environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_VISIBLE_DEVICES")
         )
@@ -323,14 +315,16 @@ class LocalBackend(Backend):
             if code is not None:
                 exits.append(Exit(worker_id=wid, returncode=code))
                 del self._procs[wid]
+                self._pids.remove(proc.pid)
                 self._gpu.pop(wid, None)
         if self._zygote is not None:
             self._reaped.update(self._zygote.exits())
         if self._watched:
             self._read_reaped()
         now = time.monotonic()
+        gone = self._pids.gone() if self._watched else set()
         for wid, pid in list(self._watched.items()):
-            if not _gone(pid):
+            if pid not in gone:
                 continue
             code = self._reaped.pop(pid, None)
             if code is None and now - self._gone_since.setdefault(wid, now) < REAPED_WAIT_S:
@@ -340,6 +334,7 @@ class LocalBackend(Backend):
                 Exit(worker_id=wid, returncode=-9 if code is None else code, reason=reason)
             )
             del self._watched[wid]
+            self._pids.remove(pid)
             self._gone_since.pop(wid, None)
             self._gpu.pop(wid, None)
         return exits
@@ -352,15 +347,17 @@ class LocalBackend(Backend):
             except ProcessLookupError:
                 pass
         pid = self._watched.get(worker_id)
-        if pid is not None and not _gone(pid):
+        if pid is not None and not self._pids.is_gone(pid):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
     def alive(self) -> list[int]:
-        running = [wid for wid, p in self._procs.items() if p.poll() is None]
-        return running + [wid for wid, pid in self._watched.items() if not _gone(pid)]
+        """Workers whose exit ``poll`` has not reported yet: one that ended
+        counts until its reaper tells its exit status (or ``REAPED_WAIT_S``), so the job
+        never ends before every exit is recorded."""
+        return [*self._procs, *self._watched]
 
     def node(self, worker_id: int) -> str | None:
         known = worker_id in self._procs or worker_id in self._watched
@@ -373,7 +370,18 @@ class LocalBackend(Backend):
             return ""
         return lines[-1][:300] if lines else ""
 
+    def wake_fds(self) -> list[int]:
+        """The zygote's socket (it tells forked workers' exits), the supervisor's reaped
+        pipe, and the pidfds of watched workers not yet seen gone."""
+        fds = self._pids.fds()
+        if self._zygote is not None and self._zygote.fileno() is not None:
+            fds.append(self._zygote.fileno())
+        if self.reaped_fd is not None and self._watched:
+            fds.append(self.reaped_fd)
+        return fds
+
     def close(self) -> None:
+        self._pids.close()
         if self._zygote is not None and self._owns_zygote:
             self._zygote.close()
         self._zygote = None

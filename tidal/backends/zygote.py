@@ -174,6 +174,12 @@ class Zygote:
             return None
         return int(reply["pid"]) if "pid" in reply else None
 
+    def fileno(self) -> int | None:
+        """The socket the zygote's messages arrive on (readable when a forked worker's exit
+        is told), or None once given up."""
+        self._mine()
+        return None if self.broken else self._sock.fileno()
+
     def exits(self) -> list[tuple[int, int]]:
         """``(pid, code)`` of forked workers that ended since the last call."""
         self._mine()

@@ -1,7 +1,9 @@
 """The coordinator: the source of truth for a job's membership, and its one control loop.
 
 Threads: the HTTP API (uvicorn's) calls the ``on_*`` methods; the controller thread calls
-``tick`` when an API call sets ``wake``, and at least every ``runner.TICK_S``. Both hold ``self.lock``, so each sees a consistent job.
+``tick`` when an API call sets ``wake`` or a worker exits (``Backend.wake_fds``), and
+otherwise at the interval ``rules.loop_wait`` gives. Both hold ``self.lock``, so each sees a
+consistent job.
 Decisions come from pure functions (``policy.reconcile``, ``policy.schedule``); ``tick``
 carries them out: open generations, start and retire processes, kill hung workers.
 """
@@ -48,6 +50,7 @@ from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.snapshot import JobRow
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.supervisor import Hosting, listen, url_of
+from tidal.coordinator.wake import Wake
 from tidal.policy.inputs import PolicyParams
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.registry import get_policy
@@ -125,7 +128,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         # Set by API calls that need a decision (a registration, a failure report, a
         # scale, a stop, members holding at a scheduled step): the loop ticks at once
         # instead of at its next interval.
-        self.wake = threading.Event()
+        self.wake = Wake()
         self.url = url_of(hosting.api_sock) if hosting else ""
         self.state = JobState.PENDING
         self.target = spec.workers
@@ -477,10 +480,23 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         if rows:
             self.journal.save_workers(rows)
 
+    def settled(self) -> bool:
+        """True when nothing is in motion that a pass must notice within tenths of a
+        second (``rules.loop_wait``): the latest generation formed, no re-form, leaver,
+        stop or outcome pending, no worker still starting."""
+        latest = self.latest
+        if latest is None or not latest.formed or self.leaving:
+            return False
+        pending = (self.outcome, self.stop_requested_at, self.reform_requested, self.state_lost)
+        if any(p is not None for p in pending):
+            return False
+        return not any(w.state in NOT_STARTED for w in self.workers.values())
+
     def close(self) -> None:
         for wid in self.backend.alive():
             self.backend.signal(wid, signal.SIGKILL)
         self.backend.close()
+        self.wake.close()
         self.db.close()
         try:
             os.remove(self.jobdir.coordinator_file)

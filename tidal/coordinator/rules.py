@@ -394,6 +394,30 @@ def heartbeat_interval(*, base_s: float, peers: int, timeout_s: float) -> float:
     return min(paced, timeout_s / 5)
 
 
+# -- the control loop's sleep -----------------------------------------------------------------
+#: The loop's longest sleep while something is in motion, and while the job is settled.
+LOOP_BUSY_S = 0.02
+LOOP_SETTLED_S = 0.25
+#: After a wake (an API call, a worker's exit), the loop stays at ``LOOP_BUSY_S`` this long.
+LOOP_SETTLE_S = 0.5
+
+
+def loop_wait(*, settled: bool, since_wake_s: float) -> tuple[float, str]:
+    """How long the control loop may sleep before its next pass if nothing wakes it, and
+    why. API calls that need a decision and workers' exits wake it at once whatever this
+    says (``Wake``, ``Backend.wake_fds``); what only a pass notices is either timed in
+    tenths of a second (a re-form's grace, a worker still importing, a leaver's release:
+    the job is not ``settled``) or in seconds (heartbeat silence, policies, capacity
+    traces, start timeouts). A settled job sleeps ``LOOP_SETTLED_S``, the cadence of the
+    heartbeat check: each pass walks every worker, and at every ``LOOP_BUSY_S`` took ~4% of
+    a core that a 2-worker job's training needs (docs/benchmarks.md)."""
+    if not settled:
+        return LOOP_BUSY_S, "a change is in motion"
+    if since_wake_s < LOOP_SETTLE_S:
+        return LOOP_BUSY_S, "woken recently"
+    return LOOP_SETTLED_S, "settled"
+
+
 # -- the final checkpoint ----------------------------------------------------------------------
 def final_checkpoint(
     *, step: int, written: bool, error: str | None, writer: int | None, writer_live: bool

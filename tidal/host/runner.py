@@ -33,16 +33,11 @@ from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records import Resume
+from tidal.coordinator.rules import loop_wait
 from tidal.coordinator.supervisor import Attach, Hosting, supervise
 from tidal.dashboard.history import Recorder
 from tidal.host.server import ApiServer
 from tidal.protocol import JobState
-
-# The longest the control loop sleeps. API calls that need a decision wake it at once
-# (``Coordinator.wake``); what only the loop notices (a process exit, a missed heartbeat, the
-# clock of a capacity trace) waits at most this long. A shorter interval costs CPU that the
-# workers need: at 5 ms the loop took ~8% of a core, 2 to 4% of a 2-worker job's throughput.
-TICK_S = 0.02
 
 
 def run_job(
@@ -173,6 +168,7 @@ def _host(
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(coord, enabled=not quiet)
     stopping_for_db = ended = False
+    woken = time.monotonic()  # the last time something woke the loop
     try:
         while True:
             coord.wake.clear()  # before the tick: a call during it wakes the next one
@@ -188,7 +184,9 @@ def _host(
             progress.update()
             if not coord.db.broken:
                 recorder.tick()
-            coord.wake.wait(TICK_S)
+            wait_s, _ = loop_wait(settled=coord.settled(), since_wake_s=time.monotonic() - woken)
+            if coord.wake.wait(wait_s, coord.backend.wake_fds()):
+                woken = time.monotonic()
         try:
             progress.update(final=True)
         except HomeError:
