@@ -255,3 +255,14 @@ def test_policy_params_take_the_job_flags():
     assert (p.cooldown_s, p.assumed_pause_s) == (7.0, 1.0)
     # the defaults are the job's: one source
     assert PolicyParams.from_spec(spec()) == PolicyParams()
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout", "beat"),
+    [(1.0, 10.0, 1.0), (1.0, 5.0, 1.0), (1.0, 1.0, 0.2), (0.1, 1.0, 0.1), (1.0, 0.5, 0.1)],
+)
+def test_workers_beat_at_the_interval_or_a_fifth_of_the_timeout(interval, timeout, beat) -> None:
+    job = spec(heartbeat_interval_s=interval, heartbeat_timeout_s=timeout)
+    assert job.beat_interval_s == pytest.approx(beat)
+    cfg = WorkerConfig.from_spec(job, store_host="h", store_port=1, store_namespace="n")
+    assert cfg.heartbeat_interval_s == pytest.approx(beat)  # what the workers are told

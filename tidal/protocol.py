@@ -123,6 +123,14 @@ def generation_prefix(namespace: str, gen_id: int) -> str:
     return f"{namespace}/gen{gen_id}"
 
 
+def notice_key(namespace: str) -> str:
+    """A counter the coordinator adds 1 to whenever it publishes a change members must act
+    on at a step boundary (a new generation, a stop, the job's end): rank 0 reads it every
+    step (``worker.notice``), so a change reaches the group at the next step, not at the
+    next heartbeat."""
+    return f"{namespace}/notice"
+
+
 def state_key(prefix: str) -> str:
     """``open`` (the coordinator opened it), ``go`` (every member arrived) or ``abandoned``."""
     return f"{prefix}/state"
@@ -200,6 +208,7 @@ class WorkerConfig(BaseModel):
         checkpoint folder, a checkpoint to resume from)."""
         names = {f.name for f in fields(spec)} & set(cls.model_fields)
         shared = {name: getattr(spec, name) for name in names}
+        shared["heartbeat_interval_s"] = spec.beat_interval_s
         if spec.share_gpus and spec.comm == "auto":
             # NCCL cannot hold two members of one group on one GPU: sharing means gloo.
             shared["comm"] = "gloo"
@@ -325,10 +334,10 @@ class HeartbeatRequest(BaseModel):
 
 class HeartbeatResponse(BaseModel):
     """``interval_s``: when to send the next heartbeat, if the coordinator paces them (None:
-    the ``WorkerConfig.heartbeat_interval_s`` of the registration). Any one member's
-    heartbeat is enough to switch every member (the control word), so a large generation's
-    members can each beat less often without learning of a change later; see
-    docs/benchmarks.md, "Control plane capacity"."""
+    the ``WorkerConfig.heartbeat_interval_s`` of the registration). Members learn of a
+    change through the store (``notice_key``), so a large generation's members can each
+    beat less often without learning of it later; see docs/benchmarks.md, "Control plane
+    capacity"."""
 
     role: Role
     generation: GenerationInfo | None = None

@@ -37,6 +37,7 @@ from tidal.protocol import (
     StepReport,
     WorkerConfig,
     WorkerState,
+    notice_key,
 )
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class Handlers:
         )
         if key == self._published_key:
             return
+        notice = self._published_key is None or key[:3] != self._published_key[:3]
         self._published_key = key
         self.answers = Answers(
             generation=latest.info() if latest is not None else None,
@@ -91,9 +93,11 @@ class Handlers:
             ended=key[2],
             settled_step=self.settled_step,
             workers=len(self.workers),
-            base_s=self.spec.heartbeat_interval_s,
+            base_s=self.spec.beat_interval_s,
             timeout_s=self.spec.heartbeat_timeout_s,
         )
+        if notice:  # after the answer: rank 0 fetches it when it sees the count move
+            self.store.add(notice_key(self.store_namespace), 1)
 
     def _answer(self, w: WorkerRecord) -> bytes:
         answers = self.answers

@@ -387,9 +387,9 @@ def heartbeat_interval(*, base_s: float, peers: int, timeout_s: float) -> float:
     """How often a worker among ``peers`` others of its kind (the generation's members, or
     the workers outside it) should beat: the job's interval while the group is small; in a
     large one, slower, so that the whole job stays within half of ``HEARTBEATS_PER_S``
-    each. Any one member's heartbeat switches every member (the control word), so a member
-    still learns of a new generation within ``base_s`` on average. Never slower than a
-    fifth of the heartbeat timeout: a silent worker is still told apart from a slow one."""
+    each. Members learn of a new generation through the store at the next step
+    (``worker.notice``), whatever the pacing. Never slower than a fifth of the heartbeat
+    timeout: a silent worker is still told apart from a slow one."""
     paced = max(base_s, peers / (HEARTBEATS_PER_S / 2))
     return min(paced, timeout_s / 5)
 

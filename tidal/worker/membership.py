@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.checkpoint import store as checkpoints
-from tidal.protocol import FailureKind, GenerationInfo, RecoveryPath, Role
+from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
 from tidal.worker import group as grp
 from tidal.worker import probes
 from tidal.worker.heal import HealResult, StateLost, heal
@@ -94,6 +94,15 @@ class Membership:
             self._watch.close()
         grp.destroy_group(self._backend)
 
+    def _newest_answer(self) -> HeartbeatResponse | None:
+        """The newest heartbeat's answer; on rank 0, fetched at once when the coordinator
+        published a change since (``worker.notice``)."""
+        if self._agent is None:
+            return None
+        if self.rank == 0 and self._notices.changed():
+            return self._agent.fetch()
+        return self._agent.latest()
+
     def _hold(self, step: int) -> bool:
         """Wait at a scheduled step until the coordinator has settled its membership;
         True if this member must switch generation (every member holds at the same step,
@@ -119,6 +128,8 @@ class Membership:
         tried = self.generation
         self._t_join = time.time()
         while True:
+            self._notices.follow(self._agent.config)
+            self._notices.mark()  # before the answer: a change after it is news
             resp = self._agent.fetch()
             if resp.stop:
                 self._stopping = True

@@ -40,6 +40,7 @@ from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
 from tidal.worker.membership import Membership
+from tidal.worker.notice import Notices
 from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
 from tidal.worker.reports import Reports
 from tidal.worker.sharded_steps import ShardedSteps
@@ -189,6 +190,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
+        self._notices = Notices()  # rank 0 reads the coordinator's change counter each step
         self._stopping = False
         self._last_rank: int | None = None  # rank in the last generation this worker formed
         self._durable: Durable | None = None
@@ -394,7 +396,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         """Set the control word for this step's all-reduce from the newest heartbeat."""
         if self._ddp is None and (self._fsdp is None or self._fsdp.module is None):
             return
-        latest = self._agent.latest() if self._agent else None
+        latest = self._newest_answer()
         newer = latest is not None and (
             latest.role != Role.MEMBER
             or (latest.generation is not None and latest.generation.id > self.generation)
