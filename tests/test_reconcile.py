@@ -24,6 +24,20 @@ def test_scale_up_admits_ready_standbys_in_order_and_starts_the_rest():
     assert "5 joined" in plan.reason
 
 
+def test_a_joiner_waits_while_the_latest_generation_forms_and_starts_nothing_more():
+    # After a failure the survivors re-form [0, 1]; the replacement 7 registered meanwhile.
+    pool = dict(members=[0, 1], standby=[7], starting=[], target=3)
+    plan = reconcile(Pool(**pool, settling=True))
+    assert plan.members is None and plan.start == 0 and plan.retire == []
+    plan = reconcile(Pool(**pool, settling=False))  # formed: the join is the next switch
+    assert plan.members == [0, 1, 7] and "7 joined" in plan.reason
+
+
+def test_a_scale_down_does_not_wait_for_the_forming_generation():
+    plan = reconcile(Pool(members=[0, 1, 2], standby=[], starting=[], target=2, settling=True))
+    assert plan.members == [0, 1]
+
+
 def test_scale_up_while_processes_start_does_not_start_more():
     plan = reconcile(Pool(members=[0, 1], standby=[], starting=[2], target=3))
     assert plan.members is None and plan.start == 0

@@ -153,6 +153,9 @@ def test_a_scale_does_not_start_the_count_again(coord: Coordinator) -> None:
         coord.workers[2] = WorkerRecord(
             id=2, state=WorkerState.STANDBY, pid=1, host="h", last_heartbeat=time.time()
         )
+        # Joiners wait for a generation being formed (``Pool.settling``): this one formed
+        # (its members met and reported a first step) before the collective failed again.
+        coord.latest.start_step = 0
     coord.on_scale(3)
     coord.tick()
     assert coord.latest.members == [0, 1, 2]

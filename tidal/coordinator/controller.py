@@ -333,6 +333,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
                     self.spec.spares, future_peak(self.spec.schedule, self.step) - self.target
                 ),
                 forming=not self.generations,
+                settling=self.latest is not None and not self.latest.formed,
             )
         )
         for wid in plan.retire:

@@ -19,6 +19,11 @@ class Pool:
     ``spares``: how many warm workers beyond the target a known future scale-up will need.
     ``forming``: True before the job's first generation: then the first generation waits for
     the whole initial target, as a rendezvous for a fixed-size job would.
+    ``settling``: the latest generation is open but has not formed yet (its members are
+    meeting and healing, e.g. after a failure). Joiners wait until it forms: admitting one
+    now would abandon that rendezvous and heal half done (a replacement forked in half a
+    second otherwise superseded every re-form after a failure, and the pause tripled);
+    once formed, a join is one planned switch at a step boundary.
     """
 
     members: list[int]
@@ -27,6 +32,7 @@ class Pool:
     target: int
     spares: int = 0
     forming: bool = False
+    settling: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +56,8 @@ def reconcile(pool: Pool) -> Plan:
     if need > 0 and standby:
         if pool.forming and len(standby) < need:
             admit: list[int] = []  # wait for the whole initial group
+        elif pool.settling:
+            admit = []  # join the generation after the one forming now
         else:
             admit = standby[:need]
         if admit:

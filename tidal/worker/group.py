@@ -36,13 +36,10 @@ import datetime
 import enum
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch.nn.parallel import DistributedDataParallel
 
 from tidal.protocol import (
     GEN_ABANDONED,
@@ -283,131 +280,3 @@ def abort_group() -> None:
     if dist.is_initialized():
         c10d._abort_process_group()
     c10d._world.group_count = 0
-
-
-def warm_up(module: torch.nn.Module) -> None:
-    """Pay the one-time costs of gloo and DDP (lazy imports) before joining anyone.
-
-    A 1-rank group on an in-memory store, a DDP wrapper around the real module (no initial
-    broadcast, no forward), then everything torn down again.
-    """
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        _ddp(module)
-    finally:
-        dist.destroy_process_group()
-
-
-class ControlWord:
-    """Flags every member contributes to each step's gradient all-reduce.
-
-    Agreement on a membership switch rides on the collective a step already does: each
-    member adds ``switch=1`` when it knows of a newer generation and ``stop=1`` when the job
-    is being stopped, in the same all-reduce as the last gradient bucket. Every member reads
-    the same sums afterwards, so all switch (or stop) after the same step, at no extra
-    collective. ``before_allreduce`` runs just before this worker's part of the all-reduce
-    (fault injection uses it).
-    """
-
-    SWITCH, STOP = 0, 1
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        """``device``: where the gradients are (the word rides on their bucket; reading a
-        flag on a GPU synchronises with the step's all-reduce, after the backward)."""
-        self.send = torch.zeros(2, device=device)
-        self.recv = torch.zeros(2, device=device)
-        self.before_allreduce: Callable[[], None] = lambda: None
-        # When the last bucket's all-reduce started and completed: the step's exposed
-        # communication wait (earlier buckets overlap the backward pass).
-        self.comm_started = 0.0
-        self.comm_done = 0.0
-
-    def set(self, *, switch: bool, stop: bool) -> None:
-        self.send.copy_(torch.tensor([float(switch), float(stop)]))
-        self.recv.zero_()
-
-    def settle(self) -> None:
-        """Wait until the step's all-reduce has delivered the word (on a GPU the backward
-        returns before it has; on the CPU it already has)."""
-        if self.recv.is_cuda:
-            self.recv.cpu()
-
-    @property
-    def switch(self) -> bool:
-        return bool(self.recv[self.SWITCH] > 0)
-
-    @property
-    def stop(self) -> bool:
-        return bool(self.recv[self.STOP] > 0)
-
-
-CARRIER_MAX = 1 << 18  # elements: the control word is appended to a bucket at most this big
-
-
-def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations: keep none
-    """All-reduce by SUM (the loss is already scaled by each sample's share of the global
-    batch, so the sum is the mean over the global batch), with the control word on the
-    first bucket.
-
-    The first bucket (DDP caps it at about 1 MB so that communication starts early) carries
-    the control word appended to its gradients: appending copies the bucket, which costs
-    nothing at that size but ~14 ms per step for a 21 MB bucket. If the first bucket is
-    larger than ``CARRIER_MAX`` elements (one huge parameter), the word travels in its own
-    2-float all-reduce beside it. ``before_allreduce`` and the exposed-wait timing belong to
-    the last bucket, the one the step waits for.
-    """
-    buf = bucket.buffer()
-    if bucket.is_last():
-        control.before_allreduce()
-        control.comm_started = time.perf_counter()
-    if bucket.index() != 0:
-        fut = dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-    elif buf.numel() <= CARRIER_MAX:
-        fut = _carry(control, buf)
-    else:
-        grads = dist.all_reduce(buf, async_op=True).get_future()
-        word = control.send.clone()
-        flags = dist.all_reduce(word, async_op=True).get_future()
-
-        def both(_: torch.futures.Future) -> torch.Tensor:
-            control.recv.copy_(word)
-            return buf
-
-        fut = torch.futures.collect_all([grads, flags]).then(both)
-    if bucket.is_last():
-
-        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            control.comm_done = time.perf_counter()
-            return f.value()
-
-        fut = fut.then(done)
-    return fut
-
-
-def _carry(control: ControlWord, buf: torch.Tensor) -> torch.futures.Future:
-    n = control.send.numel()
-    packed = torch.cat([buf, control.send.to(buf.dtype)])
-
-    def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        out = fut.value()[0]
-        control.recv.copy_(out[-n:])
-        buf.copy_(out[:-n])
-        return buf
-
-    return dist.all_reduce(packed, async_op=True).get_future().then(unpack)
-
-
-def _ddp(module: torch.nn.Module) -> DistributedDataParallel:
-    with warnings.catch_warnings():  # broadcast_buffers=False is the only way to skip the
-        warnings.simplefilter("ignore", FutureWarning)  # buffers' sync at construction
-        return DistributedDataParallel(module, init_sync=False, broadcast_buffers=False)
-
-
-def wrap(module: torch.nn.Module, control: ControlWord) -> DistributedDataParallel:
-    """DDP over the current default group, re-made each generation.
-
-    ``init_sync=False``: the heal has already made every member's parameters equal.
-    """
-    ddp = _ddp(module)
-    ddp.register_comm_hook(control, _sum_hook)
-    return ddp

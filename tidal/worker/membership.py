@@ -28,8 +28,8 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
+from tidal.worker import ddp, probes
 from tidal.worker import group as grp
-from tidal.worker import probes
 from tidal.worker.heal import HealResult, StateLost, heal
 from tidal.worker.shard_plan import Path as ShardPath
 from tidal.worker.step import _one_line
@@ -258,7 +258,7 @@ class Membership:
             self._recovery = (RecoveryPath.HEAL if result.sent else RecoveryPath.NONE, 0)
             if rolled_back is not None:
                 self._recovery = (RecoveryPath.CHECKPOINT, rolled_back)
-            self._ddp = grp.wrap(self.module, self._control)
+            self._ddp = ddp.wrap(self.module, self._control)
         self._t_healed = time.time()
         self.rank, self.world_size, self.generation = rank, len(info.members), info.id
         self._last_rank = rank

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
+from tidal.worker import ddp, probes
 from tidal.worker import group as grp
-from tidal.worker import probes
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
@@ -181,7 +181,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._recovery: tuple[str | None, int] = (None, 0)  # how the last forming healed
         self._ckpt_agreed = False  # fsdp: the members agreed to checkpoint this step
         self._last_sharded_ckpt: int | None = None
-        self._control = grp.ControlWord(self.device)
+        self._control = ddp.ControlWord(self.device)
         self._backend = "gloo"  # the process groups' backend, chosen when the job is joined
         self._watch: AbortWatch | None = None  # NCCL only: bounds a collective a peer left
         self._members: list[int] = []  # the worker ids of the generation this one formed
@@ -276,7 +276,7 @@ class Trainer(Membership, ShardedSteps, Reports):
     # -- elastic ---------------------------------------------------------------------
     def _run_elastic(self, max_steps: int) -> Iterator[Step]:
         assert self._env is not None
-        grp.warm_up(self.module)
+        ddp.warm_up(self.module)
         self._agent = Agent(self._env)
         self._agent.install_preemption_handler()
         cfg = self._agent.register(max_steps=max_steps).config
@@ -403,6 +403,8 @@ class Trainer(Membership, ShardedSteps, Reports):
         )
         stop = latest is not None and latest.stop
         self._control.set(switch=newer, stop=stop)
+        if self._ddp is not None:
+            self._control.start()  # summed beside the forward and backward
         if self._fsdp is not None:
             members = latest.generation.members if newer and latest.role == Role.MEMBER else None
             self._shrink = newer and self._fsdp.shrinks(members)
