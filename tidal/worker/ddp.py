@@ -71,6 +71,13 @@ class ControlWord:
         if self.recv.is_cuda:
             self.recv.cpu()
 
+    def release(self) -> None:
+        """Let go of the generation's group (a member leaving it). Any reference kept here
+        would keep the destroyed group's connections open: a peer blocked in an all-reduce
+        this member never joined (it raised first) would then wait out the collective
+        timeout instead of seeing the connection close."""
+        self.group = self._work = self._failed = None
+
     @property
     def switch(self) -> bool:
         return bool(self.recv[self.SWITCH] > 0)

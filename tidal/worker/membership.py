@@ -88,6 +88,7 @@ class Membership:
 
     def _leave_group(self) -> None:
         self._ddp = None
+        self._control.release()
         if self._fsdp is not None:
             self._fsdp.leave()
         if self._watch is not None:
