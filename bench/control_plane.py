@@ -42,14 +42,17 @@ import time
 from pathlib import Path
 
 from bench.common import Procs, log, row, wait_until
+from tidal.backends.base import Backend
 
 JOB = "capacity"
 SIZES = (256, 1024)  # simulated workers
 
 
-class NullBackend:
+class NullBackend(Backend):
     """A backend whose workers are simulated elsewhere: ``start`` launches nothing; a worker
-    counts as running until it is signalled (then it exits with that signal)."""
+    counts as running until it is signalled (then it exits with that signal), and as alive
+    until that exit is polled (``Backend.alive``). What it does not override is the base
+    class's (no zygote, no exit descriptors)."""
 
     host = "127.0.0.1"
     max_starting = 1 << 20  # every worker "starts" at once
@@ -78,19 +81,13 @@ class NullBackend:
             self._exits.append((worker_id, int(sig)))
 
     def alive(self) -> list[int]:
-        return sorted(self._alive)
+        return sorted(self._alive | {w for w, _ in self._exits})
 
     def waiting(self) -> set[int]:
         return set()
 
     def node(self, worker_id: int) -> str | None:
         return "simulated"
-
-    def describe_exit(self, worker_id: int) -> str:
-        return ""
-
-    def close(self) -> None:
-        return None
 
 
 def host_main(home: str, n: int, cpus: str | None) -> int:
