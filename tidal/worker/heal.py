@@ -155,9 +155,9 @@ def heal(
         return HealResult(source=source, step=best, sent=False)
     if rank != source and rank not in receivers:  # already holds the source's state
         return HealResult(source=source, step=best, sent=False)
-    _send_tensors(list(module.parameters()) + list(module.buffers()), source, receivers, wire)
-    # The optimizer's structure travels as a small blob; its tensors travel flat, per
-    # dtype, straight into tensors the receivers allocate from that structure.
+    # The optimizer's structure travels first, as a small blob, so that the receivers can
+    # allocate its tensors; then every tensor (model, optimizer, tracked) streams in one
+    # transfer: the model's in place, the rest straight into the allocated tensors.
     blob = None
     if rank == source:
         layout, tensors = _split_state(optimizer.state_dict())
@@ -180,7 +180,8 @@ def heal(
     if rank != source:
         tensors = [_empty(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
         extra = [_empty(shape, dtype) for shape, dtype in shipped["tensors"]]
-    _send_tensors(tensors + extra, source, receivers, wire)
+    model = list(module.parameters()) + list(module.buffers())
+    _send_tensors(model + tensors + extra, source, receivers, wire)
     if rank != source:
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])
