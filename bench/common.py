@@ -210,6 +210,17 @@ def torchrun_cmd(*opts: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *opts]
 
 
+def median_to_sync(recs: list[Rec], world: int) -> float:
+    """Median time from a step's begin to its gradients' synchronisation (``B`` to ``E`` of
+    the same step and process) at ``world`` members: the compute before the all-reduce."""
+    begun = {(r.pid, r.index, r.world): r.time for r in recs if r.kind == "B"}
+    return median(
+        r.time - begun[key]
+        for r in ends(recs)
+        if r.world == world and (key := (r.pid, r.index, r.world)) in begun
+    )
+
+
 def median_step(recs: list[Rec], world: int) -> float:
     """Median time between consecutive step ends of one process at ``world`` members."""
     by_pid: dict[int, list[Rec]] = {}

@@ -30,6 +30,7 @@ from bench.common import (
     ends,
     log,
     median_step,
+    median_to_sync,
     read_records,
     tidal_cmd,
     torchrun_cmd,
@@ -97,6 +98,7 @@ def tidal_recovery(kills: int, tmp: Path, timeout: float = 120) -> dict:
         "recovery_s": pauses,
         "excess_s": excess,
         "step_s": step1,
+        "floor_s": median_to_sync(recs, 2) + step1,
         "steps_lost": lost,
         "kills": len(kill_times),
     }

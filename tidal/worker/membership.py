@@ -56,10 +56,9 @@ class Membership:
             flush=True,
         )
         self.optimizer.zero_grad(set_to_none=True)
-        try:
-            self._agent.report_failure(generation, self.step, _one_line(exc), kind=kind)
-        except Exception:  # noqa: BLE001 - the coordinator also sees the failure itself
-            pass
+        # Sent without waiting for the answer (``Agent.report_failure``); a report that
+        # never arrives costs the grace the coordinator gives a failure it sees itself.
+        self._agent.report_failure(generation, self.step, _one_line(exc), kind=kind)
 
     def _between_steps(self, collective: Callable[[], object]) -> bool:
         """Run ``collective`` of the current group between steps, where its failure is a
