@@ -7,9 +7,7 @@ Rank 0 holds a trained model (25 M float32 parameters, 100 MB) and its SGD momen
 optimizer state and RNG (what a joiner gets in a real scale-up). The peer is the floor for
 moving those bytes: one gloo broadcast of a single flat tensor of the same size, and a
 plain TCP socket over loopback; the faster of the two is reported. Timed on rank 0 between
-barriers, median of ``--reps``. Both ranks start with the PyTorch settings Tidal gives its
-workers (``tidal.backends.base.WORKER_ENV_DEFAULTS``: huge pages for large tensors, so the
-joiner's first touch of the optimizer memory it allocates costs less).
+barriers, median of ``--reps``.
 
 ``python -m bench.state_transfer [--reps N] [--mb M]`` (runs both ranks itself).
 """
@@ -28,7 +26,6 @@ from pathlib import Path
 import torch
 
 from bench.common import Procs, free_port
-from tidal.backends.base import WORKER_ENV_DEFAULTS
 
 
 def build(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -123,7 +120,6 @@ def measure(tmp: Path, *, mb: float = 100, reps: int = 5, timeout: float = 300) 
                 + ["--port", str(port), "--sock-port", str(sock_port), "--width", str(width)]
                 + ["--reps", str(reps), "--out", str(out)],
                 tmp / f"state-transfer-{rank}.log",
-                WORKER_ENV_DEFAULTS,  # the PyTorch settings a Tidal worker starts with
             )
             for rank in (0, 1)
         ]

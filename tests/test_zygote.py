@@ -294,23 +294,3 @@ def test_one_zygote_serves_a_coordinator_and_its_successor(setup):
     finally:
         z.close()
     assert z._proc.returncode is not None  # the owner's close ended it
-
-
-@pytest.mark.parametrize(
-    ("ours", "thp", "omp"),
-    [
-        ({}, "1", "1"),  # Tidal's defaults
-        ({"THP_MEM_ALLOC_ENABLE": "0"}, "0", "1"),  # the user's setting wins
-        ({"OMP_NUM_THREADS": "4"}, "1", "4"),
-    ],
-)
-def test_worker_base_env_defaults_yield_to_the_users_setting(monkeypatch, ours, thp, omp):
-    from tidal.backends.local import worker_base_env
-
-    for key in ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in ours.items():
-        monkeypatch.setenv(key, value)
-    env = worker_base_env()
-    assert (env["THP_MEM_ALLOC_ENABLE"], env["OMP_NUM_THREADS"]) == (thp, omp)
-    assert env["PYTHONUNBUFFERED"] == "1"

@@ -17,14 +17,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tidal.backends.zygote import Zygote
 
-#: PyTorch settings every worker process starts with unless its environment sets them.
-#: ``THP_MEM_ALLOC_ENABLE``: PyTorch's CPU allocator backs tensors of 2 MB and more with
-#: transparent huge pages (``madvise``). A joiner receives the optimizer state into memory
-#: it never touched: with 4 KB pages the first touch of 100 MB costs ~35 ms of page faults
-#: on this machine kind, with huge pages ~6 ms (docs/benchmarks.md, "State transfer"). Read
-#: once by PyTorch at its first allocation, so it must be in the environment at the start.
-WORKER_ENV_DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Exit:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidal.backends.base import WORKER_ENV_DEFAULTS, Backend, Exit, register_backend
+from tidal.backends.base import Backend, Exit, register_backend
 from tidal.backends.gpus import assign_gpu, check_spec, device_entry, entry_index, visible_gpus
 from tidal.backends.pidwatch import PidWatch, proc_gone
 from tidal.backends.zygote import Zygote, fork_refusal
@@ -99,8 +99,8 @@ def _environ(pid: int) -> dict[str, str]:
 
 def worker_base_env() -> dict[str, str]:
     """The environment every local worker shares (its own variables come on top)."""
-    env = {"OMP_NUM_THREADS": "1", **WORKER_ENV_DEFAULTS, **os.environ}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

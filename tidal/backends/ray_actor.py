@@ -33,8 +33,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tidal.backends.base import WORKER_ENV_DEFAULTS
-
 _PR_SET_PDEATHSIG = 1
 try:  # loaded here, not in the forked child, where loading could deadlock
     _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
@@ -108,7 +106,7 @@ class WorkerHost:
         import ray
 
         node_ip = ray.util.get_node_ip_address()
-        full_env = {**WORKER_ENV_DEFAULTS, **os.environ, "PYTHONUNBUFFERED": "1", **env}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         if "GLOO_SOCKET_IFNAME" not in full_env:
             iface = interface_of(node_ip)
             if iface is not None:
