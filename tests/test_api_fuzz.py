@@ -73,7 +73,7 @@ def fuzzed(served_coordinator) -> Iterator[tuple]:
     coord, url = served_coordinator
     with coord.lock:
         for wid in range(WORKERS):
-            coord.workers[wid] = WorkerRecord(id=wid)
+            coord.job.workers[wid] = WorkerRecord(id=wid)
         coord._open([0, 1], "fuzz")
     schema = schemathesis.openapi.from_url(url + "/openapi.json", timeout=10)
     with requests.Session() as session:
@@ -113,8 +113,8 @@ def snapshot(coord) -> dict:
     keep = ("state", "step", "target_workers", "world_size", "workers", "generations")
     keep += ("events", "metrics", "checkpoints", "checkpoint_failures")
     with coord.lock:
-        internal = (coord.requested, coord.stop_requested_at, list(coord.leaving))
-        internal += (coord.job_length, coord.reform_requested)
+        internal = (coord.job.requested, coord.job.stop_requested_at, list(coord.job.leaving))
+        internal += (coord.job.job_length, coord.job.reform_requested)
     return {"status": {k: status[k] for k in keep}, "internal": internal}
 
 
@@ -200,8 +200,8 @@ def steer(coord, case, known: bool) -> None:
     if isinstance(wid, int) and not isinstance(wid, bool):
         case.path_parameters["wid"] = wid % WORKERS
     body = case.body if isinstance(case.body, dict) else {}
-    if isinstance(body.get("generation"), int) and coord.latest is not None:
-        body["generation"] = coord.latest.id
+    if isinstance(body.get("generation"), int) and coord.job.latest is not None:
+        body["generation"] = coord.job.latest.id
     if isinstance(body.get("workers"), int) and not isinstance(body["workers"], bool):
         body["workers"] %= coord.spec.max_workers + 1
 
@@ -236,7 +236,7 @@ def test_fuzz_with_the_credential_never_fails_the_server(fuzzed):
     # the calls reached the handlers: each operation was answered 2xx at least once
     assert all(any(200 <= c < 300 for c in codes) for codes in answered.values()), answered
     assert len(answered) == len(OPERATIONS)
-    assert coord.status(fresh=True).state.value == "pending" and coord.stop_requested_at is not None
+    assert coord.status(fresh=True).state.value == "pending" and coord.job.stop_requested_at is not None
 
 
 # -- the dashboard's routes (not in the schema: include_in_schema=False) ---------------------

@@ -110,8 +110,8 @@ def test_worker_rates_skip_workers_about_to_be_healed(served, monkeypatch) -> No
     clock = {"now": 1000.0}
     monkeypatch.setattr("tidal.dashboard.sources.time.monotonic", lambda: clock["now"])
     with coord.lock:
-        coord.step = 100
-        coord.workers = {
+        coord.job.step = 100
+        coord.job.workers = {
             0: WorkerRecord(id=0, state=WorkerState.RUNNING, step=100),
             1: WorkerRecord(id=1, state=WorkerState.RUNNING, step=0),  # a joiner, not healed
             2: WorkerRecord(id=2, state=WorkerState.STANDBY, step=40),
@@ -119,15 +119,15 @@ def test_worker_rates_skip_workers_about_to_be_healed(served, monkeypatch) -> No
     assert source.worker_rates("dash-test")[0] == {"step": 100, "steps_per_s": None}
     clock["now"] += 2.0
     with coord.lock:
-        coord.step = coord.workers[0].step = 300
-        coord.workers[1].step = 299  # healed: its jump from 0 is not a rate
+        coord.job.step = coord.job.workers[0].step = 300
+        coord.job.workers[1].step = 299  # healed: its jump from 0 is not a rate
     rates = source.worker_rates("dash-test")
     assert rates[0] == {"step": 300, "steps_per_s": 100.0}
     assert rates[1] == {"step": 299, "steps_per_s": None}
     assert rates[2] == {"step": 40, "steps_per_s": None}
     clock["now"] += 1.0
     with coord.lock:
-        coord.step = coord.workers[0].step = coord.workers[1].step = 400
+        coord.job.step = coord.job.workers[0].step = coord.job.workers[1].step = 400
     rates = source.worker_rates("dash-test")
     assert rates[0]["steps_per_s"] == pytest.approx(100.0)
     assert rates[1]["steps_per_s"] == pytest.approx(101.0)
@@ -148,7 +148,7 @@ def test_dashboard_is_read_only_and_mutations_still_need_the_token(served) -> No
             httpx.post(base + path, json=body, headers={"Authorization": coord.token}).status_code
             == 401
         )
-    assert coord.target == 1 and coord.stop_requested_at is None
+    assert coord.job.target == 1 and coord.job.stop_requested_at is None
 
 
 def test_dashboard_answers_only_on_the_bound_loopback_address(served) -> None:

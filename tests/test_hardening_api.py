@@ -57,7 +57,7 @@ def add_workers(coord, *wids: int) -> None:
     """Worker records as if the backend had started them (no process)."""
     with coord.lock:
         for wid in wids:
-            coord.workers[wid] = WorkerRecord(id=wid)
+            coord.job.workers[wid] = WorkerRecord(id=wid)
 
 
 def worker_client(coord, url: str, wid: int) -> CoordinatorClient:
@@ -118,12 +118,12 @@ def test_a_refused_heartbeat_is_one_line_in_the_worker_log_and_an_event(served, 
         deadline = time.monotonic() + 10
         while "refused" not in capsys.readouterr().err and time.monotonic() < deadline:
             time.sleep(0.05)
-        before = coord.workers[0].last_heartbeat
+        before = coord.job.workers[0].last_heartbeat
         # the next heartbeats are accepted: the refused content was dropped, not resent
         deadline = time.monotonic() + 10
-        while coord.workers[0].last_heartbeat == before and time.monotonic() < deadline:
+        while coord.job.workers[0].last_heartbeat == before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert coord.workers[0].last_heartbeat > before
+        assert coord.job.workers[0].last_heartbeat > before
         agent.post_metrics({"loss": NAN})  # delivered at the latest by close()
     finally:
         agent.close()
@@ -187,7 +187,7 @@ def test_out_of_range_values_are_refused_with_422(served, path, body):
     )
     assert resp.status_code == 422, resp.text
     strict_json(resp.text)
-    assert coord.step == 0 and coord.outcome is None
+    assert coord.job.step == 0 and coord.job.outcome is None
     with coord.lock:
         coord.flush()  # what killed the coordinator before: SQLite could not hold the step
 
@@ -202,11 +202,11 @@ def test_a_completion_report_ends_the_job_only_at_its_length_from_a_member(serve
         with coord.lock:
             coord._open([0, 1], "test")  # worker 2 stays outside
         clients[0].report_done(0, DoneReport(step=1704, completed=True))
-        assert coord.outcome is None
+        assert coord.job.outcome is None
         clients[2].report_done(2, DoneReport(step=10_000_000, completed=True))
-        assert coord.outcome is None
+        assert coord.job.outcome is None
         clients[1].report_done(1, DoneReport(step=10_000_000, completed=True))
-        assert coord.outcome == JobState.SUCCEEDED
+        assert coord.job.outcome == JobState.SUCCEEDED
     finally:
         for c in clients.values():
             c.close()
@@ -229,7 +229,7 @@ def test_completion_is_refused_while_the_jobs_length_is_unknown(served):
         client.report_done(0, DoneReport(step=5, completed=True))
     finally:
         client.close()
-    assert coord.outcome is None
+    assert coord.job.outcome is None
     assert any("the job's length is unknown" in m for m in events(coord, "worker"))
 
 
@@ -266,7 +266,7 @@ def test_each_worker_speaks_only_with_its_own_credential(served):
         httpx.post(f"{base}/workers/0/heartbeat", json=hb, headers=job_auth(coord)).status_code
         == 401
     )
-    assert coord.workers[1].last_heartbeat is None and coord.stop_requested_at is None
+    assert coord.job.workers[1].last_heartbeat is None and coord.job.stop_requested_at is None
 
 
 def test_workers_are_started_with_their_own_credential_not_the_jobs_token(served):
@@ -281,7 +281,7 @@ def test_workers_are_started_with_their_own_credential_not_the_jobs_token(served
     with coord.lock:
         coord._start_worker()
         coord._start_worker()
-        coord.workers.clear()
+        coord.job.workers.clear()
     assert envs[0]["TIDAL_TOKEN"] == worker_token(coord.token, 0)
     assert envs[1]["TIDAL_TOKEN"] == worker_token(coord.token, 1)
     assert coord.token not in {e["TIDAL_TOKEN"] for e in envs.values()}
@@ -312,7 +312,7 @@ def test_scale_with_a_bad_body_is_a_4xx(served, raw):
     resp = httpx.post(url + API_PREFIX + "/scale", content=raw, headers=headers)
     assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text)
     strict_json(resp.text)
-    assert coord.target == 1
+    assert coord.job.target == 1
 
 
 @pytest.mark.parametrize(
@@ -375,7 +375,7 @@ def test_client_errors_are_one_line(served):
     finally:
         client.close()
     assert info.value.status == 422 and str(info.value).startswith("step: ")
-    assert coord.workers[0].state == WorkerState.STARTING
+    assert coord.job.workers[0].state == WorkerState.STARTING
 
 
 # -- finding 16: no more workers than the machine holds, a few starting at a time ------------
@@ -436,11 +436,11 @@ def test_the_coordinator_starts_at_most_max_starting_workers_at_once(tmp_path):
             assert started == [0, 1, 2]
             coord._reconcile()
             assert started == [0, 1, 2]  # still starting: no more
-            coord.workers[0].state = coord.workers[1].state = WorkerState.STANDBY
+            coord.job.workers[0].state = coord.job.workers[1].state = WorkerState.STANDBY
             coord._reconcile()
             assert started == [0, 1, 2, 3, 4]
     finally:
-        coord.workers.clear()
+        coord.job.workers.clear()
         coord.close()
 
 

@@ -27,7 +27,7 @@ from tidal.protocol import (
 def served(served_coordinator):
     coord, url = served_coordinator
     with coord.lock:
-        coord.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY)
+        coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY)
         coord._publish()
     auth = {"Authorization": f"Bearer {worker_token(coord.token, 0)}"}
     with httpx.Client(base_url=url + API_PREFIX, headers=auth, timeout=10) as client:
@@ -45,11 +45,11 @@ def test_a_quick_heartbeat_is_answered_while_the_control_loop_holds_the_lock(ser
     with coord.lock:  # a control-loop pass in progress
         assert beat(client, step=5)["role"] == "standby"
         assert client.get("/workers/0/role").json()["role"] == "standby"
-        assert coord.workers[0].step == 0 and coord.step == 0  # queued, not applied
-        assert coord.workers[0].last_heartbeat is not None  # liveness is seen at once
+        assert coord.job.workers[0].step == 0 and coord.job.step == 0  # queued, not applied
+        assert coord.job.workers[0].last_heartbeat is not None  # liveness is seen at once
     with coord.lock:
         coord._drain()
-    assert coord.workers[0].step == 5 and coord.step == 5
+    assert coord.job.workers[0].step == 5 and coord.job.step == 5
 
 
 def test_a_heartbeat_with_a_fact_applies_the_queue_first_and_never_blocks_the_server(served):
@@ -64,10 +64,10 @@ def test_a_heartbeat_with_a_fact_applies_the_queue_first_and_never_blocks_the_se
         assert beat(client, step=8)["role"] == "standby"  # ...while the event loop answers
     slow.join(10)
     assert done and done[0]["role"] == "standby"
-    assert coord.leaving == [0] and coord.workers[0].step == 8
+    assert coord.job.leaving == [0] and coord.job.workers[0].step == 8
     with coord.lock:
         coord._drain()  # the quick step-8 beat sent while the slow one waited
-    assert coord.workers[0].step == 8 and not coord.inbox
+    assert coord.job.workers[0].step == 8 and not coord.inbox
 
 
 def test_a_new_generation_is_answered_as_soon_as_it_is_opened(served):
@@ -78,13 +78,13 @@ def test_a_new_generation_is_answered_as_soon_as_it_is_opened(served):
     answer = beat(client)
     assert answer["role"] == "member" and answer["generation"]["members"] == [0]
     with coord.lock:
-        coord.workers[0].retired = True
+        coord.job.workers[0].retired = True
     assert beat(client)["role"] == "exit"  # the record is read directly, not the snapshot
 
 
 def test_a_worker_of_a_previous_coordinator_must_register_again_on_the_quick_path(served):
     coord, client = served
-    coord.workers[0].adopted = False
+    coord.job.workers[0].adopted = False
     resp = client.post("/workers/0/heartbeat", json={"step": 1})
     assert resp.status_code == 409 and "register again" in resp.json()["detail"]
     assert not coord.inbox
@@ -143,7 +143,7 @@ def test_a_body_too_long_for_the_hot_path_is_replayed_to_fastapi_whole(served):
         headers={"Content-Type": "application/json"},
     )
     assert resp.status_code == 200 and resp.json()["role"] == "standby", resp.text
-    assert coord.status(fresh=True).metrics["loss"] == 0.5 and coord.workers[0].step == 11
+    assert coord.status(fresh=True).metrics["loss"] == 0.5 and coord.job.workers[0].step == 11
     resp = client.post(  # and what FastAPI refuses, it still refuses, naming the field
         "/workers/0/heartbeat",
         content=b'{"step": -1' + pad + b"}",
@@ -181,16 +181,16 @@ def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
     coord, _ = served
     with coord.lock:
         for wid in range(1, 50):
-            coord.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
+            coord.job.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
         coord.flush()
-        assert coord.journal.records.workers == {w.id: w.row() for w in coord.workers.values()}
+        assert coord.journal.records.workers == {w.id: w.row() for w in coord.job.workers.values()}
         writes = []
         write = coord.db.upsert_worker_rows
         coord.db.upsert_worker_rows = lambda job, rows: (writes.append(list(rows)), write(job, rows))
         coord.flush()  # nothing changed: nothing written
-        coord.workers[7].state = WorkerState.EXITED
-        coord.workers[8].last_heartbeat = 1.0
+        coord.job.workers[7].state = WorkerState.EXITED
+        coord.job.workers[8].last_heartbeat = 1.0
         coord.flush()
-    assert writes == [[coord.workers[7].row(), coord.workers[8].row()]]
+    assert writes == [[coord.job.workers[7].row(), coord.job.workers[8].row()]]
     states = {w.id: w.state for w in coord.status(fresh=True).workers}
     assert states[7] == WorkerState.EXITED and states[9] == WorkerState.STANDBY

@@ -35,25 +35,25 @@ def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_p
     kept.mkdir()
     with coord.lock:
         for wid, state in enumerate([WorkerState.STANDBY] * 3 + [WorkerState.PENDING]):
-            coord.workers[wid] = WorkerRecord(id=wid, state=state, pid=100 + wid, host="h")
+            coord.job.workers[wid] = WorkerRecord(id=wid, state=state, pid=100 + wid, host="h")
         coord._open([0, 1], "two members")  # a generation, its event, worker rows, target
-        coord.workers[2].last_heartbeat = 12.5
+        coord.job.workers[2].last_heartbeat = 12.5
         for path, redone in [(RecoveryPath.RESHARD, 0), (RecoveryPath.NEIGHBOUR_COPY, 2)]:
             coord._on_step_report(
                 StepReport(
-                    generation=coord.latest.id,
+                    generation=coord.job.latest.id,
                     start_step=8,
                     first_step_time=1.0,
                     recovery=path,
                     redone_steps=redone,
                 )
             )
-        coord.step = 10
-        coord.metrics.update(loss=0.25, samples_per_s=float("nan"))
+        coord.job.step = 10
+        coord.job.metrics.update(loss=0.25, samples_per_s=float("nan"))
         coord._on_checkpoint(CheckpointView(step=10, path=str(kept), bytes=5))
         coord._on_checkpoint(CheckpointView(step=20, path=str(tmp_path / "pruned"), bytes=5))
         coord._on_checkpoint_failure(CheckpointFailure(step=30, error="disk full"))
-        coord.target = 3
+        coord.job.target = 3
     live, recorded = from_memory(coord), from_sqlite(coord)
     assert live == recorded or _nan_equal(live, recorded)
     assert [g["members"] for g in live["generations"]] == [[0, 1]]
@@ -75,7 +75,7 @@ def test_a_status_read_does_not_read_sqlite(served_coordinator):
 
     coord.db.load_records = coord.db.load_status = refuse
     with coord.lock:
-        coord.step = 7
+        coord.job.step = 7
     assert coord.status(fresh=True).step == 7
 
 

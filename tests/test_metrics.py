@@ -119,7 +119,7 @@ def served(served_coordinator):
 def test_coordinator_serves_metrics_of_its_job(served) -> None:
     coord, url = served
     with coord.lock:
-        coord.metrics.update(samples_per_s=10.0, checkpoint_stall_s=0.25)
+        coord.job.metrics.update(samples_per_s=10.0, checkpoint_stall_s=0.25)
     resp = httpx.get(url + "/metrics")
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain")

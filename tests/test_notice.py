@@ -17,7 +17,7 @@ def coord_and_notices(served_coordinator):
     coord, _ = served_coordinator
     with coord.lock:
         for wid in (0, 1):
-            coord.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
+            coord.job.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
         coord._publish()
     cfg = WorkerConfig.from_spec(
         coord.spec,
@@ -43,7 +43,7 @@ def test_a_new_generation_and_a_stop_are_noticed_once_each(coord_and_notices):
     assert notices.changed()
     assert not notices.changed()  # once
     with coord.lock:
-        coord.settled_step = 7  # told to holding members in the answer; no switch
+        coord.job.settled_step = 7  # told to holding members in the answer; no switch
         coord._publish()
     assert not notices.changed()
     coord.on_stop()

@@ -178,13 +178,13 @@ def test_beyond_loopback_every_read_needs_the_job_token(serve, cluster_ip):
             json={"workers": 2},
             headers={"Authorization": basic("", coord.token)},
         )
-        assert scale.status_code == 401 and coord.target == 1
+        assert scale.status_code == 401 and coord.job.target == 1
         scale = client.post(
             API_PREFIX + "/scale",
             json={"workers": 2},
             headers={"Authorization": f"Bearer {coord.token}"},
         )
-        assert scale.status_code == 200 and coord.target == 2
+        assert scale.status_code == 200 and coord.job.target == 2
 
 
 def test_on_loopback_reads_stay_open(serve):

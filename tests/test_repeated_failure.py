@@ -63,7 +63,7 @@ def coord(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     c = make(tmp_path, monkeypatch)
     with c.lock:
         for wid in (0, 1):
-            c.workers[wid] = WorkerRecord(
+            c.job.workers[wid] = WorkerRecord(
                 id=wid, state=WorkerState.STANDBY, pid=1, host="h", last_heartbeat=time.time()
             )
         c._open([0, 1], "two members")
@@ -77,11 +77,11 @@ def fail_once(c: Coordinator, step: int, reporters: tuple[int, ...] = (1, 0)) ->
     """Both members report a failed collective at ``step`` in the latest generation (worker
     1 first, as the one whose op raised); the loop runs until it re-formed or decided the
     job. Returns the generation the reports were for."""
-    gen = c.latest.id
+    gen = c.job.latest.id
     for wid in reporters:
         c.on_failure(wid, FailureReport(generation=gen, step=step, error=PREMUL))
     deadline = time.monotonic() + 5
-    while c.latest.id == gen and c.outcome is None:
+    while c.job.latest.id == gen and c.job.outcome is None:
         assert time.monotonic() < deadline, "the loop neither re-formed nor decided the job"
         c.tick()
         time.sleep(0.01)
@@ -91,8 +91,8 @@ def fail_once(c: Coordinator, step: int, reporters: tuple[int, ...] = (1, 0)) ->
 def commit_step(c: Coordinator, step: int) -> None:
     """Every member of the latest generation committed ``step`` and says so, as a worker's
     heartbeat does (with its first step's report)."""
-    gen = c.latest.id
-    for wid in c.latest.members:
+    gen = c.job.latest.id
+    for wid in c.job.latest.members:
         report = StepReport(generation=gen, start_step=step - 1, first_step_time=time.time())
         c.on_heartbeat(wid, HeartbeatRequest(step=step, generation=gen, reports=[report]))
 
@@ -105,17 +105,17 @@ def job_failed_events(c: Coordinator) -> list[str]:
 def test_the_tenth_failure_in_a_row_at_one_step_fails_the_job_saying_so(
     coord: Coordinator, capsys: pytest.CaptureFixture
 ) -> None:
-    first = coord.latest.id
+    first = coord.job.latest.id
     for _ in range(REFORMS_WITHOUT_PROGRESS - 1):
         fail_once(coord, 0)
-    assert coord.outcome is None
-    assert coord.latest.id == first + 9  # nine re-forms with the same members
-    assert coord.latest.members == [0, 1]
-    assert coord.failed_collectives == Streak(step=0, count=9, last=f"worker 1: {PREMUL}")
+    assert coord.job.outcome is None
+    assert coord.job.latest.id == first + 9  # nine re-forms with the same members
+    assert coord.job.latest.members == [0, 1]
+    assert coord.job.failed_collectives == Streak(step=0, count=9, last=f"worker 1: {PREMUL}")
 
     last = fail_once(coord, 0)
-    assert coord.outcome == JobState.FAILED
-    assert coord.latest.id == last  # no eleventh generation
+    assert coord.job.outcome == JobState.FAILED
+    assert coord.job.latest.id == last  # no eleventh generation
     while coord.tick():  # the wind-down: no process to wait for
         pass
     status = coord.status(fresh=True)
@@ -133,16 +133,16 @@ def test_a_committed_step_in_between_starts_the_count_again(coord: Coordinator, 
         fail_once(coord, 0)
     if how == "heartbeat":  # a step committed and said before the next failure
         commit_step(coord, 1)
-        assert coord.step == 1
+        assert coord.job.step == 1
     # else only the failure reports say it: their step is ahead of the heartbeats
     for _ in range(REFORMS_WITHOUT_PROGRESS - 1):
         fail_once(coord, 1)
-    assert coord.outcome is None, job_failed_events(coord)
-    assert coord.failed_collectives.step == 1 and coord.failed_collectives.count == 9
-    assert len(coord.generations) == 1 + 2 * (REFORMS_WITHOUT_PROGRESS - 1)
+    assert coord.job.outcome is None, job_failed_events(coord)
+    assert coord.job.failed_collectives.step == 1 and coord.job.failed_collectives.count == 9
+    assert len(coord.job.generations) == 1 + 2 * (REFORMS_WITHOUT_PROGRESS - 1)
     # ...and a new streak at step 1 fails at its own tenth.
     fail_once(coord, 1)
-    assert coord.outcome == JobState.FAILED
+    assert coord.job.outcome == JobState.FAILED
     assert job_failed_events(coord) == ["job failed: " + REASON.format(step=1)]
 
 
@@ -150,21 +150,21 @@ def test_a_scale_does_not_start_the_count_again(coord: Coordinator) -> None:
     for _ in range(5):
         fail_once(coord, 0)
     with coord.lock:  # a warm standby, and a scale that takes it: a re-form for a scale
-        coord.workers[2] = WorkerRecord(
+        coord.job.workers[2] = WorkerRecord(
             id=2, state=WorkerState.STANDBY, pid=1, host="h", last_heartbeat=time.time()
         )
         # Joiners wait for a generation being formed (``Pool.settling``): this one formed
         # (its members met and reported a first step) before the collective failed again.
-        coord.latest.start_step = 0
+        coord.job.latest.start_step = 0
     coord.on_scale(3)
     coord.tick()
-    assert coord.latest.members == [0, 1, 2]
-    assert coord.failed_collectives.count == 5  # it explains nothing: the count goes on
+    assert coord.job.latest.members == [0, 1, 2]
+    assert coord.job.failed_collectives.count == 5  # it explains nothing: the count goes on
     for _ in range(4):
         fail_once(coord, 0)
-    assert coord.outcome is None
+    assert coord.job.outcome is None
     fail_once(coord, 0)
-    assert coord.outcome == JobState.FAILED
+    assert coord.job.outcome == JobState.FAILED
     assert job_failed_events(coord) == ["job failed: " + REASON.format(step=0)]
 
 
@@ -176,13 +176,13 @@ def test_a_lost_member_starts_the_count_again(
     exits = [Exit(worker_id=1, returncode=-9)]  # the backend sees worker 1 SIGKILLed
     monkeypatch.setattr(coord.backend, "poll", lambda: [exits.pop()] if exits else [])
     coord.tick()
-    assert coord.latest.members == [0]  # no replacement (--max-restarts 0)
-    assert coord.failed_collectives is None  # its loss explains its peers' failures
+    assert coord.job.latest.members == [0]  # no replacement (--max-restarts 0)
+    assert coord.job.failed_collectives is None  # its loss explains its peers' failures
     for _ in range(REFORMS_WITHOUT_PROGRESS - 1):
         fail_once(coord, 0, reporters=(0,))
-    assert coord.outcome is None
+    assert coord.job.outcome is None
     fail_once(coord, 0, reporters=(0,))
-    assert coord.outcome == JobState.FAILED
+    assert coord.job.outcome == JobState.FAILED
     assert job_failed_events(coord) == [
         "job failed: " + REASON.format(step=0).replace("worker 1", "worker 0")
     ]
@@ -200,14 +200,14 @@ def test_the_count_survives_a_coordinator_restart(
     monkeypatch.setattr(LocalBackend, "adopt", lambda self, wid, pid, env: True)
     again = make(tmp_path, monkeypatch, recover=True)
     try:
-        assert again.failed_collectives == saved.failed_collectives
+        assert again.job.failed_collectives == saved.failed_collectives
         for wid in (0, 1):
             again.on_register(wid, RegisterRequest(pid=1, host="h", generation=7, step=0))
         for _ in range(REFORMS_WITHOUT_PROGRESS - 6 - 1):
             fail_once(again, 0)
-        assert again.outcome is None
+        assert again.job.outcome is None
         fail_once(again, 0)
-        assert again.outcome == JobState.FAILED
+        assert again.job.outcome == JobState.FAILED
         assert job_failed_events(again) == ["job failed: " + REASON.format(step=0)]
     finally:
         again.close()

@@ -249,7 +249,7 @@ def test_heartbeats_carry_step_values_to_the_status_dashboard_and_history(
     coord, url = served_coordinator
     with coord.lock:
         for wid in (0, 1):
-            coord.workers[wid] = WorkerRecord(id=wid)
+            coord.job.workers[wid] = WorkerRecord(id=wid)
     recorder = Recorder(coord, tmp_path)
     agents = [
         Agent(WorkerEnv(url=url, token=worker_token(coord.token, wid), worker_id=wid))
@@ -265,7 +265,7 @@ def test_heartbeats_carry_step_values_to_the_status_dashboard_and_history(
         for a in agents:
             a.close()  # delivers the outbox
     with coord.lock:
-        coord.step = 3
+        coord.job.step = 3
     recorder.close()  # a last tick: the rows go to SQLite
     assert coord.status(fresh=True).metrics["loss"] == 2.0  # the gauge: step 2's mean of 1.0 and 3.0
     source = HomeSource(tmp_path)

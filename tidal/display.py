@@ -45,7 +45,7 @@ class Progress:
             self.console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {escape(e.message)}")
         if final or now - self._last >= PROGRESS_EVERY_S:
             self._last = now
-            c = self.coord
+            c = self.coord.job
             m = c.metrics
             parts = [f"step {c.step}", f"world {c.world_size()}/{c.target}"]
             if "samples_per_s" in m:
@@ -55,7 +55,7 @@ class Progress:
                     parts.append(f"{key} {m[key]:.4g}")
             if status is not None:
                 parts.append(status.state.value)
-            self.console.print(f"[bold]{escape(c.spec.name)}[/bold] " + " | ".join(parts))
+            self.console.print(f"[bold]{escape(self.coord.spec.name)}[/bold] " + " | ".join(parts))
 
     def _new_events(self) -> list:
         events = self.coord.db.load_events(self.coord.spec.name, after=self._events_seen)
@@ -66,9 +66,9 @@ class Progress:
 def print_outcome(coord: Coordinator) -> int:
     """How a job that ``tidal run`` hosted ended, in one line on stderr (``--quiet`` too: a
     failure is never silent); returns the exit code (0 only if it succeeded)."""
-    name, state = coord.spec.name, coord.state
+    name, state = coord.spec.name, coord.job.state
     if state == JobState.SUCCEEDED:
-        failed = coord.checkpoint_failed or {}
+        failed = coord.job.checkpoint_failed
         if failed:
             steps = ", ".join(str(s) for s in sorted(failed))
             last = failed[max(failed)]
@@ -89,10 +89,10 @@ def print_outcome(coord: Coordinator) -> int:
     except Exception:  # noqa: BLE001 - the records may be unreadable; say what is known
         reasons = []
     if state == JobState.FAILED:
-        why = reasons[-1] if reasons else f"at step {coord.step}; see `tidal status {name}`"
+        why = reasons[-1] if reasons else f"at step {coord.job.step}; see `tidal status {name}`"
         line = f"tidal: error: job {name} failed: {why}"
     else:
-        line = f"tidal: job {name} {state.value} at step {coord.step}"
+        line = f"tidal: job {name} {state.value} at step {coord.job.step}"
     print(line, file=sys.stderr, flush=True)
     return 1
 

@@ -27,17 +27,16 @@ from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.db import Database
 from tidal.coordinator.handlers import Handlers, RequestError
 from tidal.coordinator.home import db_path, job_dir
+from tidal.coordinator.job import Job
 from tidal.coordinator.journal import Journal
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S, Lifecycle
 from tidal.coordinator.records import (
     GenerationRecord,
-    ReformRequest,
     Resume,
     WorkerRecord,
     changed_rows,
 )
 from tidal.coordinator.rules import (
-    Streak,
     effective_target,
     final_checkpoint,
     reform_due,
@@ -48,7 +47,6 @@ from tidal.coordinator.rules import (
 )
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.snapshot import JobRow
-from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.supervisor import Hosting, listen, url_of
 from tidal.coordinator.wake import Wake
 from tidal.policy.inputs import PolicyParams
@@ -130,41 +128,25 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         # instead of at its next interval.
         self.wake = Wake()
         self.url = url_of(hosting.api_sock) if hosting else ""
-        self.state = JobState.PENDING
-        self.target = spec.workers
-        self.requested = spec.workers
-        self.target_changed_at: float | None = None
+        step = resume.step if resume else 0
+        passed = [at for at, _ in spec.schedule if at <= step]  # a resumed job passed these
+        self.job = Job(
+            target=spec.workers,
+            requested=spec.workers,
+            created=time.time(),
+            step=step,
+            schedule_done=len(passed),
+            settled_step=passed[-1] if passed else -1,
+        )
         self.accounting = Accounting(
             price=spec.price_per_worker_hour,
             trace=load_trace(spec.capacity_trace) if spec.capacity_trace else None,
             # joiners warm up before joining: pauses are short
             params=PolicyParams.from_spec(spec, assumed_pause_s=1.0),
         )
-        self.step = resume.step if resume else 0
-        self.metrics: dict[str, float] = {}
-        self.step_log = StepLog()  # the per-step values of tidal.log (step_metrics.py)
-        self.leaving: list[int] = []  # workers that got a preemption notice
-        self.workers: dict[int, WorkerRecord] = {}
         self.inbox = deque()  # quick heartbeats, applied by the loop (``Handlers``)
-        self.generations: list[GenerationRecord] = []
-        self.failures = 0
-        self.outcome: JobState | None = None  # decided; reached once every process is gone
-        self.stop_requested_at: float | None = None
-        # A member's collective failed in the latest generation: re-form it (``_maybe_reform``)
-        self.reform_requested: ReformRequest | None = None
-        # The failed collectives in a row at one committed step (``rules.repeated_failure``);
-        # kept in the ``control`` record, so a restarted coordinator goes on counting.
-        self.failed_collectives: Streak | None = None
-        # (generation, why): healing found no member of that generation holding the state
-        self.state_lost: tuple[int, str] | None = None
-        self.created = time.time()
         self._last_check: float | None = None  # the last heartbeat check (lifecycle)
         self._last_health = 0.0  # when the loop last checked heartbeats
-        # A resumed job has passed the schedule's earlier steps already.
-        passed = [at for at, _ in spec.schedule if at <= self.step]
-        self._schedule_done = len(passed)
-        self._schedule_applied_at = 0.0
-        self.settled_step = passed[-1] if passed else -1  # last step whose membership is in place
         self._last_flush = 0.0
         self._policy = get_policy(spec.policy)
         if recover:
@@ -195,20 +177,8 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def event(self, kind: str, message: str) -> None:
         self.journal.add_event(EventView(time=time.time(), kind=kind, message=message))
 
-    @property
-    def latest(self) -> GenerationRecord | None:
-        return self.generations[-1] if self.generations else None
-
-    @property
-    def members(self) -> list[int]:
-        return list(self.latest.members) if self.latest else []
-
-    def world_size(self) -> int:
-        formed = [g for g in self.generations if g.formed]
-        return len(formed[-1].members) if formed and self.outcome is None else 0
-
     def _worker(self, wid: int) -> WorkerRecord:
-        w = self.workers.get(wid)
+        w = self.job.workers.get(wid)
         if w is None:
             raise RequestError(f"unknown worker {wid}")
         return w
@@ -216,17 +186,17 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     # -- the control loop ----------------------------------------------------------------
     def _set_target(self, n: int, why: str) -> None:
         """The requested count; the target is that, within the capacity available now."""
-        self.requested = n
+        self.job.requested = n
         effective = effective_target(n, self.accounting.capacity())
-        if effective != self.target:
-            self.event("scale", f"target {self.target} -> {effective} ({why})")
-            self.target = effective
-            self.target_changed_at = time.monotonic()
+        if effective != self.job.target:
+            self.event("scale", f"target {self.job.target} -> {effective} ({why})")
+            self.job.target = effective
+            self.job.target_changed_at = time.monotonic()
             self.journal.update_job(target_workers=effective)
         self._save_control()
 
     def _decide(self, outcome: JobState, why: str) -> None:
-        self.outcome = outcome
+        self.job.outcome = outcome
         self._save_control()
         self.event("job", f"job {outcome.value}: {why}")
 
@@ -250,19 +220,21 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             self._check_heartbeats()
         self._answer_state_lost()
         self._finish()
-        if self.outcome is None:
+        if self.job.outcome is None:
             self._observe(now)
             self._release_leavers()
             self._maybe_reform(now)
             self._apply_schedule()
             self._apply_policy()
             self._enforce_capacity()
-            if self.stop_requested_at is not None:
-                self.outcome = JobState.STOPPED if self.outcome is None else self.outcome
+            if self.job.stop_requested_at is not None:
+                self.job.outcome = (
+                    JobState.STOPPED if self.job.outcome is None else self.job.outcome
+                )
             else:
                 self._reconcile()
             self._check_start_timeout()
-        if self.outcome is not None:
+        if self.job.outcome is not None:
             return self._wind_down(now)
         if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
             self.flush()
@@ -270,17 +242,17 @@ class Coordinator(Handlers, Scaling, Lifecycle):
 
     def _finish(self) -> None:
         """Decide a completed job's outcome by its final checkpoint (``rules``)."""
-        if self.completing is None or self.outcome is not None:
+        if self.job.completing is None or self.job.outcome is not None:
             return
-        wid, step = self.completing
-        formed = [g for g in self.generations if g.formed]
+        wid, step = self.job.completing
+        formed = [g for g in self.job.generations if g.formed]
         writer = formed[-1].members[0] if formed else None
         action, why = final_checkpoint(
             step=step,
-            written=step in self.checkpointed,
-            error=(self.checkpoint_failed or {}).get(step),
+            written=step in self.job.checkpointed,
+            error=self.job.checkpoint_failed.get(step),
             writer=writer,
-            writer_live=writer is not None and self.workers[writer].live,
+            writer_live=writer is not None and self.job.workers[writer].live,
         )
         if action == "succeed":
             self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {step}")
@@ -291,7 +263,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         """Re-form the latest generation with the same members once a reported failed
         collective is due (``rules.reform_due``), unless it failed too many times in a row
         at the same step (``rules.repeated_failure``): then the job fails saying so."""
-        req = self.reform_requested
+        req = self.job.reform_requested
         if req is None:
             return
         due = reform_due(
@@ -299,50 +271,51 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             now=now,
             grace_s=REFORM_GRACE_S,
             reported_gen=req.generation,
-            latest_gen=self.latest.id if self.latest else 0,
+            latest_gen=self.job.latest.id if self.job.latest else 0,
         )
         if due is not False:
-            self.reform_requested = None
+            self.job.reform_requested = None
         if not due:
             return
-        self.failed_collectives, fail = repeated_failure(
-            self.failed_collectives,
-            step=max(self.step, req.step),  # the report may be ahead of the heartbeats
+        self.job.failed_collectives, fail = repeated_failure(
+            self.job.failed_collectives,
+            step=max(self.job.step, req.step),  # the report may be ahead of the heartbeats
             worker_id=req.worker_id,
             error=req.error,
         )
         if fail:
             self._decide(JobState.FAILED, fail)
             return
-        self._open(self.members, req.why)
+        self._open(self.job.members, req.why)
 
     def _reconcile(self) -> None:
-        members = [m for m in self.members if self.workers[m].live]
+        members = [m for m in self.job.members if self.job.workers[m].live]
         inside = set(members)  # not the list: O(N) a pass, not O(N^2)
         outside = [
-            w for w in self.workers.values() if w.live and not w.retired and w.id not in inside
+            w for w in self.job.workers.values() if w.live and not w.retired and w.id not in inside
         ]
         plan = reconcile(
             Pool(
                 members=members,
                 standby=[w.id for w in outside if w.state == WorkerState.STANDBY],
                 starting=[w.id for w in outside if w.state in NOT_STARTED],
-                target=self.target,
+                target=self.job.target,
                 # --spares warm ones always; more if a scheduled scale-up will need them
                 spares=max(
-                    self.spec.spares, future_peak(self.spec.schedule, self.step) - self.target
+                    self.spec.spares,
+                    future_peak(self.spec.schedule, self.job.step) - self.job.target,
                 ),
-                forming=not self.generations,
-                settling=self.latest is not None and not self.latest.formed,
+                forming=not self.job.generations,
+                settling=self.job.latest is not None and not self.job.latest.formed,
             )
         )
         for wid in plan.retire:
-            self._retire(self.workers[wid])
+            self._retire(self.job.workers[wid])
         if plan.members is not None:
             self._open(plan.members, plan.reason, to_standby=plan.to_standby)
         # No more workers starting (launched, not registered) at once than the backend can
         # bring up; the rest start on later passes, as these register.
-        starting = sum(1 for w in self.workers.values() if w.state in NOT_STARTED)
+        starting = sum(1 for w in self.job.workers.values() if w.state in NOT_STARTED)
         for _ in range(max(0, min(plan.start, self.backend.max_starting - starting))):
             self._start_worker()
         self._settle_schedule()
@@ -350,16 +323,16 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def _settle_schedule(self) -> None:
         """Release members held at the last applied --schedule step once the generation has
         the target count (or it cannot get there within the start timeout)."""
-        at = self.spec.schedule[self._schedule_done - 1][0] if self._schedule_done else None
+        at = self.spec.schedule[self.job.schedule_done - 1][0] if self.job.schedule_done else None
         if schedule_settled(
             held_at=at,
-            settled=self.settled_step,
-            members=len(self.members),
-            target=self.target,
-            waited_s=time.monotonic() - self._schedule_applied_at,
+            settled=self.job.settled_step,
+            members=len(self.job.members),
+            target=self.job.target,
+            waited_s=time.monotonic() - self.job.schedule_applied_at,
             timeout_s=self.spec.start_timeout_s,
         ):
-            self.settled_step = at
+            self.job.settled_step = at
 
     def _open(
         self,
@@ -371,23 +344,23 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     ) -> None:
         """Open the next generation with ``members``; ``resume`` (a checkpoint's path and
         step): no live worker holds the job's state, every member loads it first."""
-        prev = self.latest
+        prev = self.job.latest
         gen = GenerationRecord(
-            id=(self.latest.id if self.latest else self._gen_base) + 1,
+            id=(self.job.latest.id if self.job.latest else self._gen_base) + 1,
             members=members,
             reason=reason,
             opened_at=time.time(),
             namespace=self.store_namespace,
-            committed_step=self.step,
+            committed_step=self.job.step,
             resume_from=resume[0] if resume else None,
             resume_step=resume[1] if resume else None,
         )
         self.store.set(state_key(gen.store_prefix), GEN_OPEN)
         if prev is not None:
             self.store.compare_set(state_key(prev.store_prefix), GEN_OPEN, GEN_ABANDONED)
-        self.generations.append(gen)
+        self.job.generations.append(gen)
         ranks = {m: i for i, m in enumerate(members)}
-        for w in self.workers.values():
+        for w in self.job.workers.values():
             if w.id in ranks:
                 w.state, w.rank = WorkerState.RUNNING, ranks[w.id]
             elif w.state == WorkerState.RUNNING:
@@ -403,15 +376,15 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         self.event(
             "generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})"
         )
-        if not members and self.outcome is None:
+        if not members and self.job.outcome is None:
             self._decide(JobState.FAILED, "every worker was lost; nothing holds the training state")
 
     def _check_start_timeout(self) -> None:
         why = start_timed_out(
-            pending=self.state == JobState.PENDING,
-            waited_s=time.time() - self.created,
+            pending=self.job.state == JobState.PENDING,
+            waited_s=time.time() - self.job.created,
             start_timeout_s=self.spec.start_timeout_s,
-            failed=self.failed_collectives,
+            failed=self.job.failed_collectives,
         )
         if why:
             self._decide(JobState.FAILED, why)
@@ -421,17 +394,19 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         what outlives the grace period, then record the end."""
         alive = len(self.backend.alive())
         plan = wind_down(
-            failed=self.outcome == JobState.FAILED,
-            waited_s=None if self._wind_down_since is None else now - self._wind_down_since,
+            failed=self.job.outcome == JobState.FAILED,
+            waited_s=None if self.job.wind_down_since is None else now - self.job.wind_down_since,
             alive=alive,
             grace_s=STOP_GRACE_S,
         )
         if plan.begin:
-            self._wind_down_since = now
-            if self.latest is not None:
-                self.store.compare_set(state_key(self.latest.store_prefix), GEN_OPEN, GEN_ABANDONED)
-            for w in self.workers.values():
-                if w.live and w.id not in self.members:
+            self.job.wind_down_since = now
+            if self.job.latest is not None:
+                self.store.compare_set(
+                    state_key(self.job.latest.store_prefix), GEN_OPEN, GEN_ABANDONED
+                )
+            for w in self.job.workers.values():
+                if w.live and w.id not in self.job.members:
                     self._retire(w)
         if plan.kill:
             for wid in self.backend.alive():
@@ -440,31 +415,29 @@ class Coordinator(Handlers, Scaling, Lifecycle):
             return True
         for ex in self.backend.poll():
             self._on_exit(ex)
-        self.state = self.outcome
+        self.job.state = self.job.outcome
         self.flush()
-        self.event("job", f"job ended: {self.state.value} at step {self.step}")
+        self.event("job", f"job ended: {self.job.state.value} at step {self.job.step}")
         return False
-
-    _wind_down_since: float | None = None
 
     def flush(self) -> None:
         """Write the fast-moving values to SQLite (under the lock), the heartbeats queued
         since the last pass applied first: a status read after a flush is as of now."""
         self._drain()
         self._last_flush = time.monotonic()
-        self.metrics.update(
+        self.job.metrics.update(
             self.accounting.summary(
-                step=self.step,
+                step=self.job.step,
                 global_batch=self._int_metric("global_batch_size"),
                 max_steps=self._int_metric("max_steps"),
             )
         )
         self.journal.update_job(
-            state=self.state.value,
-            step=self.step,
-            world_size=self.world_size(),
-            target_workers=self.target,
-            metrics=self.metrics,
+            state=self.job.state.value,
+            step=self.job.step,
+            world_size=self.job.world_size(),
+            target_workers=self.job.target,
+            metrics=self.job.metrics,
             url=self.url or None,
         )
         self._save_workers()
@@ -477,7 +450,9 @@ class Coordinator(Handlers, Scaling, Lifecycle):
     def _save_workers(self) -> None:
         """Write the worker rows that changed since they were written (``changed_rows``
         against the journal's copy of what SQLite holds)."""
-        rows = changed_rows([w.row() for w in self.workers.values()], self.journal.records.workers)
+        rows = changed_rows(
+            [w.row() for w in self.job.workers.values()], self.journal.records.workers
+        )
         if rows:
             self.journal.save_workers(rows)
 
@@ -485,13 +460,18 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         """True when nothing is in motion that a pass must notice within tenths of a
         second (``rules.loop_wait``): the latest generation formed, no re-form, leaver,
         stop or outcome pending, no worker still starting."""
-        latest = self.latest
-        if latest is None or not latest.formed or self.leaving:
+        latest = self.job.latest
+        if latest is None or not latest.formed or self.job.leaving:
             return False
-        pending = (self.outcome, self.stop_requested_at, self.reform_requested, self.state_lost)
+        pending = (
+            self.job.outcome,
+            self.job.stop_requested_at,
+            self.job.reform_requested,
+            self.job.state_lost,
+        )
         if any(p is not None for p in pending):
             return False
-        return not any(w.state in NOT_STARTED for w in self.workers.values())
+        return not any(w.state in NOT_STARTED for w in self.job.workers.values())
 
     def close(self) -> None:
         for wid in self.backend.alive():

@@ -41,8 +41,8 @@ from tidal.protocol import (
 )
 
 if TYPE_CHECKING:
+    from tidal.coordinator.job import Job
     from tidal.coordinator.records import WorkerRecord
-    from tidal.coordinator.step_metrics import StepLog
 
 
 STATUS_MAX_AGE_S = 0.5  # see ``Handlers.status``
@@ -62,10 +62,7 @@ def final_checkpoint_failed(step: int, error: str) -> str:
 
 
 class Handlers:
-    #: The job's length (``Trainer.run(max_steps)``) as the first worker registered it; None
-    #: until then. Completion is decided against it (``on_done``).
-    job_length: int | None = None
-    step_log: StepLog  # set by Coordinator
+    job: Job  # the job's state (``job.Job``), set by Coordinator
 
     answers: Answers | None = None  # published by ``_publish``; None before the first
     _published_key: tuple | None = None
@@ -74,13 +71,13 @@ class Handlers:
     def _publish(self) -> None:
         """Publish what workers are told now (``answers``), if it changed since the last
         time; under the lock."""
-        latest = self.latest
+        latest = self.job.latest
         key = (
             latest.id if latest is not None else None,
-            self.stop_requested_at is not None,
-            self.outcome is not None,
-            self.settled_step,
-            len(self.workers),
+            self.job.stop_requested_at is not None,
+            self.job.outcome is not None,
+            self.job.settled_step,
+            len(self.job.workers),
         )
         if key == self._published_key:
             return
@@ -91,8 +88,8 @@ class Handlers:
             members=latest.member_set() if latest is not None else frozenset(),
             stop=key[1],
             ended=key[2],
-            settled_step=self.settled_step,
-            workers=len(self.workers),
+            settled_step=self.job.settled_step,
+            workers=len(self.job.workers),
             base_s=self.spec.beat_interval_s,
             timeout_s=self.spec.heartbeat_timeout_s,
         )
@@ -108,7 +105,7 @@ class Handlers:
         """Apply the quick heartbeats queued since the last pass, in arrival order."""
         while self.inbox:
             wid, req = self.inbox.popleft()
-            w = self.workers.get(wid)
+            w = self.job.workers.get(wid)
             if w is not None:
                 self._apply_heartbeat(w, req)
 
@@ -133,19 +130,19 @@ class Handlers:
                 w.adopted = True
                 if wid not in self.backend.alive():  # its pid was not known: it is now
                     self.backend.adopt(wid, req.pid, self._worker_env(wid))
-                self.step = max(self.step, req.step)
+                self.job.step = max(self.job.step, req.step)
                 self.event(
                     "worker",
                     f"worker {wid} re-registered (generation {req.generation}, step {req.step})",
                 )
             w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
-            if req.max_steps is not None and self.job_length is None:
-                self.job_length = req.max_steps
-            elif req.max_steps is not None and req.max_steps != self.job_length:
+            if req.max_steps is not None and self.job.job_length is None:
+                self.job.job_length = req.max_steps
+            elif req.max_steps is not None and req.max_steps != self.job.job_length:
                 self.event(
                     "worker",
-                    f"worker {wid} runs {req.max_steps} steps, the job {self.job_length}: "
-                    f"the job's length stays {self.job_length}",
+                    f"worker {wid} runs {req.max_steps} steps, the job {self.job.job_length}: "
+                    f"the job's length stays {self.job.job_length}",
                 )
             if w.state in (WorkerState.PENDING, WorkerState.STARTING):
                 w.state = WorkerState.STANDBY
@@ -191,16 +188,16 @@ class Handlers:
 
     def _apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
         w.step = req.step
-        self.step = max(self.step, req.step)
-        self.metrics.update(req.metrics)
+        self.job.step = max(self.job.step, req.step)
+        self.job.metrics.update(req.metrics)
         for record in req.step_metrics:  # values of tidal.log, one per (step, name)
-            self.metrics.update(self.step_log.add(w.id, record))
+            self.job.metrics.update(self.job.step_log.add(w.id, record))
         for c in req.checkpoints:
             self._on_checkpoint(c)
         for f in req.checkpoint_failures:
             self._on_checkpoint_failure(f)
-        if req.leaving and w.id not in self.leaving and not w.retired:
-            self.leaving.append(w.id)
+        if req.leaving and w.id not in self.job.leaving and not w.retired:
+            self.job.leaving.append(w.id)
         for report in req.reports:
             self._on_step_report(report)
         if req.leaving or any(at == req.step for at, _ in self.spec.schedule):
@@ -208,7 +205,7 @@ class Handlers:
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
         self.journal.add_checkpoint(c)
-        self.checkpointed = {*self.checkpointed, c.step}
+        self.job.checkpointed = {*self.job.checkpointed, c.step}
         for old in self.journal.checkpoints():  # pruned by the writer
             if not Path(old.path).exists():
                 self.journal.drop_checkpoint(old.step)
@@ -216,23 +213,15 @@ class Handlers:
         took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
         self.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
 
-    #: Checkpoints of this run that could not be written: step -> the error (one line).
-    checkpoint_failed: dict[int, str] | None = None
-    #: Steps whose checkpoint this run recorded.
-    checkpointed: set[int] = frozenset()
-    #: (worker, step): a member completed the job's last step; with durable checkpoints the
-    #: job succeeds once that step's checkpoint is recorded (``rules.final_checkpoint``).
-    completing: tuple[int, int] | None = None
-
     def _on_checkpoint_failure(self, f: CheckpointFailure) -> None:
         """An event and the status fields; the job fails if it is its last step's checkpoint
         (the done report may come first: the job's end is recorded only once every worker,
         the writer included, has exited, so either order ends the same)."""
-        self.checkpoint_failed = {**(self.checkpoint_failed or {}), f.step: f.error}
+        self.job.checkpoint_failed = {**self.job.checkpoint_failed, f.step: f.error}
         self.journal.add_checkpoint_failure(f.error)
         self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
-        if self.outcome == JobState.SUCCEEDED and f.step >= self.step:
-            self.outcome = None
+        if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
+            self.job.outcome = None
             self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
 
     def on_role(self, wid: int) -> bytes:
@@ -241,13 +230,13 @@ class Handlers:
         return self._answer(self._caller(wid))
 
     def _on_step_report(self, r: StepReport) -> None:
-        index = next((i for i, g in enumerate(self.generations) if g.id == r.generation), None)
+        index = next((i for i, g in enumerate(self.job.generations) if g.id == r.generation), None)
         if index is None:
             return
-        gen = self.generations[index]
+        gen = self.job.generations[index]
         if gen.start_step is None:
             gen.start_step = r.start_step
-        prev_formed = [g.id for g in self.generations[:index] if g.formed]
+        prev_formed = [g.id for g in self.job.generations[:index] if g.formed]
         if (
             r.prev_last_step_time is not None
             and prev_formed
@@ -262,27 +251,27 @@ class Handlers:
         said = neighbour_copy_event(gen.id, recorded, r.recovery, r.redone_steps)
         if said:
             self.event("recovery", said)
-        if self.state == JobState.PENDING:
-            self.state = JobState.RUNNING
-            self.journal.update_job(state=self.state.value)
+        if self.job.state == JobState.PENDING:
+            self.job.state = JobState.RUNNING
+            self.journal.update_job(state=self.job.state.value)
 
     def on_failure(self, wid: int, r: FailureReport) -> None:
         with self.lock:
             self._caller(wid)
             self._drain()  # this worker's earlier heartbeats first: its facts apply in order
-            latest = self.latest
-            if latest is None or r.generation != latest.id or self.outcome is not None:
+            latest = self.job.latest
+            if latest is None or r.generation != latest.id or self.job.outcome is not None:
                 return  # a newer generation already answers it
             if r.kind == FailureKind.STATE_LOST:  # the control loop rolls back or fails
-                if self.state_lost is None:
-                    self.state_lost = (latest.id, f"worker {wid}: {r.error}")
+                if self.job.state_lost is None:
+                    self.job.state_lost = (latest.id, f"worker {wid}: {r.error}")
                     self.wake.set()
                 return
             self.event(
                 "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
             )
-            if self.reform_requested is None:
-                self.reform_requested = ReformRequest(
+            if self.job.reform_requested is None:
+                self.job.reform_requested = ReformRequest(
                     at=time.monotonic(),
                     generation=latest.id,
                     why=f"worker {wid} reported a failed collective",
@@ -297,8 +286,8 @@ class Handlers:
             w = self._caller(wid)
             self._drain()  # this worker's earlier heartbeats first: its facts apply in order
             self._stopping(w)
-            self.step = max(self.step, r.step)
-            if r.completed and self.outcome is None:
+            self.job.step = max(self.job.step, r.step)
+            if r.completed and self.job.outcome is None:
                 refused = self._completion_refused(wid, r)
                 if refused:
                     self.event(
@@ -306,7 +295,7 @@ class Handlers:
                         f"worker {wid} reported completion at step {r.step}; ignored: {refused}",
                     )
                 elif self.spec.checkpoints:  # the final checkpoint decides (``_finish``)
-                    self.completing = (wid, r.step)
+                    self.job.completing = (wid, r.step)
                     self._save_control()
                 else:
                     self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
@@ -314,17 +303,17 @@ class Handlers:
             self.wake.set()
 
     def _completion_refused(self, wid: int, r: DoneReport) -> str:
-        formed = [g for g in self.generations if g.formed]
-        current = set(self.latest.members if self.latest else ())
+        formed = [g for g in self.job.generations if g.formed]
+        current = set(self.job.latest.members if self.job.latest else ())
         current |= set(formed[-1].members if formed else ())
         return completion_refused(
-            worker_id=wid, step=r.step, current=current, job_length=self.job_length
+            worker_id=wid, step=r.step, current=current, job_length=self.job.job_length
         )
 
     # -- API: users ----------------------------------------------------------------------
     def on_scale(self, n: int) -> None:
         with self.lock:
-            if self.outcome is not None or self.stop_requested_at is not None:
+            if self.job.outcome is not None or self.job.stop_requested_at is not None:
                 raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
             lo, hi = self.spec.min_workers, self.spec.max_workers
             if not lo <= n <= hi:
@@ -336,8 +325,8 @@ class Handlers:
 
     def on_stop(self) -> None:
         with self.lock:
-            if self.stop_requested_at is None and self.outcome is None:
-                self.stop_requested_at = time.monotonic()
+            if self.job.stop_requested_at is None and self.job.outcome is None:
+                self.job.stop_requested_at = time.monotonic()
                 self.event("stop", "stop requested: members stop after the current step")
                 self.wake.set()
 
@@ -346,9 +335,9 @@ class Handlers:
         """The job's step, and each live worker's (id, step, is a member)."""
         with self.lock:
             self._drain()  # as of the heartbeats answered so far
-            return self.step, [
+            return self.job.step, [
                 (w.id, w.step, w.state == WorkerState.RUNNING)
-                for w in self.workers.values()
+                for w in self.job.workers.values()
                 if w.live
             ]
 
@@ -357,9 +346,9 @@ class Handlers:
         for the dashboard's history (``tidal.dashboard.history.Recorder``)."""
         with self.lock:
             self._drain()  # as of the heartbeats answered so far
-            metrics = {k: v for k, v in self.metrics.items() if isinstance(v, (int, float))}
-            values = self.step_log.take()
-            return self.step, self.world_size(), self.target, metrics, values
+            metrics = {k: v for k, v in self.job.metrics.items() if isinstance(v, (int, float))}
+            values = self.job.step_log.take()
+            return self.job.step, self.job.world_size(), self.job.target, metrics, values
 
     _status_cache: tuple[float, JobStatus] | None = None
 

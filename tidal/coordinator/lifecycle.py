@@ -14,6 +14,7 @@ import time
 
 from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
+from tidal.coordinator.job import Job
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
 from tidal.coordinator.rules import (
@@ -44,21 +45,28 @@ class Lifecycle:
         saved = self.db.load_control(name)
         control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
         r = rebuild(status, control, namespace=self.store_namespace, now=time.time())
-        self.workers, self.generations = r.workers, r.generations
-        self.state, self.outcome, self.step = r.state, r.outcome, r.step
-        self.requested, self.target = control.requested, status.target_workers
-        self.failures, self.job_length = control.failures, control.job_length
-        self.settled_step, self._schedule_done = control.settled_step, control.schedule_done
-        self.checkpoint_failed = control.checkpoint_failed or None
-        self.checkpointed = {c.step for c in status.checkpoints}
-        self.completing = control.completing
-        self.failed_collectives = control.failed_collectives
-        if control.stop_requested:
-            self.stop_requested_at = time.monotonic()
-        self.created = status.created
-        self.metrics = {k: v for k, v in status.metrics.items() if isinstance(v, (int, float))}
+        self.job = Job(
+            workers=r.workers,
+            generations=r.generations,
+            state=r.state,
+            outcome=r.outcome,
+            step=r.step,
+            requested=control.requested,
+            target=status.target_workers,
+            failures=control.failures,
+            job_length=control.job_length,
+            settled_step=control.settled_step,
+            schedule_done=control.schedule_done,
+            checkpoint_failed=dict(control.checkpoint_failed),
+            checkpointed={c.step for c in status.checkpoints},
+            completing=control.completing,
+            failed_collectives=control.failed_collectives,
+            stop_requested_at=time.monotonic() if control.stop_requested else None,
+            created=status.created,
+            metrics={k: v for k, v in status.metrics.items() if isinstance(v, (int, float))},
+        )
         adopted, lost = [], []
-        for w in self.workers.values():
+        for w in self.job.workers.values():
             if w.adopted:  # not live: nothing to adopt
                 continue
             if w.state == WorkerState.STOPPING:
@@ -78,32 +86,32 @@ class Lifecycle:
             self._on_exit(
                 Exit(worker_id=wid, returncode=-9, reason="gone when the coordinator restarted")
             )
-        latest = self.latest
-        if r.reopen and latest is self.generations[-1] and self.outcome is None:
-            live = [m for m in latest.members if self.workers[m].live]
+        latest = self.job.latest
+        if r.reopen and latest is self.job.generations[-1] and self.job.outcome is None:
+            live = [m for m in latest.members if self.job.workers[m].live]
             self._open(
                 live, f"re-formed: the coordinator restarted before generation {latest.id} formed"
             )
         self._save_control()
 
     def _save_control(self) -> None:
-        latest = self.latest
+        latest = self.job.latest
         flags = {
             w.id: WorkerFlags(retired=w.retired, preempted=w.preempted, kill_reason=w.kill_reason)
-            for w in self.workers.values()
+            for w in self.job.workers.values()
             if w.live and (w.retired or w.preempted or w.kill_reason)
         }
         control = Control(
-            requested=self.requested,
-            failures=self.failures,
-            job_length=self.job_length,
-            settled_step=self.settled_step,
-            schedule_done=self._schedule_done,
-            stop_requested=self.stop_requested_at is not None,
-            outcome=self.outcome.value if self.outcome else None,
-            completing=self.completing,
-            checkpoint_failed=self.checkpoint_failed or {},
-            failed_collectives=self.failed_collectives,
+            requested=self.job.requested,
+            failures=self.job.failures,
+            job_length=self.job.job_length,
+            settled_step=self.job.settled_step,
+            schedule_done=self.job.schedule_done,
+            stop_requested=self.job.stop_requested_at is not None,
+            outcome=self.job.outcome.value if self.job.outcome else None,
+            completing=self.job.completing,
+            checkpoint_failed=self.job.checkpoint_failed,
+            failed_collectives=self.job.failed_collectives,
             committed_step=latest.committed_step if latest else 0,
             resume_from=latest.resume_from if latest else None,
             resume_step=latest.resume_step if latest else None,
@@ -117,11 +125,11 @@ class Lifecycle:
         return WorkerEnv(url=self.url, token=token, worker_id=wid).to_environ()
 
     def _on_exit(self, ex: Exit) -> None:
-        w = self.workers.get(ex.worker_id)
+        w = self.job.workers.get(ex.worker_id)
         if w is None:
             return
         w.exit_code = ex.returncode
-        was_member = w.id in self.members
+        was_member = w.id in self.job.members
         verdict = judge_exit(
             ExitFacts(
                 worker_id=w.id,
@@ -133,28 +141,30 @@ class Lifecycle:
                 leaving=w.state == WorkerState.STOPPING,
                 was_member=was_member,
                 kill_reason=w.kill_reason,
-                job_decided=self.outcome is not None,
-                failures=self.failures,
+                job_decided=self.job.outcome is not None,
+                failures=self.job.failures,
                 max_restarts=self.spec.max_restarts,
-                target=self.target,
+                target=self.job.target,
                 min_workers=self.spec.min_workers,
                 alive_others=sum(
-                    1 for m in self.workers.values() if m.live and not m.retired and m.id != w.id
+                    1
+                    for m in self.job.workers.values()
+                    if m.live and not m.retired and m.id != w.id
                 ),
             )
         )
         w.state, w.rank = verdict.state, None
         self.event(verdict.kind, verdict.message)
         if verdict.lost:
-            self.failures += 1
+            self.job.failures += 1
             if was_member:  # it explains its peers' failed collectives (``repeated_failure``)
-                self.failed_collectives = None
+                self.job.failed_collectives = None
         if verdict.reform:
             self._open(
-                [m for m in self.members if m != w.id],
+                [m for m in self.job.members if m != w.id],
                 f"worker {w.id} failed ({w.kill_reason or ex.describe()})",
             )
-        if verdict.fail_job and self.outcome is None:
+        if verdict.fail_job and self.job.outcome is None:
             self._decide(JobState.FAILED, verdict.fail_job)
         if verdict.target is not None:
             self._set_target(verdict.target, verdict.target_why)
@@ -163,7 +173,7 @@ class Lifecycle:
     def _track_placement(self) -> None:
         """``pending`` workers the backend has placed since become ``starting``."""
         waiting = None
-        for w in self.workers.values():
+        for w in self.job.workers.values():
             if w.state == WorkerState.PENDING:
                 waiting = self.backend.waiting() if waiting is None else waiting
                 if w.id not in waiting:
@@ -187,7 +197,7 @@ class Lifecycle:
                 f"the coordinator did not run for {gap:.1f} s (stopped or starved); "
                 "heartbeat clocks restart",
             )
-            for w in self.workers.values():
+            for w in self.job.workers.values():
                 if w.last_heartbeat is not None:
                     w.last_heartbeat = max(w.last_heartbeat, now)
                 if w.stopping_since is not None:
@@ -201,12 +211,12 @@ class Lifecycle:
                 stopping_s=mono - w.stopping_since if w.stopping_since is not None else None,
                 killed=w.kill_reason is not None,
             )
-            for w in self.workers.values()
+            for w in self.job.workers.values()
         ]
         for wid, kind, reason in to_kill(
             facts, heartbeat_timeout_s=self.spec.heartbeat_timeout_s, stop_grace_s=STOP_GRACE_S
         ):
-            self.workers[wid].kill_reason = reason
+            self.job.workers[wid].kill_reason = reason
             self.event(kind, f"worker {wid} {reason}; killing it")
             self.backend.signal(wid, signal.SIGKILL)
 
@@ -215,11 +225,11 @@ class Lifecycle:
         before the state reached anyone else; ``heal.StateLost``). Never train on from
         scratch: roll every member back to the newest verified checkpoint, or fail the job
         saying why."""
-        if self.state_lost is None or self.outcome is not None:
+        if self.job.state_lost is None or self.job.outcome is not None:
             return
-        gen_id, why = self.state_lost
-        self.state_lost = None
-        latest = self.latest
+        gen_id, why = self.job.state_lost
+        self.job.state_lost = None
+        latest = self.job.latest
         if latest is None or latest.id != gen_id:  # already superseded
             return
         self.event("failure", why)
@@ -233,7 +243,7 @@ class Lifecycle:
             self._decide(JobState.FAILED, why)
             return
         self.event("checkpoint", why)
-        self.step = step
+        self.job.step = step
         self._open(
             latest.members,
             f"rolled back to the checkpoint of step {step}: the state's holders were lost",
@@ -254,9 +264,9 @@ class Lifecycle:
         self._save_worker(w)
 
     def _start_worker(self) -> None:
-        wid = max(self.workers, default=self._worker_base - 1) + 1
+        wid = max(self.job.workers, default=self._worker_base - 1) + 1
         w = WorkerRecord(id=wid)
-        self.workers[wid] = w
+        self.job.workers[wid] = w
         # Recorded before it is launched: a coordinator that dies in between leaves a record
         # (its successor counts the worker as lost, and refuses it if it registers), never
         # a process with an id it could give a second worker.

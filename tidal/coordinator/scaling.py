@@ -20,39 +20,39 @@ from tidal.protocol import WorkerState
 
 class Scaling:
     def _int_metric(self, key: str) -> int | None:
-        if key == "max_steps" and self.job_length is not None:
-            return self.job_length or None  # as registered (``Handlers.on_register``)
-        value = self.metrics.get(key)  # a script may log anything under any name: NaN too
+        if key == "max_steps" and self.job.job_length is not None:
+            return self.job.job_length or None  # as registered (``Handlers.on_register``)
+        value = self.job.metrics.get(key)  # a script may log anything under any name: NaN too
         return int(value) if value and math.isfinite(value) else None
 
     def _observe(self, now: float) -> None:
-        latest = self.latest
-        live = sum(1 for w in self.workers.values() if w.live)
-        split = self.metrics.get("compute_s"), self.metrics.get("comm_s")
+        latest = self.job.latest
+        live = sum(1 for w in self.job.workers.values() if w.live)
+        split = self.job.metrics.get("compute_s"), self.job.metrics.get("comm_s")
         ws = self._int_metric("world_size") or 0
-        if None not in split and all(map(math.isfinite, split)) and ws == self.world_size():
+        if None not in split and all(map(math.isfinite, split)) and ws == self.job.world_size():
             self.accounting.note_split(ws, *split)
         self.accounting.observe(
             now=now,
-            step=self.step,
-            world_size=self.world_size(),
+            step=self.job.step,
+            world_size=self.job.world_size(),
             generation=latest.id if latest else 0,
             live=live,
         )
 
     def _apply_schedule(self) -> None:
-        for at, count in schedule_due(self.spec.schedule, self._schedule_done, self.step):
-            self._schedule_done += 1
-            self._schedule_applied_at = time.monotonic()
+        for at, count in schedule_due(self.spec.schedule, self.job.schedule_done, self.job.step):
+            self.job.schedule_done += 1
+            self.job.schedule_applied_at = time.monotonic()
             self._set_target(count, f"--schedule at step {at}")
 
     def _apply_policy(self) -> None:
-        pauses = [g.pause_s for g in self.generations if g.pause_s is not None]
-        changed = self.target_changed_at
+        pauses = [g.pause_s for g in self.job.generations if g.pause_s is not None]
+        changed = self.job.target_changed_at
         m = self.accounting.measurements(
-            step=self.step,
-            world_size=self.world_size(),
-            target=self.requested,
+            step=self.job.step,
+            world_size=self.job.world_size(),
+            target=self.job.requested,
             min_workers=self.spec.min_workers,
             max_workers=self.spec.max_workers,
             global_batch=self._int_metric("global_batch_size"),
@@ -61,7 +61,7 @@ class Scaling:
             since_change_s=time.monotonic() - changed if changed is not None else None,
         )
         decision = self._policy(m)
-        if decision.target != self.requested:
+        if decision.target != self.job.requested:
             self.event("policy", f"{self.spec.policy}: {decision.reason}")
             self._set_target(decision.target, f"{self.spec.policy} policy")
 
@@ -69,11 +69,11 @@ class Scaling:
         cap = self.accounting.capacity()
         if cap is None:
             return
-        self._set_target(self.requested, f"capacity {cap} (--capacity)")
+        self._set_target(self.job.requested, f"capacity {cap} (--capacity)")
         alive = [
-            w.id for w in self.workers.values() if w.live and not w.retired and not w.preempted
+            w.id for w in self.job.workers.values() if w.live and not w.retired and not w.preempted
         ]
-        victims = [self.workers[wid] for wid in capacity_victims(alive, self.members, cap)]
+        victims = [self.job.workers[wid] for wid in capacity_victims(alive, self.job.members, cap)]
         for w in victims:
             w.preempted = True
             self.event("capacity", f"capacity {cap}: preemption notice (SIGTERM) to worker {w.id}")
@@ -85,19 +85,21 @@ class Scaling:
         """Preemption notices: each leaver leaves at the next step boundary (a planned
         change, nothing redone). A notice the coordinator did not send means capacity went
         away: the target shrinks with it."""
-        while self.leaving:
-            w = self.workers[self.leaving.pop(0)]
+        while self.job.leaving:
+            w = self.job.workers[self.job.leaving.pop(0)]
             if not w.live or w.retired:
                 continue
             target = leaver_target(
-                sent_by_us=w.preempted, requested=self.requested, min_workers=self.spec.min_workers
+                sent_by_us=w.preempted,
+                requested=self.job.requested,
+                min_workers=self.spec.min_workers,
             )
             if target is not None:
                 self._set_target(target, f"worker {w.id} preempted")
-            was_member = w.id in self.members
+            was_member = w.id in self.job.members
             self._retire(w)
             if was_member:
                 self._open(
-                    [m for m in self.members if m != w.id],
+                    [m for m in self.job.members if m != w.id],
                     f"worker {w.id} left: preemption notice (SIGTERM)",
                 )

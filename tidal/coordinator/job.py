@@ -1,0 +1,82 @@
+"""The job as the control loop knows it: one dataclass, the only place its state lives.
+
+The coordinator holds one ``Job``; its handlers, the control loop's passes and a restarted
+coordinator's recovery (``recovery.rebuild``) read and change it, always under the
+coordinator's lock, and what of it must outlive a crash is written by the executor's
+journal (``journal.Journal``: the job, worker and generation rows; ``control``: the
+``recovery.Control`` record). Nothing else holds a copy that could drift: the answers
+workers read (``answers.Answers``) and the dashboard's view (``views.LiveView``) are
+snapshots published from it at the end of each pass.
+
+What is *not* here: the coordinator's plumbing (the store, the backend, the lock, timers of
+its own loop) and the accounting of capacity and cost (``accounting.Accounting``, its own
+state over time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.coordinator.records import GenerationRecord, ReformRequest, WorkerRecord
+from tidal.coordinator.rules import Streak
+from tidal.coordinator.step_metrics import StepLog
+from tidal.protocol import JobState
+
+
+@dataclass(kw_only=True)
+class Job:
+    """``requested``: what was asked (``--workers``, ``tidal scale``, the schedule, the
+    policy); ``target``: that within the capacity available now. ``step``: the highest
+    committed step any worker reported. ``outcome``: decided; ``state`` reaches it once
+    every process is gone."""
+
+    target: int
+    requested: int
+    created: float
+    step: int = 0
+    state: JobState = JobState.PENDING
+    target_changed_at: float | None = None  # monotonic
+    metrics: dict[str, float] = field(default_factory=dict)
+    step_log: StepLog = field(default_factory=StepLog)  # per-step values of tidal.log
+    leaving: list[int] = field(default_factory=list)  # workers that got a preemption notice
+    workers: dict[int, WorkerRecord] = field(default_factory=dict)
+    generations: list[GenerationRecord] = field(default_factory=list)
+    failures: int = 0  # lost workers, against --max-restarts
+    outcome: JobState | None = None
+    stop_requested_at: float | None = None  # monotonic
+    #: A member's collective failed in the latest generation: re-form it.
+    reform_requested: ReformRequest | None = None
+    #: The failed collectives in a row at one committed step (``rules.repeated_failure``).
+    failed_collectives: Streak | None = None
+    #: (generation, why): healing found no member of that generation holding the state.
+    state_lost: tuple[int, str] | None = None
+    #: The job's length (``Trainer.run(max_steps)``) as the first worker registered it.
+    job_length: int | None = None
+    #: Checkpoints of this run that could not be written: step -> the error (one line).
+    checkpoint_failed: dict[int, str] = field(default_factory=dict)
+    #: Steps whose checkpoint this run recorded.
+    checkpointed: set[int] = field(default_factory=set)
+    #: (worker, step): a member completed the job's last step; with durable checkpoints the
+    #: job succeeds once that step's checkpoint is recorded (``rules.final_checkpoint``).
+    completing: tuple[int, int] | None = None
+    schedule_done: int = 0  # --schedule entries applied
+    schedule_applied_at: float = 0.0  # monotonic, the last of them
+    #: The last --schedule step whose membership is in place (members holding there go on).
+    settled_step: int = -1
+    wind_down_since: float | None = None  # monotonic: the outcome's wind-down began
+
+    @property
+    def latest(self) -> GenerationRecord | None:
+        return self.generations[-1] if self.generations else None
+
+    @property
+    def members(self) -> list[int]:
+        return list(self.latest.members) if self.latest else []
+
+    def formed(self) -> GenerationRecord | None:
+        """The newest generation that formed (a member reported its first step)."""
+        return next((g for g in reversed(self.generations) if g.formed), None)
+
+    def world_size(self) -> int:
+        formed = self.formed()
+        return len(formed.members) if formed is not None and self.outcome is None else 0
