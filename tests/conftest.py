@@ -74,6 +74,7 @@ def served_coordinator(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
     coord = Coordinator(spec, tmp_path)
     server = ApiServer(coord)
     coord.url = server.url
+    coord.flush()  # as the loop's first pass would: the status names the URL
     server.start()
     for _ in range(500):
         if server._server.started:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,6 +59,7 @@ def served(tmp_path):
     coord = Coordinator(spec, tmp_path)  # never ticks: no worker is started
     server = ApiServer(coord)
     coord.url = server.url
+    coord.flush()  # as the loop's first pass would: the status names the URL
     server.start()
     _wait_started(server)
     yield coord, server
@@ -104,6 +106,41 @@ def test_job_json_has_status_history_and_worker_rates(served) -> None:
     assert data["worker_rates"] == {}
 
 
+def test_reads_answer_while_the_control_loop_holds_the_lock(served) -> None:
+    """The dashboard, the status and the metrics read what the loop published: none of them
+    waits for the coordinator's lock (held here as a long pass would hold it), and what they
+    show is as of the last flush."""
+    coord, server = served
+    with coord.lock:
+        coord.job.step = 42
+        coord.flush()
+    holding = threading.Event()
+    release = threading.Event()
+
+    def long_pass() -> None:
+        with coord.lock:
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=long_pass)
+    t.start()
+    try:
+        assert holding.wait(5)
+        for path in (
+            "/dashboard/jobs",
+            "/dashboard/jobs/dash-test",
+            API_PREFIX + "/status",
+            "/metrics",
+        ):
+            resp = httpx.get(server.url + path, timeout=5)  # a wait for the lock times out
+            assert resp.status_code == 200, path
+        status = httpx.get(server.url + API_PREFIX + "/status", timeout=5).json()
+        assert status["step"] == 42
+    finally:
+        release.set()
+        t.join()
+
+
 def test_worker_rates_skip_workers_about_to_be_healed(served, monkeypatch) -> None:
     coord, server = served
     source = server.app.state.dashboard_source
@@ -116,11 +153,13 @@ def test_worker_rates_skip_workers_about_to_be_healed(served, monkeypatch) -> No
             1: WorkerRecord(id=1, state=WorkerState.RUNNING, step=0),  # a joiner, not healed
             2: WorkerRecord(id=2, state=WorkerState.STANDBY, step=40),
         }
+        coord.flush()  # the loop's flush publishes what the dashboard reads
     assert source.worker_rates("dash-test")[0] == {"step": 100, "steps_per_s": None}
     clock["now"] += 2.0
     with coord.lock:
         coord.job.step = coord.job.workers[0].step = 300
         coord.job.workers[1].step = 299  # healed: its jump from 0 is not a rate
+        coord.flush()
     rates = source.worker_rates("dash-test")
     assert rates[0] == {"step": 300, "steps_per_s": 100.0}
     assert rates[1] == {"step": 299, "steps_per_s": None}
@@ -128,6 +167,7 @@ def test_worker_rates_skip_workers_about_to_be_healed(served, monkeypatch) -> No
     clock["now"] += 1.0
     with coord.lock:
         coord.job.step = coord.job.workers[0].step = coord.job.workers[1].step = 400
+        coord.flush()
     rates = source.worker_rates("dash-test")
     assert rates[0]["steps_per_s"] == pytest.approx(100.0)
     assert rates[1]["steps_per_s"] == pytest.approx(101.0)

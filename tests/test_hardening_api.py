@@ -85,6 +85,8 @@ def test_nan_and_inf_metrics_are_carried_to_every_view(served, tmp_path, capsys)
         client.register(0, RegisterRequest(pid=1, host="h", max_steps=10))
         metrics = {"loss": NAN, "grad_norm": INF, "log_p": -INF, "accuracy": 0.5}
         client.heartbeat(0, HeartbeatRequest(step=3, metrics=metrics))
+        with coord.lock:
+            coord.flush()  # as the loop does every half second: reads see it from then on
         back = client.status().metrics  # the client reads them back as floats
     finally:
         client.close()

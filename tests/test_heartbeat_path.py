@@ -186,7 +186,10 @@ def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
         assert coord.journal.records.workers == {w.id: w.row() for w in coord.job.workers.values()}
         writes = []
         write = coord.db.upsert_worker_rows
-        coord.db.upsert_worker_rows = lambda job, rows: (writes.append(list(rows)), write(job, rows))
+        coord.db.upsert_worker_rows = lambda job, rows: (
+            writes.append(list(rows)),
+            write(job, rows),
+        )
         coord.flush()  # nothing changed: nothing written
         coord.job.workers[7].state = WorkerState.EXITED
         coord.job.workers[8].last_heartbeat = 1.0

@@ -120,6 +120,7 @@ def test_coordinator_serves_metrics_of_its_job(served) -> None:
     coord, url = served
     with coord.lock:
         coord.job.metrics.update(samples_per_s=10.0, checkpoint_stall_s=0.25)
+        coord.flush()  # as the loop does every half second: reads see it from then on
     resp = httpx.get(url + "/metrics")
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/plain")

@@ -128,6 +128,7 @@ def serve(tmp_path) -> Iterator:
         server = ApiServer(coord, host=host)
         started.append((server, coord))
         coord.url = server.url
+        coord.flush()  # as the loop's first pass would: the status names the URL
         server.start()
         deadline = time.monotonic() + 10
         while not server._server.started and time.monotonic() < deadline:

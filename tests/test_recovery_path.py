@@ -95,7 +95,9 @@ def test_the_coordinator_records_the_worst_path_and_says_it_once(served_coordina
     coord, _ = served_coordinator
     with coord.lock:
         for wid in range(3):
-            coord.job.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY, pid=1, host="h")
+            coord.job.workers[wid] = WorkerRecord(
+                id=wid, state=WorkerState.STANDBY, pid=1, host="h"
+            )
         coord._open([0, 1, 2], "three members")
         gen = coord.job.latest.id
     reports = [(R, 0), (C, 2), (C, 3), (None, 0)]  # the last: a worker of an older version

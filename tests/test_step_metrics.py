@@ -266,8 +266,11 @@ def test_heartbeats_carry_step_values_to_the_status_dashboard_and_history(
             a.close()  # delivers the outbox
     with coord.lock:
         coord.job.step = 3
+        coord.flush()  # the loop's pass: the queued heartbeats applied, the view published
     recorder.close()  # a last tick: the rows go to SQLite
-    assert coord.status(fresh=True).metrics["loss"] == 2.0  # the gauge: step 2's mean of 1.0 and 3.0
+    assert (
+        coord.status(fresh=True).metrics["loss"] == 2.0
+    )  # the gauge: step 2's mean of 1.0 and 3.0
     source = HomeSource(tmp_path)
     try:
         data = source.job_data("served")

@@ -25,7 +25,8 @@ from tidal.backends import get_backend
 from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.db import Database
-from tidal.coordinator.handlers import Handlers, RequestError
+from tidal.coordinator.effects import Effects, RequestError
+from tidal.coordinator.handlers import Handlers
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.job import Job
 from tidal.coordinator.journal import Journal
@@ -48,6 +49,7 @@ from tidal.coordinator.rules import (
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.snapshot import JobRow
 from tidal.coordinator.supervisor import Hosting, listen, url_of
+from tidal.coordinator.views import Views
 from tidal.coordinator.wake import Wake
 from tidal.policy.inputs import PolicyParams
 from tidal.policy.reconcile import Pool, reconcile
@@ -70,7 +72,7 @@ HEALTH_EVERY_S = 0.25
 REFORM_GRACE_S = 0.1  # let a dead peer's exit be seen before re-forming on a failure report
 
 
-class Coordinator(Handlers, Scaling, Lifecycle):
+class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
     def __init__(
         self,
         spec: JobSpec,
@@ -152,6 +154,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         if recover:
             self._recover()
             self._publish()
+            self._publish_view()
             return
         if resume is None:
             self.event(
@@ -168,6 +171,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
 
         self._set_target(spec.workers, "the capacity at the start")
         self._publish()
+        self._publish_view()
 
     @property
     def checkpoint_dir(self) -> Path | None:
@@ -422,7 +426,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
 
     def flush(self) -> None:
         """Write the fast-moving values to SQLite (under the lock), the heartbeats queued
-        since the last pass applied first: a status read after a flush is as of now."""
+        since the last pass applied first; then publishes what readers see (``views``)."""
         self._drain()
         self._last_flush = time.monotonic()
         self.job.metrics.update(
@@ -442,6 +446,7 @@ class Coordinator(Handlers, Scaling, Lifecycle):
         )
         self._save_workers()
         self._save_control()
+        self._publish_view()
 
     def _save_worker(self, w: WorkerRecord) -> None:
         """Write one worker's row now (a change the status must show at once)."""

@@ -26,8 +26,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from tidal.access import bearer_ok
-from tidal.coordinator.controller import Coordinator, RequestError
-from tidal.coordinator.handlers import ReRegister
+from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.effects import RequestError, ReRegister
 from tidal.protocol import API_PREFIX, MAX_ID, HeartbeatRequest, worker_token
 
 Scope = MutableMapping[str, Any]

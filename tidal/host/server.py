@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from tidal.access import bearer_ok, read_ok, reads_need_token
-from tidal.coordinator.controller import Coordinator, RequestError
-from tidal.coordinator.handlers import ReRegister
+from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.effects import RequestError, ReRegister
 from tidal.coordinator.supervisor import listen, url_of
 from tidal.host.hot_path import HeartbeatHotPath
 from tidal.protocol import (
@@ -110,12 +110,11 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
             line = f"{'.'.join(first['loc'][1:]) or 'body'}: {first['msg']}"
             if refused.get(wid) != line:
                 refused[wid] = line
-                with coord.lock:
-                    coord.event(
-                        "refused",
-                        f"worker {wid}: {request.url.path.rsplit('/', 1)[-1]} refused "
-                        f"({len(errors)} invalid values): {line}"[:500],
-                    )
+                coord.on_refused(
+                    wid,
+                    f"worker {wid}: {request.url.path.rsplit('/', 1)[-1]} refused "
+                    f"({len(errors)} invalid values): {line}"[:500],
+                )
         return JSONResponse(status_code=422, content={"detail": errors})
 
     def call(fn, *args):

@@ -1,0 +1,230 @@
+"""What each fact does to the job (``facts``): one method per kind of fact.
+
+A mixin of ``Coordinator``. These run only from ``Handlers._drain``, under the lock, in the
+order the facts arrived; they change ``self.job``, write what must outlive a crash through
+the journal, and wake the loop when a decision is due. Decisions stay with the control
+loop's rules: a failure report asks for a re-form (``rules.reform_due`` decides when), a
+done report may complete the job (``rules.completion_refused``, ``rules.final_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tidal.coordinator.records import ReformRequest
+from tidal.coordinator.rules import completion_refused, merge_recovery, neighbour_copy_event
+from tidal.protocol import (
+    CheckpointFailure,
+    CheckpointView,
+    DoneReport,
+    FailureKind,
+    FailureReport,
+    HeartbeatRequest,
+    JobState,
+    RegisterRequest,
+    RegisterResponse,
+    StepReport,
+    WorkerConfig,
+    WorkerState,
+)
+
+if TYPE_CHECKING:
+    from tidal.coordinator.job import Job
+    from tidal.coordinator.records import WorkerRecord
+
+
+class RequestError(ValueError):
+    """A client asked for something the job cannot do; the message says why."""
+
+
+class ReRegister(RuntimeError):
+    """A worker that a previous coordinator of the job started called before registering
+    with this one (HTTP 409): it must register again, saying where it stands."""
+
+
+def final_checkpoint_failed(step: int, error: str) -> str:
+    return f"the checkpoint of its last step ({step}) could not be written: {error}"
+
+
+class Effects:
+    job: Job  # set by Coordinator
+
+    def _caller(self, wid: int) -> WorkerRecord:
+        """The worker making a call; ``ReRegister`` if it has not registered with this
+        coordinator yet (a previous one started it)."""
+        w = self._worker(wid)
+        if not w.adopted:
+            raise ReRegister(f"worker {wid}: the coordinator restarted; register again")
+        return w
+
+    def _apply_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
+        w = self._worker(wid)
+        if not w.live:
+            raise RequestError(
+                f"worker {wid} was counted as lost ({w.kill_reason or 'its process ended'}); "
+                "it must exit"
+            )
+        if not w.adopted:  # it trained on while the previous coordinator was away
+            w.adopted = True
+            if wid not in self.backend.alive():  # its pid was not known: it is now
+                self.backend.adopt(wid, req.pid, self._worker_env(wid))
+            self.job.step = max(self.job.step, req.step)
+            self.event(
+                "worker",
+                f"worker {wid} re-registered (generation {req.generation}, step {req.step})",
+            )
+        w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
+        if req.max_steps is not None and self.job.job_length is None:
+            self.job.job_length = req.max_steps
+        elif req.max_steps is not None and req.max_steps != self.job.job_length:
+            self.event(
+                "worker",
+                f"worker {wid} runs {req.max_steps} steps, the job {self.job.job_length}: "
+                f"the job's length stays {self.job.job_length}",
+            )
+        if w.state in (WorkerState.PENDING, WorkerState.STARTING):
+            w.state = WorkerState.STANDBY
+            w.node = w.node or self.backend.node(wid)
+        self._save_worker(w)
+        self.event("worker", f"worker {wid} ready (pid {req.pid})")
+        self.wake.set()  # a ready worker may complete the generation being formed
+        return RegisterResponse(
+            job=self.spec.name,
+            config=WorkerConfig.from_spec(
+                self.spec,
+                store_host=self.host,
+                store_port=self.store.port,
+                store_namespace=self.store_namespace,
+                checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
+                resume_from=self.resume.path if self.resume else None,
+            ),
+        )
+
+    def _apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
+        w.step = req.step
+        self.job.step = max(self.job.step, req.step)
+        self.job.metrics.update(req.metrics)
+        for record in req.step_metrics:  # values of tidal.log, one per (step, name)
+            self.job.metrics.update(self.job.step_log.add(w.id, record))
+        for c in req.checkpoints:
+            self._on_checkpoint(c)
+        for f in req.checkpoint_failures:
+            self._on_checkpoint_failure(f)
+        if req.leaving and w.id not in self.job.leaving and not w.retired:
+            self.job.leaving.append(w.id)
+        for report in req.reports:
+            self._on_step_report(report)
+        if req.leaving or any(at == req.step for at, _ in self.spec.schedule):
+            self.wake.set()  # a preemption notice, or members holding at a scheduled step
+
+    def _on_checkpoint(self, c: CheckpointView) -> None:
+        self.journal.add_checkpoint(c)
+        self.job.checkpointed = {*self.job.checkpointed, c.step}
+        for old in self.journal.checkpoints():  # pruned by the writer
+            if not Path(old.path).exists():
+                self.journal.drop_checkpoint(old.step)
+        size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
+        took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
+        self.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
+
+    def _on_checkpoint_failure(self, f: CheckpointFailure) -> None:
+        """An event and the status fields; the job fails if it is its last step's checkpoint
+        (the done report may come first: the job's end is recorded only once every worker,
+        the writer included, has exited, so either order ends the same)."""
+        self.job.checkpoint_failed = {**self.job.checkpoint_failed, f.step: f.error}
+        self.journal.add_checkpoint_failure(f.error)
+        self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
+        if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
+            self.job.outcome = None
+            self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
+
+    def _on_step_report(self, r: StepReport) -> None:
+        gens = self.job.generations
+        index = next((i for i, g in enumerate(gens) if g.id == r.generation), None)
+        if index is None:
+            return
+        gen = gens[index]
+        if gen.start_step is None:
+            gen.start_step = r.start_step
+        prev_formed = [g.id for g in gens[:index] if g.formed]
+        if (
+            r.prev_last_step_time is not None
+            and prev_formed
+            and r.prev_generation == prev_formed[-1]
+        ):
+            pause = r.first_step_time - r.prev_last_step_time
+            if gen.pause_s is None or pause > gen.pause_s:
+                gen.pause_s, gen.pause_phases = pause, r.phases or None
+        recorded = (gen.recovery, gen.redone_steps)
+        gen.recovery, gen.redone_steps = merge_recovery(recorded, r.recovery, r.redone_steps)
+        self.journal.save_generation(gen.view())
+        said = neighbour_copy_event(gen.id, recorded, r.recovery, r.redone_steps)
+        if said:
+            self.event("recovery", said)
+        if self.job.state == JobState.PENDING:
+            self.job.state = JobState.RUNNING
+            self.journal.update_job(state=self.job.state.value)
+
+    def _apply_failure(self, wid: int, r: FailureReport) -> None:
+        self._caller(wid)
+        latest = self.job.latest
+        if latest is None or r.generation != latest.id or self.job.outcome is not None:
+            return  # a newer generation already answers it
+        if r.kind == FailureKind.STATE_LOST:  # the control loop rolls back or fails
+            if self.job.state_lost is None:
+                self.job.state_lost = (latest.id, f"worker {wid}: {r.error}")
+                self.wake.set()
+            return
+        self.event(
+            "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
+        )
+        if self.job.reform_requested is None:
+            self.job.reform_requested = ReformRequest(
+                at=time.monotonic(),
+                generation=latest.id,
+                why=f"worker {wid} reported a failed collective",
+                worker_id=wid,
+                step=r.step,
+                error=r.error,
+            )
+            self.wake.set()  # a dead peer's exit may be waiting to be polled
+
+    def _apply_done(self, wid: int, r: DoneReport) -> None:
+        w = self._caller(wid)
+        self._stopping(w)
+        self.job.step = max(self.job.step, r.step)
+        if r.completed and self.job.outcome is None:
+            refused = self._completion_refused(wid, r)
+            if refused:
+                self.event(
+                    "worker",
+                    f"worker {wid} reported completion at step {r.step}; ignored: {refused}",
+                )
+            elif self.spec.checkpoints:  # the final checkpoint decides (``_finish``)
+                self.job.completing = (wid, r.step)
+                self._save_control()
+            else:
+                self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
+        self._save_worker(w)
+        self.wake.set()
+
+    def _completion_refused(self, wid: int, r: DoneReport) -> str:
+        formed = self.job.formed()
+        current = set(self.job.members) | set(formed.members if formed else ())
+        return completion_refused(
+            worker_id=wid, step=r.step, current=current, job_length=self.job.job_length
+        )
+
+    def _apply_scale(self, n: int) -> None:
+        if self.job.outcome is not None or self.job.stop_requested_at is not None:
+            raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
+        self._set_target(n, "tidal scale")
+        self.wake.set()
+
+    def _apply_stop(self) -> None:
+        if self.job.stop_requested_at is None and self.job.outcome is None:
+            self.job.stop_requested_at = time.monotonic()
+            self.event("stop", "stop requested: members stop after the current step")
+            self.wake.set()

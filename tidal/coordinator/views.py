@@ -1,0 +1,93 @@
+"""What readers see of a live job: snapshots the control loop publishes, read without its
+lock.
+
+A mixin of ``Coordinator``. The loop publishes a ``LiveView`` at every flush (``flush``:
+at least every ``controller.FLUSH_EVERY_S``, and after a change a caller asked to see); the
+status is built from the journal's copy of the job's records in memory (``journal``), which
+the same flush brings up to date. So a dashboard, ``tidal status`` or Prometheus, however
+many poll, never waits for a pass and never makes one wait: what they read is at most one
+flush interval old. Only a caller that changed the job and must see the change (``tidal
+scale``, ``tidal stop``) asks for ``status(fresh=True)``, which flushes under the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tidal.protocol import JobStatus, WorkerState
+
+if TYPE_CHECKING:
+    from tidal.coordinator.job import Job
+
+STATUS_MAX_AGE_S = 0.5  # readers share one status for this long (``Views.status``)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveView:
+    """The job as of one flush: its step, world size and target, its numeric metrics, and
+    each live worker's (id, step, is a member)."""
+
+    step: int
+    world_size: int
+    target: int
+    metrics: dict[str, float]
+    workers: tuple[tuple[int, int, bool], ...]
+
+    @staticmethod
+    def of(job: Job) -> LiveView:
+        return LiveView(
+            step=job.step,
+            world_size=job.world_size(),
+            target=job.target,
+            metrics={k: v for k, v in job.metrics.items() if isinstance(v, (int, float))},
+            workers=tuple(
+                (w.id, w.step, w.state == WorkerState.RUNNING)
+                for w in job.workers.values()
+                if w.live
+            ),
+        )
+
+
+class Views:
+    job: Job  # set by Coordinator
+    view: LiveView  # published by ``_publish_view``
+    _status_cache: tuple[float, JobStatus] | None = None
+
+    def _publish_view(self) -> None:
+        """Under the lock, after a flush: what readers see from now on."""
+        self.view = LiveView.of(self.job)
+        self._status_cache = None
+
+    def worker_steps(self) -> tuple[int, list[tuple[int, int, bool]]]:
+        """The job's step, and each live worker's (id, step, is a member), as of the last
+        flush; lock-free."""
+        view = self.view
+        return view.step, list(view.workers)
+
+    def sample(self) -> tuple[int, int, int, dict[str, float], list]:
+        """(step, world size, target, numeric metrics, the per-step values not yet taken)
+        for the dashboard's history (``tidal.dashboard.history.Recorder``). The values are
+        taken from the job: call it on the control loop's thread, between passes (the
+        runner does), where nothing else changes them."""
+        view = self.view
+        values = self.job.step_log.take()
+        return view.step, view.world_size, view.target, dict(view.metrics), values
+
+    def status(self, *, fresh: bool = False) -> JobStatus:
+        """The job's status (``tidal status --json``), as of the last flush, shared by every
+        reader for up to ``STATUS_MAX_AGE_S``; lock-free. ``fresh``: as of now (flushed under
+        the lock first), for a caller that changed the job (e.g. ``tidal scale``). The
+        snapshot is shared: callers must not change it."""
+        cached = self._status_cache
+        if not fresh and cached is not None and time.monotonic() - cached[0] < STATUS_MAX_AGE_S:
+            return cached[1]
+        if fresh:
+            with self.lock:
+                self.flush()
+        status = self.journal.status()
+        status.coordinator_pid = os.getpid()
+        self._status_cache = (time.monotonic(), status)
+        return status
