@@ -305,6 +305,12 @@ def test_an_adopted_worker_keeps_its_gpu(tmp_path, monkeypatch):
     try:
         first.start(0, {"TIDAL_WORKER_ID": "0"})
         pid = first._procs[0].pid
+        # A restarted coordinator adopts workers that have long run their script; until the
+        # child has exec'd, its environment is still the parent's (a loaded machine showed it).
+        deadline = time.monotonic() + 10
+        while b"TIDAL_WORKER_ID=0" not in Path(f"/proc/{pid}/environ").read_bytes():
+            assert time.monotonic() < deadline, "the worker never exec'd"
+            time.sleep(0.01)
         assert second.adopt(0, pid, {"TIDAL_WORKER_ID": "0"})
         second.start(1, {})
         _wait_all(second, {1})
