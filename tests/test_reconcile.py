@@ -1,5 +1,7 @@
 """The membership plan is a pure function: queue pools, check the decisions."""
 
+import pytest
+
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.schedule import future_peak
 
@@ -36,6 +38,23 @@ def test_a_joiner_waits_while_the_latest_generation_forms_and_starts_nothing_mor
 def test_a_scale_down_does_not_wait_for_the_forming_generation():
     plan = reconcile(Pool(members=[0, 1, 2], standby=[], starting=[], target=2, settling=True))
     assert plan.members == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        # chaos seed 20500008: a replacement ready as the members finish the last step
+        dict(members=[3, 5, 6], standby=[7], starting=[], target=4),
+        dict(members=[0, 1, 2], standby=[], starting=[], target=2),  # a scale-down
+        dict(members=[0, 1], standby=[], starting=[], target=3),  # a start
+    ],
+)
+def test_a_generation_whose_member_ended_its_loop_is_not_re_formed(pool):
+    plain = reconcile(Pool(**pool))
+    assert plain.members is not None or plain.start > 0  # a change, were it not ending
+    plan = reconcile(Pool(**pool, ending=True))
+    assert plan.members is None and plan.start == 0 and plan.retire == []
+    assert "ended its training loop" in plan.reason
 
 
 def test_scale_up_while_processes_start_does_not_start_more():

@@ -311,6 +311,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                 ),
                 forming=not self.job.generations,
                 settling=self.job.latest is not None and not self.job.latest.formed,
+                ending=any(self.job.workers[m].state == WorkerState.STOPPING for m in members),
             )
         )
         for wid in plan.retire:

@@ -24,6 +24,11 @@ class Pool:
     now would abandon that rendezvous and heal half done (a replacement forked in half a
     second otherwise superseded every re-form after a failure, and the pause tripled);
     once formed, a join is one planned switch at a step boundary.
+    ``ending``: a member of the current generation reported the end of its training loop
+    (the job's last step, or a stop): the generation ends with the job, and no join or
+    leave may re-form it (the members that finished cannot meet again; a joiner admitted at
+    the last step waited for them in vain, and the finished members, made members again,
+    had their clean exits counted as failures). The exits and the wind-down decide.
     """
 
     members: list[int]
@@ -33,6 +38,7 @@ class Pool:
     spares: int = 0
     forming: bool = False
     settling: bool = False
+    ending: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +54,8 @@ class Plan:
 
 
 def reconcile(pool: Pool) -> Plan:
+    if pool.ending:
+        return Plan(reason="a member ended its training loop: the generation ends with the job")
     members, standby = list(pool.members), list(pool.standby)
     need = pool.target - len(members)
     new_members: list[int] | None = None
