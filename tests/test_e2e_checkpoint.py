@@ -89,6 +89,32 @@ def test_kill_everything_then_resume_on_three_workers(tidal_home: Home, referenc
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_losing_every_worker_at_once_goes_on_from_the_checkpoint(
+    tidal_home: Home, reference_params, tmp_path
+):
+    """Both workers SIGKILLed at once, the coordinator alive: replacements start, find no
+    state, roll back to the newest checkpoint (step 100) and finish the job, equal to one
+    uninterrupted worker, as torchrun would restart its group from a checkpoint."""
+    save = tmp_path / "after.safetensors"
+    job = start_stalled_at(tidal_home, "all-lost", 120, save)
+    status = job.poll()
+    pids = [w["pid"] for w in running_workers(status)]
+    assert len(pids) == 2, summarize(status)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    status = job.wait_state("succeeded", "failed", timeout=180)
+    assert status["state"] == "succeeded" and status["step"] == 300, summarize(status)
+    said = event_messages(status)
+    assert any("every worker was lost at step" in m and "step 100" in m for m in said), said
+    assert any("rolling back to the checkpoint of step 100" in m for m in said), said
+    assert not any(w["pid"] in pids for w in running_workers(status))
+    rel = relative_l2(reference_params(300), save)
+    assert rel <= 1e-4, f"parameters differ by {rel:.2e}"
+    tidal_home.assert_no_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_damaged_newest_checkpoint_is_refused_on_resume(
     tidal_home: Home, reference_params, tmp_path
 ):

@@ -17,6 +17,7 @@ from tidal.coordinator.rules import (
     clocks_restart,
     completion_refused,
     effective_target,
+    every_member_lost,
     final_checkpoint,
     heartbeat_interval,
     judge_exit,
@@ -311,6 +312,24 @@ def test_roll_back(checkpoint, action, text) -> None:
 
 
 @pytest.mark.parametrize(
+    ("keeps", "checkpoint", "action", "text"),
+    [
+        (False, None, "fail", "every worker was lost; nothing holds the training state"),
+        (True, None, "fail", "every worker was lost; no live worker holds the training state"),
+        (
+            True,
+            50,
+            "resume",
+            "lost at step 57: the next members resume from the checkpoint of step 50",
+        ),
+    ],
+)
+def test_every_member_lost(keeps, checkpoint, action, text) -> None:
+    got, why = every_member_lost(keeps_checkpoints=keeps, checkpoint_step=checkpoint, step=57)
+    assert got == action and text in why
+
+
+@pytest.mark.parametrize(
     ("wid", "step", "length", "why"),
     [
         (1, 100, 100, ""),
@@ -502,7 +521,9 @@ def test_wind_down(failed, waited, alive, begin, kill, end) -> None:
     assert (got.kill is None) == (kill is None) and (kill is None or kill in got.kill)
 
 
-@pytest.mark.parametrize(("gap", "restart"), [(0.02, False), (2.0, False), (2.01, True), (60, True)])
+@pytest.mark.parametrize(
+    ("gap", "restart"), [(0.02, False), (2.0, False), (2.01, True), (60, True)]
+)
 def test_clocks_restart(gap, restart) -> None:
     assert clocks_restart(gap_s=gap, not_running_s=2.0) is restart
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.backends import get_backend
+from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.db import Database
@@ -39,6 +40,7 @@ from tidal.coordinator.records import (
 )
 from tidal.coordinator.rules import (
     effective_target,
+    every_member_lost,
     final_checkpoint,
     reform_due,
     repeated_failure,
@@ -310,7 +312,8 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                     future_peak(self.spec.schedule, self.job.step) - self.job.target,
                 ),
                 forming=not self.job.generations,
-                settling=self.job.latest is not None and not self.job.latest.formed,
+                # an empty generation (every member lost) never forms: its successor is open
+                settling=bool(self.job.members) and not self.job.latest.formed,
                 ending=any(self.job.workers[m].state == WorkerState.STOPPING for m in members),
             )
         )
@@ -382,7 +385,26 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
             "generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})"
         )
         if not members and self.job.outcome is None:
-            self._decide(JobState.FAILED, "every worker was lost; nothing holds the training state")
+            self._every_member_lost()
+
+    def _every_member_lost(self) -> None:
+        """The generation just opened is empty: go on from the newest verified checkpoint
+        (``rules.every_member_lost``) or fail."""
+        step = None
+        if self.checkpoint_dir is not None:
+            path, warnings = newest_good(self.checkpoint_dir)
+            for line in warnings:
+                self.event("checkpoint", line)
+            step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
+        action, why = every_member_lost(
+            keeps_checkpoints=self.checkpoint_dir is not None,
+            checkpoint_step=step,
+            step=self.job.step,
+        )
+        if action == "fail":
+            self._decide(JobState.FAILED, why)
+        else:
+            self.event("failure", why)
 
     def _check_start_timeout(self) -> None:
         why = start_timed_out(

@@ -206,6 +206,26 @@ def roll_back(*, lost_step: int, checkpoint_step: int | None) -> tuple[str, str]
     )
 
 
+def every_member_lost(
+    *, keeps_checkpoints: bool, checkpoint_step: int | None, step: int
+) -> tuple[str, str]:
+    """``("fail", why)`` or ``("resume", event)`` when the last member of the job is lost
+    (all at once, or the last survivor). With a verified checkpoint the job goes on, as
+    torchrun restarts a worker group: the next workers admitted find no state, and healing
+    sends them to the checkpoint (``roll_back``); otherwise it fails saying so. The workers
+    lost count against ``--max-restarts`` like any others (``judge_exit``)."""
+    if not keeps_checkpoints:
+        return "fail", "every worker was lost; nothing holds the training state"
+    action, why = roll_back(lost_step=step, checkpoint_step=checkpoint_step)
+    if action == "fail":
+        return "fail", f"every worker was lost; {why}"
+    return (
+        "resume",
+        f"every worker was lost at step {step}: the next members resume from the checkpoint "
+        f"of step {checkpoint_step}",
+    )
+
+
 # -- how a generation recovered its state ---------------------------------------------------
 def merge_recovery(
     recorded: tuple[RecoveryPath | None, int | None], path: RecoveryPath | None, redone: int
