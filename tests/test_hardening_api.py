@@ -279,7 +279,7 @@ def test_workers_are_started_with_their_own_credential_not_the_jobs_token(served
         envs[wid] = env
         return 4_000_000 + wid  # no process: only the environment is under test
 
-    coord.backend.start = start
+    coord.executor.backend.start = start
     with coord.lock:
         coord._start_worker()
         coord._start_worker()
@@ -431,8 +431,8 @@ def test_the_coordinator_starts_at_most_max_starting_workers_at_once(tmp_path):
         return 4_000_000 + wid  # no process
 
     try:
-        coord.backend.start = start
-        coord.backend.max_starting = 3
+        coord.executor.backend.start = start
+        coord.executor.backend.max_starting = 3
         with coord.lock:
             coord._reconcile()
             assert started == [0, 1, 2]

@@ -323,7 +323,7 @@ def _listeners(port: int) -> list[str]:
 
 def test_rendezvous_store_listens_on_loopback_only(served_coordinator) -> None:
     coord, _ = served_coordinator
-    listeners = _listeners(coord.store.port)
+    listeners = _listeners(coord.executor.store.port)
     # 127.0.0.1 in /proc's little-endian hex; never 00000000 (every interface).
     assert listeners == ["0100007F"], listeners
 

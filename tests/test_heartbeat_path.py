@@ -183,10 +183,12 @@ def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
         for wid in range(1, 50):
             coord.job.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
         coord.flush()
-        assert coord.journal.records.workers == {w.id: w.row() for w in coord.job.workers.values()}
+        assert coord.executor.journal.records.workers == {
+            w.id: w.row() for w in coord.job.workers.values()
+        }
         writes = []
-        write = coord.db.upsert_worker_rows
-        coord.db.upsert_worker_rows = lambda job, rows: (
+        write = coord.executor.db.upsert_worker_rows
+        coord.executor.db.upsert_worker_rows = lambda job, rows: (
             writes.append(list(rows)),
             write(job, rows),
         )

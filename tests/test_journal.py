@@ -17,7 +17,7 @@ from tidal.protocol import (
 
 
 def from_sqlite(coord) -> dict:
-    db = Database(coord.db.path, readonly=True)
+    db = Database(coord.executor.db.path, readonly=True)
     try:
         return db.load_status(coord.spec.name).model_dump(exclude={"coordinator_pid"})
     finally:
@@ -73,7 +73,7 @@ def test_a_status_read_does_not_read_sqlite(served_coordinator):
     def refuse(name):
         raise AssertionError("the live status read SQLite")
 
-    coord.db.load_records = coord.db.load_status = refuse
+    coord.executor.db.load_records = coord.executor.db.load_status = refuse
     with coord.lock:
         coord.job.step = 7
     assert coord.status(fresh=True).step == 7

@@ -22,7 +22,7 @@ def coord_and_notices(served_coordinator):
     cfg = WorkerConfig.from_spec(
         coord.spec,
         store_host=coord.host,
-        store_port=coord.store.port,
+        store_port=coord.executor.store.port,
         store_namespace=coord.store_namespace,
     )
     notices = Notices()

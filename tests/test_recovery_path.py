@@ -112,7 +112,7 @@ def test_the_coordinator_records_the_worst_path_and_says_it_once(served_coordina
     said = [e.message for e in live.events if e.kind == "recovery"]
     assert said == [f"generation {gen}: rebuilt from neighbour copies, 2 steps redone"]
     # A restarted coordinator rebuilds them from the records, and its view says the same.
-    recorded = coord.db.load_status(coord.spec.name)
+    recorded = coord.executor.db.load_status(coord.spec.name)
     assert recorded.generations[-1] == g
     again = rebuild(recorded, Control(requested=3), namespace="ns", now=1.0)
     assert again.generations[-1].view() == g

@@ -174,7 +174,7 @@ def test_a_lost_member_starts_the_count_again(
     for _ in range(5):
         fail_once(coord, 0)
     exits = [Exit(worker_id=1, returncode=-9)]  # the backend sees worker 1 SIGKILLed
-    monkeypatch.setattr(coord.backend, "poll", lambda: [exits.pop()] if exits else [])
+    monkeypatch.setattr(coord.executor.backend, "poll", lambda: [exits.pop()] if exits else [])
     coord.tick()
     assert coord.job.latest.members == [0]  # no replacement (--max-restarts 0)
     assert coord.job.failed_collectives is None  # its loss explains its peers' failures
@@ -193,7 +193,7 @@ def test_the_count_survives_a_coordinator_restart(
 ) -> None:
     for _ in range(6):
         fail_once(coord, 0)
-    saved = Control.from_dict(coord.db.load_control("repeat"))
+    saved = Control.from_dict(coord.executor.db.load_control("repeat"))
     assert saved.failed_collectives == Streak(step=0, count=6, last=f"worker 1: {PREMUL}")
     # It dies (the fixture closes it at the end); its workers train on, and the next one
     # adopts them.

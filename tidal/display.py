@@ -39,7 +39,7 @@ class Progress:
         now = time.monotonic()
         if not final and now - self._last < 0.25:
             return
-        status = self.coord.db.load_status(self.coord.spec.name) if final else None
+        status = self.coord.executor.db.load_status(self.coord.spec.name) if final else None
         events = self._new_events()
         for e in events:
             self.console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {escape(e.message)}")
@@ -58,7 +58,7 @@ class Progress:
             self.console.print(f"[bold]{escape(self.coord.spec.name)}[/bold] " + " | ".join(parts))
 
     def _new_events(self) -> list:
-        events = self.coord.db.load_events(self.coord.spec.name, after=self._events_seen)
+        events = self.coord.executor.db.load_events(self.coord.spec.name, after=self._events_seen)
         self._events_seen += len(events)
         return events
 
@@ -83,7 +83,7 @@ def print_outcome(coord: Coordinator) -> int:
     try:
         reasons = [
             e.message.removeprefix(prefix)
-            for e in coord.db.load_events(name)
+            for e in coord.executor.db.load_events(name)
             if e.kind == "job" and e.message.startswith(prefix)
         ]
     except Exception:  # noqa: BLE001 - the records may be unreadable; say what is known

@@ -4,15 +4,17 @@ Threads: the HTTP API (uvicorn's) calls the ``on_*`` methods; the controller thr
 ``tick`` when an API call sets ``wake`` or a worker exits (``Backend.wake_fds``), and
 otherwise at the interval ``rules.loop_wait`` gives. Both hold ``self.lock``, so each sees a
 consistent job.
-Decisions come from pure functions (``policy.reconcile``, ``policy.schedule``); ``tick``
-carries them out: open generations, start and retire processes, kill hung workers.
+Decisions come from pure functions (``rules``, ``policy.reconcile``, ``policy.schedule``);
+``tick`` turns them into changes of the job in memory (``job.Job``) and actions
+(``actions``: open generations, start, signal and adopt processes, write records), which
+``self.executor`` (``executor.Executor``) carries out at once, in order: it is the only
+code that touches the backend, the rendezvous store and SQLite.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -25,8 +27,18 @@ from tidal.backends import get_backend
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
+from tidal.coordinator.actions import (
+    AbandonGeneration,
+    KillEveryWorker,
+    OpenGeneration,
+    RecordEvent,
+    RecordGeneration,
+    RecordJob,
+    RecordWorkers,
+)
 from tidal.coordinator.db import Database
 from tidal.coordinator.effects import Effects, RequestError
+from tidal.coordinator.executor import Executor
 from tidal.coordinator.handlers import Handlers
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.job import Job
@@ -58,12 +70,9 @@ from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.registry import get_policy
 from tidal.policy.schedule import future_peak
 from tidal.protocol import (
-    GEN_ABANDONED,
-    GEN_OPEN,
     EventView,
     JobState,
     WorkerState,
-    state_key,
 )
 from tidal.sim.trace import load_trace
 
@@ -97,24 +106,22 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
         self.jobdir = job_dir(home, spec.name)
         self.jobdir.logs.mkdir(parents=True, exist_ok=True)
         # Before the job's record: a backend that cannot start (no cluster) leaves none.
-        self.backend = get_backend(spec.backend)(
-            spec=spec, log_dir=self.jobdir.logs, cwd=Path.cwd()
-        )
+        backend = get_backend(spec.backend)(spec=spec, log_dir=self.jobdir.logs, cwd=Path.cwd())
         if hosting is not None:
-            self.backend.reaped_fd = hosting.reaped_r  # orphans' exit statuses
-        self.host = host or self.backend.host
-        self.db = Database(db_path(home))
+            backend.reaped_fd = hosting.reaped_r  # orphans' exit statuses
+        self.host = host or backend.host
+        db = Database(db_path(home))
         self._gen_base, self._worker_base = 0, 0
         if recover:
             pass  # the job's records are there: ``_recover`` reads them
         elif resume is None:
-            self.db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
+            db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
         else:
-            self.db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
-            gen, wid = self.db.max_ids(spec.name)
+            db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
+            gen, wid = db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
-        self.journal = Journal(self.db, spec.name)  # the only writer of the job's records
-        self.journal.load(
+        journal = Journal(db, spec.name)  # the only writer of the job's records
+        journal.load(
             unwritten=JobRow(
                 state=JobState.PENDING.value,
                 spec=spec.to_dict(),
@@ -122,10 +129,16 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                 target_workers=spec.workers,
             )
         )
-        self.store = _bound_store(self.host, hosting.store_sock if hosting else None)
         # Every store key of the job lives under this secret (``protocol.generation_prefix``):
         # only workers, which get it through the authenticated API, can name a key.
         self.store_namespace = secrets.token_hex(16)
+        #: The only door to the world: worker processes, the store, the records.
+        self.executor = Executor(
+            backend=backend,
+            store=_bound_store(self.host, hosting.store_sock if hosting else None),
+            namespace=self.store_namespace,
+            journal=journal,
+        )
         self.lock = threading.RLock()
         # Set by API calls that need a decision (a registration, a failure report, a
         # scale, a stop, members holding at a scheduled step): the loop ticks at once
@@ -181,7 +194,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
 
     # -- helpers -------------------------------------------------------------------------
     def event(self, kind: str, message: str) -> None:
-        self.journal.add_event(EventView(time=time.time(), kind=kind, message=message))
+        self.executor.do(RecordEvent(event=EventView(time=time.time(), kind=kind, message=message)))
 
     def _worker(self, wid: int) -> WorkerRecord:
         w = self.job.workers.get(wid)
@@ -198,7 +211,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
             self.event("scale", f"target {self.job.target} -> {effective} ({why})")
             self.job.target = effective
             self.job.target_changed_at = time.monotonic()
-            self.journal.update_job(target_workers=effective)
+            self.executor.do(RecordJob(values={"target_workers": effective}))
         self._save_control()
 
     def _decide(self, outcome: JobState, why: str) -> None:
@@ -218,7 +231,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
     def _pass(self) -> bool:
         now = time.monotonic()
         self._drain()
-        for ex in self.backend.poll():
+        for ex in self.executor.poll():
             self._on_exit(ex)
         self._track_placement()
         if now - self._last_health >= HEALTH_EVERY_S:
@@ -324,7 +337,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
         # No more workers starting (launched, not registered) at once than the backend can
         # bring up; the rest start on later passes, as these register.
         starting = sum(1 for w in self.job.workers.values() if w.state in NOT_STARTED)
-        for _ in range(max(0, min(plan.start, self.backend.max_starting - starting))):
+        for _ in range(max(0, min(plan.start, self.executor.max_starting - starting))):
             self._start_worker()
         self._settle_schedule()
 
@@ -363,9 +376,11 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
             resume_from=resume[0] if resume else None,
             resume_step=resume[1] if resume else None,
         )
-        self.store.set(state_key(gen.store_prefix), GEN_OPEN)
-        if prev is not None:
-            self.store.compare_set(state_key(prev.store_prefix), GEN_OPEN, GEN_ABANDONED)
+        self.executor.do(
+            OpenGeneration(
+                prefix=gen.store_prefix, previous=prev.store_prefix if prev is not None else None
+            )
+        )
         self.job.generations.append(gen)
         ranks = {m: i for i, m in enumerate(members)}
         for w in self.job.workers.values():
@@ -379,7 +394,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                     self._stopping(w)
         self._publish()  # the members learn of it at their next heartbeat, not after the pass
         self._save_workers()
-        self.journal.save_generation(gen.view())
+        self.executor.do(RecordGeneration(generation=gen.view()))
         self._save_control()
         self.event(
             "generation", f"generation {gen.id}: {len(members)} workers {members} ({reason})"
@@ -419,7 +434,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
     def _wind_down(self, now: float) -> bool:
         """Once the outcome is decided: let members finish, tell the rest to exit, kill
         what outlives the grace period, then record the end."""
-        alive = len(self.backend.alive())
+        alive = len(self.executor.alive())
         plan = wind_down(
             failed=self.job.outcome == JobState.FAILED,
             waited_s=None if self.job.wind_down_since is None else now - self.job.wind_down_since,
@@ -429,18 +444,15 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
         if plan.begin:
             self.job.wind_down_since = now
             if self.job.latest is not None:
-                self.store.compare_set(
-                    state_key(self.job.latest.store_prefix), GEN_OPEN, GEN_ABANDONED
-                )
+                self.executor.do(AbandonGeneration(prefix=self.job.latest.store_prefix))
             for w in self.job.workers.values():
                 if w.live and w.id not in self.job.members:
                     self._retire(w)
         if plan.kill:
-            for wid in self.backend.alive():
-                self.backend.signal(wid, signal.SIGKILL)
+            self.executor.do(KillEveryWorker(why=f"{STOP_GRACE_S:.0f} s after the job's end"))
         if not plan.end:
             return True
-        for ex in self.backend.poll():
+        for ex in self.executor.poll():
             self._on_exit(ex)
         self.job.state = self.job.outcome
         self.flush()
@@ -459,13 +471,17 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                 max_steps=self._int_metric("max_steps"),
             )
         )
-        self.journal.update_job(
-            state=self.job.state.value,
-            step=self.job.step,
-            world_size=self.job.world_size(),
-            target_workers=self.job.target,
-            metrics=self.job.metrics,
-            url=self.url or None,
+        self.executor.do(
+            RecordJob(
+                values={
+                    "state": self.job.state.value,
+                    "step": self.job.step,
+                    "world_size": self.job.world_size(),
+                    "target_workers": self.job.target,
+                    "metrics": self.job.metrics,
+                    "url": self.url or None,
+                }
+            )
         )
         self._save_workers()
         self._save_control()
@@ -473,16 +489,16 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
 
     def _save_worker(self, w: WorkerRecord) -> None:
         """Write one worker's row now (a change the status must show at once)."""
-        self.journal.save_workers([w.row()])
+        self.executor.do(RecordWorkers(rows=(w.row(),)))
 
     def _save_workers(self) -> None:
         """Write the worker rows that changed since they were written (``changed_rows``
         against the journal's copy of what SQLite holds)."""
         rows = changed_rows(
-            [w.row() for w in self.job.workers.values()], self.journal.records.workers
+            [w.row() for w in self.job.workers.values()], self.executor.records.workers
         )
         if rows:
-            self.journal.save_workers(rows)
+            self.executor.do(RecordWorkers(rows=tuple(rows)))
 
     def settled(self) -> bool:
         """True when nothing is in motion that a pass must notice within tenths of a
@@ -502,11 +518,8 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
         return not any(w.state in NOT_STARTED for w in self.job.workers.values())
 
     def close(self) -> None:
-        for wid in self.backend.alive():
-            self.backend.signal(wid, signal.SIGKILL)
-        self.backend.close()
+        self.executor.close()
         self.wake.close()
-        self.db.close()
         try:
             os.remove(self.jobdir.coordinator_file)
         except OSError:

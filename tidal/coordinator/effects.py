@@ -13,6 +13,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.coordinator.actions import (
+    AdoptWorker,
+    DropCheckpoint,
+    RecordCheckpoint,
+    RecordCheckpointFailure,
+    RecordGeneration,
+    RecordJob,
+)
 from tidal.coordinator.records import ReformRequest
 from tidal.coordinator.rules import completion_refused, merge_recovery, neighbour_copy_event
 from tidal.protocol import (
@@ -68,8 +76,8 @@ class Effects:
             )
         if not w.adopted:  # it trained on while the previous coordinator was away
             w.adopted = True
-            if wid not in self.backend.alive():  # its pid was not known: it is now
-                self.backend.adopt(wid, req.pid, self._worker_env(wid))
+            if wid not in self.executor.alive():  # its pid was not known: it is now
+                self.executor.do(AdoptWorker(worker_id=wid, pid=req.pid, env=self._worker_env(wid)))
             self.job.step = max(self.job.step, req.step)
             self.event(
                 "worker",
@@ -86,7 +94,7 @@ class Effects:
             )
         if w.state in (WorkerState.PENDING, WorkerState.STARTING):
             w.state = WorkerState.STANDBY
-            w.node = w.node or self.backend.node(wid)
+            w.node = w.node or self.executor.node(wid)
         self._save_worker(w)
         self.event("worker", f"worker {wid} ready (pid {req.pid})")
         self.wake.set()  # a ready worker may complete the generation being formed
@@ -95,7 +103,7 @@ class Effects:
             config=WorkerConfig.from_spec(
                 self.spec,
                 store_host=self.host,
-                store_port=self.store.port,
+                store_port=self.executor.store_port,
                 store_namespace=self.store_namespace,
                 checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
                 resume_from=self.resume.path if self.resume else None,
@@ -120,11 +128,11 @@ class Effects:
             self.wake.set()  # a preemption notice, or members holding at a scheduled step
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
-        self.journal.add_checkpoint(c)
+        self.executor.do(RecordCheckpoint(checkpoint=c))
         self.job.checkpointed = {*self.job.checkpointed, c.step}
-        for old in self.journal.checkpoints():  # pruned by the writer
+        for old in self.executor.checkpoints():  # pruned by the writer
             if not Path(old.path).exists():
-                self.journal.drop_checkpoint(old.step)
+                self.executor.do(DropCheckpoint(step=old.step))
         size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
         took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
         self.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
@@ -134,7 +142,7 @@ class Effects:
         (the done report may come first: the job's end is recorded only once every worker,
         the writer included, has exited, so either order ends the same)."""
         self.job.checkpoint_failed = {**self.job.checkpoint_failed, f.step: f.error}
-        self.journal.add_checkpoint_failure(f.error)
+        self.executor.do(RecordCheckpointFailure(error=f.error))
         self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
         if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
             self.job.outcome = None
@@ -159,13 +167,13 @@ class Effects:
                 gen.pause_s, gen.pause_phases = pause, r.phases or None
         recorded = (gen.recovery, gen.redone_steps)
         gen.recovery, gen.redone_steps = merge_recovery(recorded, r.recovery, r.redone_steps)
-        self.journal.save_generation(gen.view())
+        self.executor.do(RecordGeneration(generation=gen.view()))
         said = neighbour_copy_event(gen.id, recorded, r.recovery, r.redone_steps)
         if said:
             self.event("recovery", said)
         if self.job.state == JobState.PENDING:
             self.job.state = JobState.RUNNING
-            self.journal.update_job(state=self.job.state.value)
+            self.executor.do(RecordJob(values={"state": self.job.state.value}))
 
     def _apply_failure(self, wid: int, r: FailureReport) -> None:
         self._caller(wid)

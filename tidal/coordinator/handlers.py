@@ -23,6 +23,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from tidal.coordinator.actions import Notify
 from tidal.coordinator.answers import Answers
 from tidal.coordinator.effects import RequestError, ReRegister
 from tidal.coordinator.facts import (
@@ -41,7 +42,6 @@ from tidal.protocol import (
     HeartbeatRequest,
     RegisterRequest,
     RegisterResponse,
-    notice_key,
 )
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Handlers:
             timeout_s=self.spec.heartbeat_timeout_s,
         )
         if notice:  # after the answer: rank 0 fetches it when it sees the count move
-            self.store.add(notice_key(self.store_namespace), 1)
+            self.executor.do(Notify())
 
     def _answer(self, w: WorkerRecord) -> bytes:
         answers = self.answers

@@ -1,7 +1,9 @@
 """The life of worker processes, carried out: start, placement, exits, hung workers.
 
 A mixin of ``Coordinator``; every method runs under ``self.lock``. The backend reports
-(exits, placement); these methods turn reports into worker states and generations. An exit
+(exits, placement, read through the executor); these methods turn reports into worker
+states and generations, and what the rules decide into actions (``actions``: start,
+signal, adopt) that the executor carries out. An exit
 is a failure to recover from unless the worker was asked to leave; an exit with a positive
 code (the script raised) fails the job, since every worker runs the same code.
 """
@@ -14,6 +16,7 @@ import time
 
 from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
+from tidal.coordinator.actions import AdoptWorker, RecordControl, SignalWorker, StartWorker
 from tidal.coordinator.job import Job
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
@@ -40,9 +43,8 @@ class Lifecycle:
         """Start from the records of the job's previous coordinator (``recovery``): adopt
         its live workers, count the ones that are gone as lost, re-open a generation that
         had not formed."""
-        name = self.spec.name
-        status = self.journal.status()
-        saved = self.db.load_control(name)
+        status = self.executor.status()
+        saved = self.executor.saved_control()
         control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
         r = rebuild(status, control, namespace=self.store_namespace, now=time.time())
         self.job = Job(
@@ -71,7 +73,9 @@ class Lifecycle:
                 continue
             if w.state == WorkerState.STOPPING:
                 w.stopping_since = time.monotonic()
-            if w.pid and self.backend.adopt(w.id, w.pid, self._worker_env(w.id)):
+            if w.pid and self.executor.do(
+                AdoptWorker(worker_id=w.id, pid=w.pid, env=self._worker_env(w.id))
+            ):
                 adopted.append(w.id)
             else:
                 lost.append(w.id)
@@ -117,7 +121,7 @@ class Lifecycle:
             resume_step=latest.resume_step if latest else None,
             workers=flags,
         )
-        self.journal.save_control(control.to_dict())
+        self.executor.do(RecordControl(control=control.to_dict()))
 
     def _worker_env(self, wid: int) -> dict[str, str]:
         """What a worker's process is launched with: its id, credential, the API's URL."""
@@ -136,7 +140,7 @@ class Lifecycle:
                 returncode=ex.returncode,
                 how=ex.describe(),
                 reason=ex.reason,
-                detail=self.backend.describe_exit(w.id) if ex.returncode > 0 else "",
+                detail=self.executor.describe_exit(w.id) if ex.returncode > 0 else "",
                 retired=w.retired,
                 leaving=w.state == WorkerState.STOPPING,
                 was_member=was_member,
@@ -175,9 +179,9 @@ class Lifecycle:
         waiting = None
         for w in self.job.workers.values():
             if w.state == WorkerState.PENDING:
-                waiting = self.backend.waiting() if waiting is None else waiting
+                waiting = self.executor.waiting() if waiting is None else waiting
                 if w.id not in waiting:
-                    w.state, w.node = WorkerState.STARTING, self.backend.node(w.id)
+                    w.state, w.node = WorkerState.STARTING, self.executor.node(w.id)
                     self._save_worker(w)
                     self.event("worker", f"worker {w.id} placed on {w.node}")
 
@@ -218,7 +222,7 @@ class Lifecycle:
         ):
             self.job.workers[wid].kill_reason = reason
             self.event(kind, f"worker {wid} {reason}; killing it")
-            self.backend.signal(wid, signal.SIGKILL)
+            self.executor.do(SignalWorker(worker_id=wid, signum=signal.SIGKILL, why=reason))
 
     def _answer_state_lost(self) -> None:
         """No member of the latest generation holds the job's state (every holder was lost
@@ -259,7 +263,7 @@ class Lifecycle:
         w.retired = True
         self._save_control()
         if w.state in NOT_STARTED:  # no heartbeat to tell it; pending ones are cancelled
-            self.backend.signal(w.id, signal.SIGTERM)
+            self.executor.do(SignalWorker(worker_id=w.id, signum=signal.SIGTERM, why="retired"))
         self._stopping(w)
         self._save_worker(w)
 
@@ -271,14 +275,14 @@ class Lifecycle:
         # (its successor counts the worker as lost, and refuses it if it registers), never
         # a process with an id it could give a second worker.
         self._save_worker(w)
-        w.pid = self.backend.start(wid, self._worker_env(wid))
-        if wid in self.backend.waiting():
+        w.pid = self.executor.do(StartWorker(worker_id=wid, env=self._worker_env(wid)))
+        if wid in self.executor.waiting():
             w.state = WorkerState.PENDING
             self.event(
                 "worker",
                 f"worker {wid} asked of the {self.spec.backend} backend; pending until placed",
             )
         else:
-            w.node = self.backend.node(wid)
+            w.node = self.executor.node(wid)
             self.event("worker", f"worker {wid} started (pid {w.pid})")
         self._save_worker(w)

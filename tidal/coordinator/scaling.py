@@ -1,8 +1,9 @@
 """How the target worker count moves: the schedule, the policy, the capacity.
 
 A mixin of ``Coordinator``; every method runs on the control loop under ``self.lock``.
-Decisions come from pure functions (``policy``); this carries them out and records each as
-an event with its reason. The target is what was requested (``--workers``, ``tidal scale``,
+Decisions come from pure functions (``policy``); this turns them into the job's new target
+and actions for the executor (a SIGTERM notice: ``actions.SignalWorker``), and records each
+as an event with its reason. The target is what was requested (``--workers``, ``tidal scale``,
 ``--schedule`` or the policy) within the capacity available now; workers beyond the
 capacity get a preemption notice (SIGTERM) and leave at a step boundary, as on a cloud that
 reclaims spot instances.
@@ -14,6 +15,7 @@ import math
 import signal
 import time
 
+from tidal.coordinator.actions import SignalWorker
 from tidal.coordinator.rules import capacity_victims, leaver_target, schedule_due
 from tidal.protocol import WorkerState
 
@@ -79,7 +81,7 @@ class Scaling:
             self.event("capacity", f"capacity {cap}: preemption notice (SIGTERM) to worker {w.id}")
             if w.state in (WorkerState.PENDING, WorkerState.STARTING, WorkerState.STANDBY):
                 self._retire(w)
-            self.backend.signal(w.id, signal.SIGTERM)
+            self.executor.do(SignalWorker(worker_id=w.id, signum=signal.SIGTERM, why="capacity"))
 
     def _release_leavers(self) -> None:
         """Preemption notices: each leaver leaves at the next step boundary (a planned

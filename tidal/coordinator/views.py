@@ -87,7 +87,7 @@ class Views:
         if fresh:
             with self.lock:
                 self.flush()
-        status = self.journal.status()
+        status = self.executor.status()
         status.coordinator_pid = os.getpid()
         self._status_cache = (time.monotonic(), status)
         return status

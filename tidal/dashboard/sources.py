@@ -135,7 +135,7 @@ class LiveSource(HomeSource):
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self.job = coord.spec.name
-        super().__init__(coord.jobdir.path.parent.parent, db=coord.db)
+        super().__init__(coord.jobdir.path.parent.parent, db=coord.executor.db)
         self._lock = threading.Lock()
         self._samples: dict[int, deque[tuple[float, int]]] = {}
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from tidal.backends.local import start_zygote
 from tidal.backends.zygote import Zygote
 from tidal.config import JobSpec
+from tidal.coordinator.actions import KillEveryWorker
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records import Resume
@@ -113,11 +114,11 @@ def _host(
     from tidal.display import Progress, print_outcome
 
     coord = Coordinator(spec, home, resume=resume, hosting=hosting, recover=recover)
-    if coord.db.broken:  # the job's record could not be written: nothing was started
+    if coord.executor.db.broken:  # the job's record could not be written: nothing was started
         coord.close()
-        print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
+        print(f"tidal: error: {coord.executor.db.broken}", file=sys.stderr, flush=True)
         return 1
-    coord.backend.prepare(hosting.zygote if hosting else None)
+    coord.executor.prepare(hosting.zygote if hosting else None)
     try:
         sink = None
         if tensorboard is not None:
@@ -147,7 +148,7 @@ def _host(
         supervisor_pid=hosting.supervisor_pid if hosting else None,
     )
     if not recover:  # no worker runs yet: the first ones start from the zygote
-        coord.backend.wait_ready()
+        coord.executor.wait_ready()
 
     # Everything built so far (torch, FastAPI, pydantic's schemas: ~10^6 objects) lives as
     # long as the process: out of the collector's sight. Otherwise each full collection
@@ -162,8 +163,7 @@ def _host(
         if signals["count"] == 1:
             coord.on_stop()
         else:  # a second Ctrl-C: do not wait for the members
-            for wid in coord.backend.alive():
-                coord.backend.signal(wid, signal.SIGKILL)
+            coord.executor.do(KillEveryWorker(why="a second stop signal"))
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(coord, enabled=not quiet)
@@ -172,20 +172,20 @@ def _host(
     try:
         while True:
             coord.wake.clear()  # before the tick: a call during it wakes the next one
-            if coord.db.broken and not stopping_for_db:
+            if coord.executor.db.broken and not stopping_for_db:
                 # The job's records cannot be written: say so at once (the one line), then
                 # end the job cleanly. The stop rides the control word as `tidal stop` does,
                 # so rank 0 writes a final checkpoint if it can.
                 stopping_for_db = True
                 coord.on_stop()
-                print(f"tidal: error: {coord.db.broken}", file=sys.stderr, flush=True)
+                print(f"tidal: error: {coord.executor.db.broken}", file=sys.stderr, flush=True)
             if not coord.tick():
                 break
             progress.update()
-            if not coord.db.broken:
+            if not coord.executor.db.broken:
                 recorder.tick()
             wait_s, _ = loop_wait(settled=coord.settled(), since_wake_s=time.monotonic() - woken)
-            if coord.wake.wait(wait_s, coord.backend.wake_fds()):
+            if coord.wake.wait(wait_s, coord.executor.wake_fds()):
                 woken = time.monotonic()
         try:
             progress.update(final=True)
@@ -197,9 +197,9 @@ def _host(
             signal.signal(s, h)
         recorder.close()
         server.stop()
-        broken = coord.db.broken
+        broken = coord.executor.db.broken
         if broken:  # recorded if the storage came back (space freed), else `interrupted`
-            coord.db.record_end(spec.name, JobState.FAILED, f"job failed: {broken}")
+            coord.executor.db.record_end(spec.name, JobState.FAILED, f"job failed: {broken}")
         elif ended:
             code = print_outcome(coord)  # it reads the job's events: before the close
         coord.close()
@@ -219,7 +219,9 @@ def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:
         try:
             append(job, points, **more)
         except sqlite3.Error as exc:
-            coord.db.broken = coord.db.broken or f"cannot write {coord.db.path}: {exc}"
+            coord.executor.db.broken = (
+                coord.executor.db.broken or f"cannot write {coord.executor.db.path}: {exc}"
+            )
 
     recorder.store.append = append_or_break
 

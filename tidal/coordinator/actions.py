@@ -1,0 +1,153 @@
+"""What the coordinator does to the world, as values: one dataclass per kind of action.
+
+The control loop's rules (``rules``, ``policy``) decide; the coordinator's methods turn each
+decision into actions and hand them to the one ``executor.Executor``, the only code that
+touches the backend (worker processes), the rendezvous store and the job's records
+(``journal``, SQLite). An action says everything needed to carry it out, so what a pass
+did can be read back as a list of values (``Executor.recent``) and a test can assert it.
+
+Three doors, one per kind of world:
+
+- **processes** (the backend): ``StartWorker``, ``SignalWorker``, ``AdoptWorker``,
+  ``KillEveryWorker``;
+- **the rendezvous store** (keys named by ``protocol``): ``OpenGeneration``,
+  ``AbandonGeneration``, ``Notify``;
+- **the records** (the journal: SQLite and its copy in memory): ``Record*``,
+  ``DropCheckpoint``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.coordinator.snapshot import WorkerRow
+from tidal.protocol import CheckpointView, EventView, GenerationView
+
+
+# -- processes ----------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StartWorker:
+    """Launch worker ``worker_id`` with ``env``; its result is the pid (None while the
+    backend has not placed it)."""
+
+    worker_id: int
+    env: dict[str, str] = field(repr=False)  # holds the worker's credential
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignalWorker:
+    """Send ``signum`` to the worker (SIGTERM: leave at a step boundary, or cancel a
+    pending one; SIGKILL: it is hung or the job is over). ``why`` is for the reader."""
+
+    worker_id: int
+    signum: int
+    why: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdoptWorker:
+    """Watch a live worker that a previous coordinator started; its result is True if the
+    pid is that worker's process."""
+
+    worker_id: int
+    pid: int
+    env: dict[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KillEveryWorker:
+    """SIGKILL every live worker process (the grace period is over, or the coordinator
+    closes)."""
+
+    why: str = ""
+
+
+# -- the rendezvous store -----------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class OpenGeneration:
+    """Mark the generation under ``prefix`` open and, if ``previous`` is given, the one
+    it supersedes abandoned (only if still open): a member still forming the previous one
+    gives up at once (``group.Superseded``)."""
+
+    prefix: str
+    previous: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AbandonGeneration:
+    """Mark the generation under ``prefix`` abandoned, if it is still open (the job is
+    winding down: nobody forms it)."""
+
+    prefix: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Notify:
+    """Bump the job's notice counter: rank 0 fetches the new answer at its next step
+    instead of at its next heartbeat."""
+
+
+# -- the records --------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RecordEvent:
+    event: EventView
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordJob:
+    """Set these columns of the job's row (``snapshot.JobRow``'s names)."""
+
+    values: dict[str, object]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordWorkers:
+    rows: tuple[WorkerRow, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordGeneration:
+    generation: GenerationView
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordControl:
+    """The restart record (``recovery.Control.to_dict()``)."""
+
+    control: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordCheckpoint:
+    checkpoint: CheckpointView
+
+
+@dataclass(frozen=True, kw_only=True)
+class DropCheckpoint:
+    """Forget the record of a checkpoint its writer pruned."""
+
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordCheckpointFailure:
+    error: str
+
+
+Action = (
+    StartWorker
+    | SignalWorker
+    | AdoptWorker
+    | KillEveryWorker
+    | OpenGeneration
+    | AbandonGeneration
+    | Notify
+    | RecordEvent
+    | RecordJob
+    | RecordWorkers
+    | RecordGeneration
+    | RecordControl
+    | RecordCheckpoint
+    | DropCheckpoint
+    | RecordCheckpointFailure
+)

@@ -1,0 +1,178 @@
+"""The coordinator's one executor: the only code that touches the world.
+
+``Executor.do`` carries out one action (``actions``) on the backend (worker processes), the
+rendezvous store or the job's records (the ``Journal``: SQLite and its copy in memory), and
+keeps the newest ``RECENT`` actions it did in ``recent`` for whoever reads what a pass did
+(tests, a debugging session). The rest of the coordinator decides and changes its job in
+memory (``job.Job``); what it reads of the world (exits, placement, the records' copy) it
+reads here too, so nothing else holds the backend, the store or the database.
+
+Contract: ``do`` runs under the coordinator's lock, in the order the decisions were made,
+and at once: a pass that opens a generation and then answers a heartbeat has the store's
+key set before the answer tells a member (workers look the key up when told). A write to a
+broken database does not raise here: the journal marks the database ``broken`` and the
+host stops the job (``host.runner``), the copy in memory still changing.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import deque
+from typing import TYPE_CHECKING
+
+from tidal.coordinator.actions import (
+    AbandonGeneration,
+    Action,
+    AdoptWorker,
+    DropCheckpoint,
+    KillEveryWorker,
+    Notify,
+    OpenGeneration,
+    RecordCheckpoint,
+    RecordCheckpointFailure,
+    RecordControl,
+    RecordEvent,
+    RecordGeneration,
+    RecordJob,
+    RecordWorkers,
+    SignalWorker,
+    StartWorker,
+)
+from tidal.protocol import GEN_ABANDONED, GEN_OPEN, notice_key, state_key
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from tidal.backends import Backend, Exit
+    from tidal.backends.zygote import Zygote
+    from tidal.coordinator.db import Database
+    from tidal.coordinator.journal import Journal
+    from tidal.coordinator.snapshot import Records
+    from tidal.protocol import CheckpointView, JobStatus
+
+RECENT = 256
+
+
+class Executor:
+    """Carries out actions for one job's coordinator: ``backend`` its worker processes,
+    ``store`` its rendezvous store (keys under ``namespace``), ``journal`` its records."""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        store: dist.TCPStore,
+        namespace: str,
+        journal: Journal,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.namespace = namespace
+        self.journal = journal
+        self.recent: deque[Action] = deque(maxlen=RECENT)
+
+    @property
+    def db(self) -> Database:
+        return self.journal.db
+
+    # -- doing ------------------------------------------------------------------------------
+    def do(self, action: Action) -> object:
+        """Carry out ``action``; returns what it yields (a pid, an adoption's verdict) or
+        None."""
+        self.recent.append(action)
+        match action:
+            case StartWorker(worker_id=wid, env=env):
+                return self.backend.start(wid, env)
+            case SignalWorker(worker_id=wid, signum=sig):
+                self.backend.signal(wid, sig)
+            case AdoptWorker(worker_id=wid, pid=pid, env=env):
+                return self.backend.adopt(wid, pid, env)
+            case KillEveryWorker():
+                for wid in self.backend.alive():
+                    self.backend.signal(wid, signal.SIGKILL)
+            case OpenGeneration(prefix=prefix, previous=previous):
+                self.store.set(state_key(prefix), GEN_OPEN)
+                if previous is not None:
+                    self.store.compare_set(state_key(previous), GEN_OPEN, GEN_ABANDONED)
+            case AbandonGeneration(prefix=prefix):
+                self.store.compare_set(state_key(prefix), GEN_OPEN, GEN_ABANDONED)
+            case Notify():
+                self.store.add(notice_key(self.namespace), 1)
+            case RecordEvent(event=e):
+                self.journal.add_event(e)
+            case RecordJob(values=values):
+                self.journal.update_job(**values)
+            case RecordWorkers(rows=rows):
+                self.journal.save_workers(list(rows))
+            case RecordGeneration(generation=g):
+                self.journal.save_generation(g)
+            case RecordControl(control=c):
+                self.journal.save_control(c)
+            case RecordCheckpoint(checkpoint=c):
+                self.journal.add_checkpoint(c)
+            case DropCheckpoint(step=step):
+                self.journal.drop_checkpoint(step)
+            case RecordCheckpointFailure(error=error):
+                self.journal.add_checkpoint_failure(error)
+            case _:
+                raise TypeError(f"not an action: {action!r}")
+        return None
+
+    def prepare(self, zygote: Zygote | None) -> None:
+        """Get the backend ready to start workers fast (``Backend.prepare``)."""
+        self.backend.prepare(zygote)
+
+    def wait_ready(self) -> bool:
+        return self.backend.wait_ready()
+
+    def close(self) -> None:
+        """Kill what is left, release the backend and the database."""
+        self.do(KillEveryWorker(why="the coordinator closes"))
+        self.backend.close()
+        self.journal.db.close()
+
+    # -- reading the world ------------------------------------------------------------------
+    def poll(self) -> list[Exit]:
+        """Worker exits since the last poll."""
+        return self.backend.poll()
+
+    def alive(self) -> list[int]:
+        return self.backend.alive()
+
+    def waiting(self) -> set[int]:
+        """Workers asked for but not placed yet."""
+        return self.backend.waiting()
+
+    def node(self, worker_id: int) -> str | None:
+        return self.backend.node(worker_id)
+
+    def wake_fds(self) -> list[int]:
+        """Descriptors that become readable when a worker exits (the loop waits on them)."""
+        return self.backend.wake_fds()
+
+    def describe_exit(self, worker_id: int) -> str:
+        return self.backend.describe_exit(worker_id)
+
+    @property
+    def max_starting(self) -> int:
+        """How many workers the backend brings up at once."""
+        return self.backend.max_starting
+
+    @property
+    def store_port(self) -> int:
+        return self.store.port
+
+    @property
+    def records(self) -> Records:
+        """The journal's copy of what SQLite holds."""
+        return self.journal.records
+
+    def saved_control(self) -> dict | None:
+        """The restart record a previous coordinator of the job wrote, if any."""
+        return self.journal.db.load_control(self.journal.name)
+
+    def status(self) -> JobStatus:
+        return self.journal.status()
+
+    def checkpoints(self) -> list[CheckpointView]:
+        return self.journal.checkpoints()
