@@ -121,3 +121,21 @@ def test_a_hung_member_is_killed_and_the_generation_reopened_through_the_executo
 def test_the_executor_refuses_what_is_not_an_action(coord: Coordinator) -> None:
     with pytest.raises(TypeError, match="not an action"):
         coord.executor.do(("signal", 1, 9))
+
+
+def test_a_coordinator_that_crashes_leaves_its_workers_to_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close(kill_workers=False)`` (the coordinator raised: its supervisor restarts it)
+    signals nobody and lets the backend go (``Backend.leave``); the job's end kills what is
+    left."""
+    sent: list[tuple[int, int]] = []
+    left: list[bool] = []
+    monkeypatch.setattr(LocalBackend, "signal", lambda self, wid, sig: sent.append((wid, sig)))
+    monkeypatch.setattr(LocalBackend, "alive", lambda self: [0, 1])
+    monkeypatch.setattr(LocalBackend, "leave", lambda self: left.append(True))
+    spec = JobSpec(name="crash", script=str(tmp_path / "x.py"), workers=2, max_workers=2)
+    Coordinator(spec, tmp_path / "a").close(kill_workers=False)
+    assert sent == [] and left == [True]
+    Coordinator(spec, tmp_path / "b").close()
+    assert sent == [(0, signal.SIGKILL), (1, signal.SIGKILL)] and left == [True]

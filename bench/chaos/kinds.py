@@ -28,8 +28,9 @@ Kinds (and the bound on each pause they cause; hb is ``--heartbeat-timeout``):
 - ``late``: SIGKILL of a member or of the coordinator 2-25 steps before the end (2 s), or
   of rank 0 inside the write of the job's final checkpoint: the job must then succeed with
   its final checkpoint, or fail saying it was not written.
-- ``kill_all``: SIGKILL of every member at once: the job must fail, saying every worker
-  was lost (or recover from its checkpoint).
+- ``kill_all``: SIGKILL of every member at once: the job goes on from its newest verified
+  checkpoint (``rules.every_member_lost``; the trial's ``--checkpoint-every`` keeps one), and
+  must end equal to the reference; or fail saying every worker was lost (none written yet).
 
 The bound applies to every generation the fault opened (``pause_s``: from the last step of
 the previous generation to the first of the new one) and to the longest time the job
@@ -63,7 +64,7 @@ def bounds(hb: float) -> dict[str, object]:
         "joiner": LOST_S,
         "double": "the larger of its two",
         "coordinator": f"{LOST_S:g} (back within {LOST_S:g} s, no generation needed)",
-        "kill_all": "none (the job fails, saying every worker was lost)",
+        "kill_all": "none (it goes on from its checkpoint, or fails saying every worker was lost)",
         "late": LOST_S,
         "join": LOST_S,
     }

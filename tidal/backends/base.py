@@ -74,8 +74,9 @@ class Backend(ABC):
 
     def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
         """Watch a worker that a previous coordinator of the job started (it was restarted):
-        True if ``pid`` is that worker's live process (launched with ``env``). A backend
-        that cannot adopt returns False; the worker is then counted as lost."""
+        True if ``pid`` is that worker's live process (launched with ``env``); ``pid`` 0:
+        it never registered, False, and whatever the backend began for it is ended. A
+        backend that cannot adopt returns False; the worker is then counted as lost."""
         return False
 
     def waiting(self) -> set[int]:
@@ -115,6 +116,12 @@ class Backend(ABC):
     def close(self) -> None:
         """Release what the backend holds; called once every worker has exited."""
         return None
+
+    def leave(self) -> None:
+        """Release what this process holds while the workers live on: the coordinator is
+        going away (it crashed) and a successor will adopt them (``adopt``). Ends no
+        worker."""
+        self.close()
 
 
 BackendFactory = Callable[..., Backend]

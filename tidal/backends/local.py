@@ -282,7 +282,7 @@ class LocalBackend(Backend):
         with exactly ``env`` (its id and credential) or is the process the zygote forked as
         this worker (``_forked_as``), so a recycled pid is never taken for it. Its exit
         status comes from ``reaped_fd`` (the supervisor reaps orphans)."""
-        if proc_gone(pid):
+        if not pid or proc_gone(pid):  # 0: it never registered, and its start was not seen
             return False
         environ = _environ(pid)
         launched_with = all(environ.get(k) == v for k, v in env.items())

@@ -13,12 +13,18 @@ Contracts:
   hand). The coordinator keeps its target and shows the worker as ``pending``.
 - A lost actor (its node's raylet died, its process was killed) is reported as an exit
   with SIGKILL's code and a reason: to the coordinator, a lost machine to recover from.
+- Actors are *detached* and named after the worker's credential (``actor_name``): they
+  outlive the coordinator's Ray driver, so a restarted coordinator (a new driver) adopts
+  them by name (``adopt``) and the job trains on through the outage. Only the coordinator
+  ends them (``signal`` SIGKILL, ``close``), or they end themselves once their script has
+  ended and nobody collected it (``ray_actor.LINGER_S``).
 - One monitor thread waits on every actor's calls; ``poll``, ``waiting`` and ``alive`` read
   what it recorded, so the coordinator's control loop never blocks on Ray.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -30,8 +36,11 @@ from typing import Any
 
 from tidal.backends.base import Backend, Exit
 from tidal.config import ClusterSpec, JobSpec
+from tidal.protocol import ENV_TOKEN
 
 WAIT_S = 0.05
+NAMESPACE = "tidal"  # where the workers' named actors live, whatever the driver's namespace
+ADOPT_TIMEOUT_S = 10.0
 _CANCEL_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
 
 
@@ -43,6 +52,12 @@ def import_ray() -> Any:
             "the ray backend needs Ray: pip install -e '.[ray]' (or pip install 'ray[default]')"
         ) from None
     return ray
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (what workers on other nodes reach it at),
+    without joining the cluster."""
+    return import_ray().util.get_node_ip_address()
 
 
 def connect(cluster: ClusterSpec) -> None:
@@ -61,6 +76,13 @@ def connect(cluster: ClusterSpec) -> None:
             f"cannot join a Ray cluster at {cluster.address!r}: {first} (start one with "
             "`ray start --head`, or pass --ray-address HOST:PORT or local)"
         ) from None
+
+
+def actor_name(env: dict[str, str]) -> str:
+    """The name of a worker's actor: a digest of its credential (``protocol.worker_token``,
+    derived from the job's token and the worker's id), so that only a coordinator of the
+    same job, which holds the token, can name it, and two jobs of one name never clash."""
+    return "tidal-worker-" + hashlib.sha256(env[ENV_TOKEN].encode()).hexdigest()[:24]
 
 
 @dataclass(kw_only=True)
@@ -84,11 +106,14 @@ class RayBackend(Backend):
         self._command: list[str | None] = [None, spec.script, *spec.script_args]
         self._cwd = str(cwd or Path.cwd())
         self._log_dir = log_dir
-        self._host_cls = ray.remote(WorkerHost).options(
+        self._host_cls = ray.remote(WorkerHost)
+        self._host_options = dict(
             num_cpus=spec.cluster.worker_cpus,
             num_gpus=spec.cluster.worker_gpus,
             max_concurrency=4,  # wait() blocks while signal() must still get through
             max_restarts=0,
+            lifetime="detached",  # it outlives this driver: a restarted coordinator adopts it
+            namespace=NAMESPACE,
         )
         self._actors: dict[int, _Actor] = {}
         self._exits: list[Exit] = []
@@ -105,11 +130,37 @@ class RayBackend(Backend):
         and ``PYTHONPATH`` (a test's armed faults, ``tidal.testing.fault_env``, as the local
         backend passes them on), plus ``env``."""
         ours = {k: v for k, v in os.environ.items() if k.startswith("TIDAL_") or k == "PYTHONPATH"}
-        handle = self._host_cls.remote(str(self._log_dir / f"worker-{worker_id}.log"))
+        options = {**self._host_options, "name": actor_name(env)}
+        handle = self._host_cls.options(**options).remote(
+            str(self._log_dir / f"worker-{worker_id}.log")
+        )
         ref = handle.start.remote(self._command, {**ours, **env}, self._cwd)
         with self._lock:
             self._actors[worker_id] = _Actor(handle=handle, start_ref=ref)
         return None  # the pid is known once Ray places it; the worker reports it
+
+    def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
+        """Find the worker's actor by name (a previous coordinator of the job made it) and
+        watch it: True if it runs the script ``pid``. ``pid`` 0 (the worker never
+        registered: perhaps not even placed): its actor, if any, is ended, and the worker
+        counts as lost; so is one that does not answer, or runs another script."""
+        ray = self._ray
+        try:
+            handle = ray.get_actor(actor_name(env), namespace=NAMESPACE)
+        except ValueError:  # no such actor (any more)
+            return False
+        try:
+            where = ray.get(handle.where.remote(), timeout=ADOPT_TIMEOUT_S) if pid else None
+        except ray.exceptions.RayError:  # dead, or not answering
+            where = None
+        if where is None or where["pid"] != pid:
+            ray.kill(handle)  # a detached actor nobody watches would hold its CPUs for ever
+            return False
+        with self._lock:
+            self._actors[worker_id] = _Actor(
+                handle=handle, start_ref=None, placed=where, wait_ref=handle.wait.remote()
+            )
+        return True
 
     def poll(self) -> list[Exit]:
         with self._lock:
@@ -148,6 +199,14 @@ class RayBackend(Backend):
 
     def describe_exit(self, worker_id: int) -> str:
         return self._last_lines.get(worker_id, "")
+
+    def leave(self) -> None:
+        """Disconnect this driver; the detached actors and their scripts train on."""
+        self._closing.set()
+        self._monitor.join(timeout=5)
+        with self._lock:
+            self._actors.clear()
+        self._ray.shutdown()
 
     def close(self) -> None:
         self._closing.set()
@@ -193,6 +252,9 @@ class RayBackend(Backend):
                 return
             if ref is actor.start_ref and error is None:
                 actor.placed = value
+                actor.wait_ref = actor.handle.wait.remote()
+                return
+            if error is None and value.get("running"):  # ``wait`` returns every few seconds
                 actor.wait_ref = actor.handle.wait.remote()
                 return
             if error is None:

@@ -15,6 +15,15 @@ Contracts:
   killed (seen with Ray 2.60: it lives on for minutes), so a lost node's script would keep
   training beside the survivors until Ray declared the node dead. The launcher thread
   watches the actor's parent (the raylet) and, when it is gone, kills the script and exits.
+- The actor outlives the coordinator that made it (the backend makes it *detached*, named
+  after the worker's credential): a restarted coordinator, a new Ray driver, finds it by
+  name and adopts it (``where``, then ``wait`` again). A detached actor is ended by nobody
+  but its coordinator, so it ends itself ``LINGER_S`` after its script ended: long enough
+  for a restarted coordinator to collect the exit, and no resources held for ever by a job
+  whose every coordinator is gone.
+- ``wait`` returns within ``WAIT_CALL_S`` even while the script runs (``running``): a call
+  of a coordinator that died does not hold one of the actor's threads for ever, so the
+  actor's concurrency is not used up by restarts.
 - Gloo binds the address Ray knows this node by (``GLOO_SOCKET_IFNAME`` of that address's
   interface, unless the cluster's environment sets one): peers on other nodes reach it
   there, not at whatever the hostname resolves to (often 127.0.0.1 or 127.0.1.1).
@@ -30,6 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +59,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 RAYLET_CHECK_S = 0.1
+LINGER_S = 30.0
+WAIT_CALL_S = 5.0
 
 
 def interface_of(address: str) -> str | None:
@@ -71,6 +83,8 @@ class WorkerHost:
 
     def __init__(self, log_path: str) -> None:
         self._proc: subprocess.Popen | None = None
+        self._where: dict | None = None
+        self._ended_at: float | None = None
         self._log_path = Path(log_path)
         self._calls: queue.Queue[tuple[Callable[[], object], queue.Queue]] = queue.Queue()
         # The launcher thread forks the script; PR_SET_PDEATHSIG fires when the forking
@@ -86,6 +100,11 @@ class WorkerHost:
                 if os.getppid() != raylet:  # reparented: the raylet is gone
                     self.signal(signal.SIGKILL)
                     os._exit(1)
+                if self._proc is not None and self._proc.poll() is not None:
+                    now = time.monotonic()
+                    self._ended_at = self._ended_at or now
+                    if now - self._ended_at > LINGER_S:  # nobody collected it: end
+                        os._exit(0)
                 continue
             try:
                 reply.put((True, fn()))
@@ -131,16 +150,26 @@ class WorkerHost:
                 )
 
         self._proc = self._on_launcher(launch)
-        return {
+        self._where = {
             "pid": self._proc.pid,
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": node_ip,
         }
+        return self._where
+
+    def where(self) -> dict | None:
+        """What ``start`` returned (None before it ran): a restarted coordinator adopts the
+        actor by it."""
+        return self._where
 
     def wait(self) -> dict:
-        """Block until the script ends: its return code and its log's last line."""
+        """Wait until the script ends, at most ``WAIT_CALL_S``: its return code and its
+        log's last line, or ``{"running": True}`` (call again)."""
         assert self._proc is not None, "start() first"
-        code = self._proc.wait()
+        try:
+            code = self._proc.wait(timeout=WAIT_CALL_S)
+        except subprocess.TimeoutExpired:
+            return {"running": True}
         return {"returncode": code, "last_line": self._last_line()}
 
     def signal(self, sig: int) -> None:

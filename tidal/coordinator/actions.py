@@ -47,7 +47,8 @@ class SignalWorker:
 @dataclass(frozen=True, kw_only=True)
 class AdoptWorker:
     """Watch a live worker that a previous coordinator started; its result is True if the
-    pid is that worker's process."""
+    pid is that worker's process. ``pid`` 0: it never registered (the backend ends what it
+    may have begun for it, and the worker counts as lost)."""
 
     worker_id: int
     pid: int

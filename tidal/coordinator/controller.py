@@ -517,8 +517,10 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
             return False
         return not any(w.state in NOT_STARTED for w in self.job.workers.values())
 
-    def close(self) -> None:
-        self.executor.close()
+    def close(self, *, kill_workers: bool = True) -> None:
+        """``kill_workers`` False: the coordinator crashed; its workers train on and its
+        successor adopts them (``Executor.close``)."""
+        self.executor.close(kill_workers=kill_workers)
         self.wake.close()
         try:
             os.remove(self.jobdir.coordinator_file)

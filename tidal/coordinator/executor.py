@@ -125,10 +125,14 @@ class Executor:
     def wait_ready(self) -> bool:
         return self.backend.wait_ready()
 
-    def close(self) -> None:
-        """Kill what is left, release the backend and the database."""
-        self.do(KillEveryWorker(why="the coordinator closes"))
-        self.backend.close()
+    def close(self, *, kill_workers: bool = True) -> None:
+        """Release the backend and the database; ``kill_workers``: kill what is left first
+        (the job ended), else leave the workers to a successor (``Backend.leave``)."""
+        if kill_workers:
+            self.do(KillEveryWorker(why="the coordinator closes"))
+            self.backend.close()
+        else:
+            self.backend.leave()
         self.journal.db.close()
 
     # -- reading the world ------------------------------------------------------------------

@@ -73,8 +73,8 @@ class Lifecycle:
                 continue
             if w.state == WorkerState.STOPPING:
                 w.stopping_since = time.monotonic()
-            if w.pid and self.executor.do(
-                AdoptWorker(worker_id=w.id, pid=w.pid, env=self._worker_env(w.id))
+            if self.executor.do(
+                AdoptWorker(worker_id=w.id, pid=w.pid or 0, env=self._worker_env(w.id))
             ):
                 adopted.append(w.id)
             else:

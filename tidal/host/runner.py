@@ -61,17 +61,22 @@ def run_job(
     does, before it imports this module: the imports overlap); started here otherwise, and
     ended here either way.
 
-    On the local backend this process supervises the coordinator (``supervisor``): it runs
-    in a forked child, restarted when it dies. On a cluster backend it runs here."""
+    This process supervises the coordinator (``supervisor``): it runs in a forked child,
+    restarted when it dies. On Ray the child is the cluster's driver (this process never
+    joins the cluster: a fork of a driver would share its connections), listening on this
+    node's cluster address; its workers' actors are detached, so they outlive it."""
     if lock_fd is None:
         try:
             lock_fd = job_dir(home, spec.name).lock()
         except JobBusy as exc:
             raise ValueError(f"job {spec.name!r} is running: {exc}") from None
     try:
-        if spec.backend != "local":
-            return _host(spec, home, quiet=quiet, resume=resume, tensorboard=tensorboard)
-        if zygote is None:
+        host = "127.0.0.1"
+        if spec.backend == "ray":
+            from tidal.backends.ray import node_address
+
+            host = node_address()
+        elif zygote is None:
             zygote = start_zygote(spec, job_dir(home, spec.name).logs)
 
         def host_job(hosting: Hosting, recover: bool, stop_requested: bool) -> int:
@@ -88,6 +93,7 @@ def run_job(
 
         return supervise(
             host_job,
+            host=host,
             token=attach.token if attach else None,
             api_port=attach.api_port if attach else 0,
             recover=attach is not None,
@@ -113,7 +119,11 @@ def _host(
 ) -> int:
     from tidal.display import Progress, print_outcome
 
-    coord = Coordinator(spec, home, resume=resume, hosting=hosting, recover=recover)
+    try:
+        coord = Coordinator(spec, home, resume=resume, hosting=hosting, recover=recover)
+    except ValueError as exc:  # a refusal (no cluster to join), not a crash to restart
+        print(f"tidal: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     if coord.executor.db.broken:  # the job's record could not be written: nothing was started
         coord.close()
         print(f"tidal: error: {coord.executor.db.broken}", file=sys.stderr, flush=True)
@@ -131,7 +141,7 @@ def _host(
             raise HomeError(f"cannot write {db_path(home)}: {exc}") from None
         _history_failures_break(recorder, coord)
     except BaseException:
-        coord.close()
+        coord.close(kill_workers=not recover)  # adopted workers wait for the next one
         raise
     if stop_requested:  # the supervisor was asked to stop while no coordinator ran
         coord.on_stop()
@@ -202,7 +212,9 @@ def _host(
             coord.executor.db.record_end(spec.name, JobState.FAILED, f"job failed: {broken}")
         elif ended:
             code = print_outcome(coord)  # it reads the job's events: before the close
-        coord.close()
+        # A coordinator that raised (it crashed: ``supervisor.CRASHED``) leaves its workers
+        # training; the supervisor restarts it and the next one adopts them.
+        coord.close(kill_workers=ended or bool(broken))
     if broken:
         if not stopping_for_db:  # it broke during the job's last tick
             print(f"tidal: error: {broken}", file=sys.stderr, flush=True)
