@@ -173,7 +173,9 @@ class Effects:
             self.event("recovery", said)
         if self.job.state == JobState.PENDING:
             self.job.state = JobState.RUNNING
-            self.executor.do(RecordJob(values={"state": self.job.state.value}))
+            # With its world size: a reader never sees a running job of no members.
+            values = {"state": self.job.state.value, "world_size": self.job.world_size()}
+            self.executor.do(RecordJob(values=values))
 
     def _apply_failure(self, wid: int, r: FailureReport) -> None:
         self._caller(wid)
