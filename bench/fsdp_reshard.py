@@ -131,14 +131,19 @@ def tidal_sharded(
             s = wait_until(lambda: settled(0), timeout, "two members training", 0.2)
             latest = max(s["generations"], key=lambda g: g["id"])
             victim = latest["members"][-1]
-            at = s["step"] + 4  # a few steps ahead: the fault file is read at every probe
-            at += (offset - at) % DEFAULT_EVERY
-            _write_fault(faults, f"sigkill@worker={victim},step={at},id=k{k}")
+
+            def arm(step: int, v: int = victim, k: int = k, offset: int = offset) -> int:
+                at = step + 4  # a few steps ahead: the fault file is read at every probe
+                at += (offset - at) % DEFAULT_EVERY
+                _write_fault(faults, f"sigkill@worker={v},step={at},id=k{k}-{at}")
+                log(f"tidal: SIGKILL of worker {v} armed at step {at} (kill {k + 1})")
+                return at
+
+            armed_at = [arm(s["step"])]
             kills_armed = True
             armed = time.time()
-            log(f"tidal: SIGKILL of worker {victim} armed at step {at} (kill {k + 1})")
 
-            def recovered(v=victim, t=armed) -> dict | None:
+            def recovered(v=victim, t=armed, armed_at=armed_at, arm=arm) -> dict | None:
                 st = status()
                 if not st:
                     return None
@@ -147,13 +152,22 @@ def tidal_sharded(
                     for g in st["generations"]
                     if g["opened_at"] >= t and v not in g["members"] and g["start_step"] is not None
                 ]
-                return after[0] if after and after[0]["redone_steps"] is not None else None
+                if after:
+                    return after[0] if after[0]["redone_steps"] is not None else None
+                # The status's step trails the workers' (heartbeats once a second, the view
+                # published every 0.5 s): by more than 4 steps, the armed step had passed
+                # before the fault was written. Far past it with the victim still running,
+                # it never fired: arm it again ahead of where the job is now.
+                running = any(w["id"] == v and w["state"] == "running" for w in st["workers"])
+                if running and st["step"] > armed_at[0] + 3 * DEFAULT_EVERY:
+                    armed_at[0] = arm(st["step"])
+                return None
 
             g = wait_until(recovered, timeout, f"the recovery from kill {k + 1}", 0.2)
             kills.append(
                 {
                     "worker": victim,
-                    "at_step": at,
+                    "at_step": armed_at[0],
                     "offset": offset,
                     "generation": g["id"],
                     "start_step": g["start_step"],
