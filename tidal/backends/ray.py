@@ -202,17 +202,17 @@ class RayBackend(Backend):
 
     def leave(self) -> None:
         """Disconnect this driver; the detached actors and their scripts train on."""
-        self._closing.set()
-        self._monitor.join(timeout=5)
-        with self._lock:
-            self._actors.clear()
-        self._ray.shutdown()
+        self._disconnect(kill=False)
 
     def close(self) -> None:
+        self._disconnect(kill=True)
+
+    def _disconnect(self, *, kill: bool) -> None:
+        """Stop the monitor, forget the actors (ending them if ``kill``), leave Ray."""
         self._closing.set()
         self._monitor.join(timeout=5)
         with self._lock:
-            for actor in self._actors.values():
+            for actor in self._actors.values() if kill else ():
                 self._ray.kill(actor.handle)
             self._actors.clear()
         self._ray.shutdown()
