@@ -14,6 +14,11 @@ waited for with the gradients (``settle``). Every member reads the same sums, so
 (or stop) after the same step. The gradients' hook is one ``ProcessGroup.allreduce`` per
 bucket with no other Python; ``before_allreduce`` (fault injection) and the exposed-wait
 timing belong to the last bucket, the one the step waits for.
+
+On gloo every collective the step waits for is behind a future of the worker's ``Waits``
+(``waits``), which the abort watch can fail: gloo itself cannot abort a collective. The
+control word is summed into a fresh tensor each step, so a collective left blocked by an
+abort never writes into a later step's word.
 """
 
 from __future__ import annotations
@@ -26,24 +31,30 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from tidal.worker.waits import Waits
+
 
 class ControlWord:
     """Flags every member contributes to each step, summed across the group."""
 
     SWITCH, STOP = 0, 1
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, waits: Waits | None = None) -> None:
         """``device``: where the gradients are (NCCL reduces device tensors only; reading a
-        flag on a GPU synchronises with the step's collectives, after the backward)."""
+        flag on a GPU synchronises with the step's collectives, after the backward).
+        ``waits``: on gloo, the worker's abortable waits (module doc); None on NCCL, whose
+        collectives the watch aborts in the communicator and whose futures keep CUDA's
+        stream order."""
         self.send = torch.zeros(2, device=device)
         self.recv = torch.zeros(2, device=device)
+        self.waits = waits
         self.group: dist.ProcessGroup | None = None  # the generation's (``wrap``)
         self.before_allreduce: Callable[[], None] = lambda: None
         # When the last bucket's all-reduce started and completed: the step's exposed
         # communication wait (earlier buckets overlap the backward pass).
         self.comm_started = 0.0
         self.comm_done = 0.0
-        self._work: dist.Work | None = None
+        self._work: dist.Work | torch.futures.Future | None = None
         self._failed: Exception | None = None
 
     def set(self, *, switch: bool, stop: bool) -> None:
@@ -53,10 +64,11 @@ class ControlWord:
     def start(self) -> None:
         """Start summing the word (asynchronously) over the generation's group. A failure to
         start is raised by ``settle``, inside the step's guarded backward."""
-        self.recv.copy_(self.send)
+        self.recv = self.send.clone()
         self._work = self._failed = None  # a step that failed before ``settle`` left them
         try:
-            self._work = self.group.allreduce([self.recv])
+            work = self.group.allreduce([self.recv])
+            self._work = work if self.waits is None else self.waits.track(work.get_future())
         except Exception as exc:  # noqa: BLE001 - a broken group surfaces as any error
             self._failed = exc
 
@@ -90,6 +102,9 @@ class ControlWord:
         self.comm_done = time.perf_counter()
         return fut.value()[0]
 
+    def _mark_done(self, fut: torch.futures.Future) -> None:
+        self.comm_done = time.perf_counter()
+
 
 def _tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
     return fut.value()[0]
@@ -102,7 +117,12 @@ def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations
         control.before_allreduce()
         control.comm_started = time.perf_counter()
     work = control.group.allreduce([bucket.buffer()])
-    return work.get_future().then(control._last_done if last else _tensor)
+    if control.waits is None:
+        return work.get_future().then(control._last_done if last else _tensor)
+    fut = control.waits.track(work.get_future())
+    if last:
+        fut.add_done_callback(control._mark_done)
+    return fut
 
 
 def _ddp(module: torch.nn.Module) -> DistributedDataParallel:

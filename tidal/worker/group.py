@@ -28,6 +28,13 @@ bounded apart:
   milliseconds, so the window only matters on a machine too loaded to schedule a peer in
   time: each failed forming in a row doubles it (``connect_timeout``), so a slow machine
   still forms, a few re-forms later.
+
+Leaving a gloo group (``destroy_group``): gloo cannot abort a collective, and one race
+leaves a collective blocked until its timeout after a peer's death (``waits``). So a group
+keeps its connections (``conns``): a member leaving it after a failure shuts them down
+first (a peer blocked on this member learns at once), and a group whose waits the abort
+watch cut is **parked**, not freed: its destructor would join the blocked collective's
+thread, so a daemon thread holds it until the process exits.
 """
 
 from __future__ import annotations
@@ -52,11 +59,15 @@ from tidal.protocol import (
     group_prefix,
     state_key,
 )
+from tidal.worker.conns import Conns, open_sockets
 
 POLL_S = 0.002  # store polls while waiting (check() never blocks, so c10d logs nothing)
 #: The first connect window (gloo waits about 5x this for a peer lost after publishing its
 #: address: ~1.5 s, within the ~2 s a lost member may cost the others).
 CONNECT_S = 0.3
+
+#: The current gloo group's connections (``form_group``; empty when none were captured).
+_conns = Conns([])
 
 
 def connect_timeout(failed_forms: int, collective_timeout_s: float) -> float:
@@ -218,6 +229,7 @@ def form_group(
     connect_s: float,
     on_published: Callable[[], None] = lambda: None,
     backend: str = "gloo",
+    other_ports: tuple[int, ...] = (),
 ) -> None:
     """Make the default process group this generation's (the old one must be gone), on
     ``backend``: ``gloo``, or ``nccl`` (the caller has set its CUDA device; NCCL connects at
@@ -229,7 +241,10 @@ def form_group(
     ``on_published`` runs once this member's address is in the store (a test's fault
     point). A failed attempt leaves nothing behind: c10d names the default group after a
     counter that only a successful group's destruction resets, and a counter left advanced
-    would make this worker look for keys its peers never write in the next generation."""
+    would make this worker look for keys its peers never write in the next generation.
+    A gloo group's connections are captured (``conns``; ``other_ports``: the ports of the
+    connections other threads may open meanwhile, the store's and the coordinator's)."""
+    global _conns
     watched = _Superseded(
         dist.PrefixStore(group_prefix(info.store_prefix), store),
         store,
@@ -237,6 +252,7 @@ def form_group(
         wait_s=timeout_s,
         on_set=on_published,
     )
+    before = open_sockets() if backend == "gloo" else set()
     try:
         dist.init_process_group(
             backend,
@@ -249,6 +265,12 @@ def form_group(
             ),
         )
         c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            _conns = Conns.opened_since(
+                before,
+                expected=len(info.members) - 1,
+                exclude=(getattr(store, "port", None), *other_ports),
+            )
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -256,22 +278,50 @@ def form_group(
         raise
 
 
-def destroy_group(backend: str = "gloo") -> None:
-    """Unregister the current group at once; free it on a thread.
+def destroy_group(backend: str = "gloo", *, failed: bool = False, park: bool = False) -> None:
+    """Unregister the current group at once; free it on a thread, or park it.
 
     Freeing a gloo group that has run collectives takes ~20 ms (its destructor joins its
-    threads, without the GIL): the next generation need not wait for that. An NCCL group is
-    aborted, not shut down: a shutdown waits for collectives that a lost peer never joins,
-    an abort frees the communicators at once (and is a no-op after the watch aborted them)."""
+    threads, without the GIL): the next generation need not wait for that. ``failed``: the
+    member leaves after a failure: its connections are shut down first. ``park``: a
+    collective of the group may still be blocked inside gloo (the abort watch cut a wait on
+    it): the group is cut and held until the process exits instead (module doc). An NCCL
+    group is aborted, not shut down: a shutdown waits for collectives that a lost peer never
+    joins, an abort frees the communicators at once (and is a no-op after the watch aborted
+    them)."""
+    global _conns
     if backend == "nccl":
         abort_group()
         return
+    conns, _conns = _conns, Conns([])
+    if failed or park:
+        conns.cut()
+    conns.close()
     if dist.is_initialized():
         box = [dist.group.WORLD]
         dist.destroy_process_group()
+        if park:
+            threading.Thread(target=_hold, args=box, name="tidal-parked-group", daemon=True).start()
+            return
         # Not a daemon: the interpreter joins it before exiting; a process that exits while
         # a gloo destructor runs aborts ("terminate called without an active exception").
         threading.Thread(target=box.clear, name="tidal-free-group").start()
+
+
+def cut_group() -> None:
+    """Shut the current gloo group's connections down (the abort watch's cut: ``waits``)."""
+    _conns.cut()
+
+
+def connections() -> int:
+    """How many connections of the current gloo group were captured (``conns``)."""
+    return len(_conns)
+
+
+def _hold(group: dist.ProcessGroup) -> None:
+    """Keep ``group`` alive, never destroyed: a daemon thread's frame is not torn down at
+    exit (a module-level reference would be, and its destructor would wait)."""
+    threading.Event().wait()
 
 
 def abort_group() -> None:

@@ -11,7 +11,9 @@ whatever the tensors' device; the GPU for NCCL): a tensor elsewhere travels as a
 and lands back in place. The optimizer's structure travels as a ``torch.save`` blob loaded with
 ``weights_only=True`` (tensors and plain containers only, never arbitrary pickles), the
 tracked objects' as JSON text inside it; their tensors travel raw, into tensors the
-receivers allocate from that structure.
+receivers allocate from that structure. On gloo the heal waits for its messages through the
+worker's ``Waits`` (``waits``), so the abort watch can cut a heal that a lost peer left
+blocked.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.tracked import Captured, TrackedState
+from tidal.worker.waits import Waits
 
 CPU = torch.device("cpu")
 
@@ -54,23 +57,37 @@ class HealResult:
     sent: bool
 
 
+def _wait(works: list[dist.Work], waits: Waits | None) -> None:
+    if waits is not None:
+        waits.wait_all(works)
+        return
+    for work in works:
+        work.wait()
+
+
 def _send_blob(
-    blob: bytes | None, src: int, receivers: list[int], wire: torch.device = CPU
+    blob: bytes | None,
+    src: int,
+    receivers: list[int],
+    wire: torch.device = CPU,
+    waits: Waits | None = None,
 ) -> bytes:
     size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64, device=wire)
-    _transfer([size], src, receivers)
+    _transfer([size], src, receivers, waits)
     if blob is not None:
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(wire)
     else:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
-    _transfer([data], src, receivers)
+    _transfer([data], src, receivers, waits)
     return data.cpu().numpy().tobytes()
 
 
 LARGE = 1 << 18  # elements: a tensor this big travels alone, in place, with no copy
 
 
-def _transfer(tensors: list[torch.Tensor], src: int, receivers: list[int]) -> None:
+def _transfer(
+    tensors: list[torch.Tensor], src: int, receivers: list[int], waits: Waits | None = None
+) -> None:
     """``src`` sends each tensor to every receiver; receivers fill theirs in place. All the
     messages are posted before any is waited for, so they stream back to back; gloo matches
     messages between two ranks in the order they were posted."""
@@ -81,13 +98,16 @@ def _transfer(tensors: list[torch.Tensor], src: int, receivers: list[int]) -> No
         works = [dist.irecv(t, src) for t in tensors]
     else:
         return
-    for work in works:
-        work.wait()
+    _wait(works, waits)
 
 
 @torch.no_grad()
 def _send_tensors(
-    tensors: list[torch.Tensor], src: int, receivers: list[int], wire: torch.device = CPU
+    tensors: list[torch.Tensor],
+    src: int,
+    receivers: list[int],
+    wire: torch.device = CPU,
+    waits: Waits | None = None,
 ) -> None:
     """Large contiguous tensors on the wire device travel in place, one message each (a
     large one elsewhere as a copy on the wire device); the small ones are flattened into one
@@ -110,7 +130,7 @@ def _send_tensors(
         else torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=wire)
         for group in by_dtype.values()
     ]
-    _transfer(large + flats, src, receivers)
+    _transfer(large + flats, src, receivers, waits)
     if sending:
         return
     for copy, t in moved:
@@ -130,18 +150,19 @@ def heal(
     committed_step: int = 0,
     tracked: TrackedState | None = None,
     wire: torch.device = CPU,
+    waits: Waits | None = None,
 ) -> HealResult:
     """Make this member's state equal to the most advanced member's: model, optimizer, RNG
-        and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
-        no trained state yet; ``committed_step``
-        a lower bound of the job's committed step (``GenerationInfo.committed_step``). Raises
-        ``StateLost`` when the most advanced member is more than one step behind it (members
-        are at most one step apart, so a member with the state is never further behind). ``wire``:
-    the group's wire device (module doc)."""
+    and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
+    no trained state yet; ``committed_step`` a lower bound of the job's committed step
+    (``GenerationInfo.committed_step``). Raises ``StateLost`` when the most advanced member
+    is more than one step behind it (members are at most one step apart, so a member with
+    the state is never further behind). ``wire``: the group's wire device; ``waits``: on
+    gloo, the worker's abortable waits (module doc)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
     steps = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(steps, mine)
+    _wait([dist.all_gather(steps, mine, async_op=True)], waits)
     values = [int(t.item()) for t in steps]
     best = max(values)
     if best < committed_step - 1:
@@ -175,13 +196,15 @@ def heal(
             buf,
         )
         blob = buf.getvalue()
-    meta = torch.load(io.BytesIO(_send_blob(blob, source, receivers, wire)), weights_only=True)
+    meta = torch.load(
+        io.BytesIO(_send_blob(blob, source, receivers, wire, waits)), weights_only=True
+    )
     shipped = json.loads(meta["tracked"])
     if rank != source:
         tensors = [_empty(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
         extra = [_empty(shape, dtype) for shape, dtype in shipped["tensors"]]
     model = list(module.parameters()) + list(module.buffers())
-    _send_tensors(model + tensors + extra, source, receivers, wire)
+    _send_tensors(model + tensors + extra, source, receivers, wire, waits)
     if rank != source:
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])

@@ -63,9 +63,11 @@ class Membership:
     def _between_steps(self, collective: Callable[[], object]) -> bool:
         """Run ``collective`` of the current group between steps, where its failure is a
         membership change like any other; False if it failed (the member has left the
-        group and reported it)."""
+        group and reported it). On gloo these collectives (DDP's bucket rebuild, sharded
+        checkpoints and copies) are not watched: they do not wait through ``waits``, and a
+        cut would fail a long sharded save that a planned shrink overlaps."""
         try:
-            if self._watch is not None:  # NCCL: bounded like the step's all-reduce
+            if self._backend == "nccl":  # bounded like the step's all-reduce
                 self._watch.open()
                 collective()
                 torch.cuda.synchronize(self.device)
@@ -75,7 +77,7 @@ class Membership:
                 collective()
             return True
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            self._leave_group()
+            self._leave_group(failed=True)
             self._report_failure(self.generation, exc)
             return False
 
@@ -85,14 +87,17 @@ class Membership:
         self._buckets_pending = False
         return self._between_steps(self._ddp.reducer._rebuild_buckets)
 
-    def _leave_group(self) -> None:
+    def _leave_group(self, *, failed: bool = False) -> None:
+        """Leave the current group (``group.destroy_group``): ``failed`` after a failure;
+        parked if the watch cut a wait on it (a collective may still be blocked in gloo)."""
         self._ddp = None
         self._control.release()
         if self._fsdp is not None:
             self._fsdp.leave()
         if self._watch is not None:
             self._watch.close()
-        grp.destroy_group(self._backend)
+        grp.destroy_group(self._backend, failed=failed, park=self._waits.aborted)
+        self._waits.reset()
 
     def _newest_answer(self) -> HeartbeatResponse | None:
         """The newest heartbeat's answer; on rank 0, fetched at once when the coordinator
@@ -178,13 +183,13 @@ class Membership:
                 return True
             except grp.Superseded:  # the coordinator already opened the next one
                 self._debug(f"gen {info.id} superseded while forming")
-                self._leave_group()
+                self._leave_group(failed=True)
             except StateLost as exc:
                 self._leave_group()
                 self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
                 self._failed_forms += 1
-                self._leave_group()
+                self._leave_group(failed=True)
                 self._report_failure(info.id, exc)
 
     def _form(self, info: GenerationInfo) -> None:
@@ -213,6 +218,7 @@ class Membership:
             connect_s=grp.connect_timeout(self._failed_forms, timeout_s),
             on_published=lambda: probes.point("connect", self.step, info.id),
             backend=self._backend,
+            other_ports=self._other_ports(),
         )
         self._members = list(info.members)
         self._t_formed = time.time()
@@ -250,6 +256,7 @@ class Membership:
                 committed_step=info.committed_step,
                 tracked=self._tracked,
                 wire=devices.wire_device(self._backend, self.device),
+                waits=self._waits if self._backend == "gloo" else None,
             )
             if self._watch is not None and (aborted := self._watch.close()) is not None:
                 raise RuntimeError(f"heal aborted: {aborted}")

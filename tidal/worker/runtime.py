@@ -25,6 +25,7 @@ import atexit
 import datetime
 import os
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,7 @@ from tidal.worker.reports import Reports
 from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
 from tidal.worker.update import Update
+from tidal.worker.waits import Waits
 from tidal.worker.watch import AbortWatch, Facts
 
 _current: Trainer | None = None
@@ -183,7 +185,8 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._last_sharded_ckpt: int | None = None
         self._control = ddp.ControlWord(self.device)
         self._backend = "gloo"  # the process groups' backend, chosen when the job is joined
-        self._watch: AbortWatch | None = None  # NCCL only: bounds a collective a peer left
+        self._watch: AbortWatch | None = None  # bounds a collective a peer left (joined)
+        self._waits = Waits()  # gloo: the waits the watch can cut (``waits``)
         self._members: list[int] = []  # the worker ids of the generation this one formed
         self._step_s: float | None = None  # a recent step's time (the watch's grace)
         self._env = WorkerEnv.from_environ()
@@ -308,7 +311,7 @@ class Trainer(Membership, ShardedSteps, Reports):
                 if step._failed is not None:
                     if mark is not None:  # the step is redone: what it moved moves back
                         self._tracked.rewind(mark)
-                    self._leave_group()
+                    self._leave_group(failed=True)
                     self._report_failure(self.generation, step._failed)
                     member = self._join()
                     continue
@@ -347,14 +350,30 @@ class Trainer(Membership, ShardedSteps, Reports):
                 atexit.register(self._agent.close)
 
     def _start_comm(self, comm: str) -> None:
-        """Choose the process groups' backend (``devices.resolve_comm``); on NCCL, take the
-        device and start the abort watch (``watch``), torch's watchdog told to do nothing."""
+        """Choose the process groups' backend (``devices.resolve_comm``) and start the abort
+        watch (``watch``). On gloo the watch fails the waits it gives up on and cuts the
+        group's connections (``waits``); on NCCL it aborts the communicators, and the worker
+        takes its device, torch's watchdog told to do nothing."""
         self._backend = devices.resolve_comm(comm, self.device)
         if self._backend != "nccl":
+            self._control.waits = self._waits
+            self._watch = AbortWatch(self._watch_facts, self._cut_group)
             return
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # the watch handles errors
         torch.cuda.set_device(self.device)
         self._watch = AbortWatch(self._watch_facts, grp.abort_group)
+
+    def _cut_group(self) -> None:
+        """The gloo watch's abort: the training thread's wait fails, the peers' see the
+        connections close."""
+        self._waits.abort("the abort watch cut a collective a peer left")
+        grp.cut_group()
+
+    def _other_ports(self) -> tuple[int, ...]:
+        """The ports of this worker's connections besides its group's: the coordinator's
+        API (the store's is known to ``form_group``)."""
+        port = urllib.parse.urlsplit(self._env.url).port
+        return (port,) if port is not None else ()
 
     def _watch_facts(self, open_s: float | None) -> Facts:
         latest = self._agent.latest() if self._agent else None

@@ -1,18 +1,20 @@
-"""Bounding a collective whose peer died: the NCCL abort watch.
+"""Bounding a collective whose peer died: the abort watch.
 
-A gloo collective whose peer died raises by itself (the peer's sockets close; a hung peer
-is killed by the coordinator after its missed heartbeats). An NCCL collective does not: its
-kernel waits on the GPU for data that never comes, and the host thread blocks at the next
-synchronisation; torch's own watchdog would either wait the group's timeout and then tear
-the process down, or do nothing. So a worker on NCCL runs this watch instead (torch's
-watchdog is told to do nothing, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``):
+An NCCL collective whose peer died does not return: its kernel waits on the GPU for data
+that never comes, and the host thread blocks at the next synchronisation; torch's own
+watchdog would either wait the group's timeout and then tear the process down, or do
+nothing (a worker on NCCL tells it to do nothing, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``).
+A gloo collective whose peer died usually raises by itself (the peer's sockets close), but
+one race leaves it blocked until the collective timeout (``waits``). So every worker runs
+this watch:
 
 - the training thread opens a **window** around each blocking stretch of communication (a
   step's last micro-batch through its control-word read; a heal) and closes it after;
 - a thread polls ``abort_reason`` (pure, table-tested) with what the worker knows: how long
   the window has been open, the recent step time, and whether the coordinator has announced
   a newer generation that drops a current member (it does so when it sees a member lost);
-- on a reason it aborts the communicators (``_abort_process_group``): the blocked thread
+- on a reason it aborts: NCCL's communicators (``_abort_process_group``), or on gloo the
+  worker's waits and the group's connections (``waits``, ``conns``); the blocked thread
   returns, and ``close`` reports the window **aborted**, so the step is treated as failed
   (whatever the aborted collective left in the buffers is never applied), the member leaves
   the group (already gone) and joins the next generation.
