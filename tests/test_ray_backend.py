@@ -21,7 +21,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from e2e_helpers import DIGITS, ROOT, Home, event_messages, pid_alive, relative_l2, summarize
+from e2e_helpers import (
+    DIGITS,
+    ROOT,
+    Home,
+    event_messages,
+    pid_alive,
+    relative_l2,
+    summarize,
+    wait_gone,
+)
 
 from tidal.coordinator.home import db_path
 
@@ -251,6 +260,10 @@ def test_killed_actor_process_is_replaced(tidal_home: Home, two_nodes: RayCluste
     tidal_home.assert_no_processes()
 
 
+def _reregistered(status: dict) -> list[str]:
+    return [m for m in event_messages(status, "worker") if "re-registered (generation 1" in m]
+
+
 def test_sigkill_of_the_coordinator_loses_nothing_on_ray(
     tidal_home: Home, two_nodes: RayCluster, reference_params
 ) -> None:
@@ -283,16 +296,28 @@ def test_sigkill_of_the_coordinator_loses_nothing_on_ray(
     print(f"the coordinator answered again {took:.2f} s after its SIGKILL")
     assert took <= RAY_RESTART_S, f"the coordinator answered again after {took:.2f} s"
 
+    # Then `tidal run` itself dies (the supervisor and its coordinator): the actors train on,
+    # and `tidal attach` on this node adopts them again.
+    adopted = job.wait_for(lambda s: len(_reregistered(s)) == 2, 60, "both workers re-registered")
+    info = job.coordinator_info()
+    for pid in (info["supervisor_pid"], info["pid"]):
+        os.kill(pid, signal.SIGKILL)
+    assert not wait_gone([info["supervisor_pid"], info["pid"]], timeout=10)
+    orphaned = job.status()  # from SQLite
+    assert orphaned["state"] == "interrupted", summarize(orphaned)
+    attached = tidal_home.cli("attach", "raycrash", "--detach")
+    assert attached.returncode == 0 and attached.stdout.strip() == "raycrash", attached.stderr
+
     status = job.wait_state("succeeded", "failed", "stopped", "interrupted", timeout=240)
     assert status["state"] == "succeeded" and status["step"] == steps, summarize(status)
     assert {w["id"]: w["pid"] for w in status["workers"]} == pids, summarize(status)
     assert len(status["generations"]) == 1, summarize(status)
-    reregistered = [
-        m for m in event_messages(status, "worker") if "re-registered (generation 1" in m
-    ]
-    assert len(reregistered) == 2, summarize(status)
-    assert all(int(m.rsplit("step ", 1)[1].rstrip(")")) > step_at_kill for m in reregistered)
-    assert any("2 live workers" in m for m in event_messages(status, "coordinator"))
+    steps_at = [int(m.rsplit("step ", 1)[1].rstrip(")")) for m in _reregistered(status)]
+    assert len(steps_at) == 4 and min(steps_at) > step_at_kill, summarize(status)
+    # Re-registered with the attached coordinator after training on, orphaned.
+    assert min(steps_at[2:]) > adopted["step"], summarize(status)
+    adoptions = [m for m in event_messages(status, "coordinator") if "2 live workers" in m]
+    assert len(adoptions) == 2, summarize(status)  # the supervisor's restart, the attach
     rel = relative_l2(out, reference_params(steps, 0, double=True))
     assert rel <= 1e-12, f"parameters differ from the 1-worker run: relative L2 {rel:.3e}"
     tidal_home.assert_no_processes()

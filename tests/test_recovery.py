@@ -126,39 +126,54 @@ def test_control_round_trips_through_json_keys() -> None:
 
 
 SPEC = JobSpec(name="j", script="s.py", workers=2, max_workers=4)
+RAY = JobSpec(name="j", script="s.py", backend="ray")
 INFO = {"url": "http://127.0.0.1:4567", "token": "t0k", "pid": 9}
+ON_RAY = {"url": "http://10.0.0.7:4567", "token": "t0k", "pid": 9}
 
 
 @pytest.mark.parametrize(
-    ("state", "spec", "info", "alive", "error"),
+    ("state", "spec", "info", "host", "alive", "error"),
     [
-        ("running", SPEC, INFO, True, None),
-        ("pending", SPEC, INFO, True, None),
-        ("succeeded", SPEC, INFO, True, "succeeded; nothing to attach to"),
-        ("stopped", SPEC, INFO, True, "stopped; nothing to attach to"),
-        ("running", SPEC, None, True, "no record of job 'j'.s coordinator address"),
-        ("running", SPEC, {"url": "http://127.0.0.1:1"}, True, "coordinator address"),
-        ("running", SPEC, INFO, False, "no worker of job 'j' is alive; `tidal resume j`"),
+        ("running", SPEC, INFO, "127.0.0.1", True, None),
+        ("pending", SPEC, INFO, "127.0.0.1", True, None),
+        ("succeeded", SPEC, INFO, "127.0.0.1", True, "succeeded; nothing to attach to"),
+        ("stopped", SPEC, INFO, "127.0.0.1", True, "stopped; nothing to attach to"),
+        ("running", SPEC, None, "127.0.0.1", True, "no record of job 'j'.s coordinator address"),
+        ("running", SPEC, {"url": "http://127.0.0.1:1"}, "127.0.0.1", True, "coordinator address"),
         (
             "running",
-            JobSpec(name="j", script="s.py", backend="ray"),
+            SPEC,
             INFO,
-            True,
-            "local workers only; job 'j' runs on ray",
+            "127.0.0.1",
+            False,
+            "no worker of job 'j' is alive; `tidal resume j`",
         ),
+        # Ray: the workers' pids are on other nodes, never asked of this machine.
+        ("running", RAY, ON_RAY, "10.0.0.7", False, None),
+        (
+            "running",
+            RAY,
+            ON_RAY,
+            "10.0.0.8",
+            True,
+            "workers call 10.0.0.7, and this machine serves",
+        ),
+        ("succeeded", RAY, ON_RAY, "10.0.0.7", True, "succeeded; nothing to attach to"),
     ],
 )
-def test_what_attach_refuses(state, spec, info, alive, error) -> None:
+def test_what_attach_refuses(state, spec, info, host, alive, error) -> None:
     st = status(workers=[(0, WorkerState.RUNNING), (1, WorkerState.FAILED)], state=state)
     if error is None:
-        got = check_attach("j", spec, st, info, alive=lambda pid: alive)
+        got = check_attach("j", spec, st, info, host=host, alive=lambda pid: alive)
         assert (got.token, got.api_port) == ("t0k", 4567)
     else:
         with pytest.raises(ValueError, match=error.replace("(", r"\(").replace("`", "`")):
-            check_attach("j", spec, st, info, alive=lambda pid: alive)
+            check_attach("j", spec, st, info, host=host, alive=lambda pid: alive)
 
 
 def test_attach_ignores_pids_of_workers_that_ended() -> None:
     st = status(workers=[(0, WorkerState.EXITED), (1, WorkerState.FAILED)])
     with pytest.raises(ValueError, match="no worker of job 'j' is alive"):
-        check_attach("j", SPEC, st, INFO, alive=lambda pid: True)  # recycled pids
+        check_attach("j", SPEC, st, INFO, host="127.0.0.1", alive=lambda pid: True)  # recycled
+    with pytest.raises(ValueError, match="no worker of job 'j' is alive"):
+        check_attach("j", RAY, st, ON_RAY, host="10.0.0.7", alive=lambda pid: True)

@@ -7,8 +7,15 @@ rebuilds the job from SQLite and adopts the workers as they register again
 (``coordinator.recovery``), exactly as after a restart by the supervisor.
 
 Refused in one line: an unknown job, one whose coordinator still holds it, one that ended,
-one with no record of its coordinator's address, one with no live worker (``tidal resume``
-restarts it from a checkpoint), and a job of a cluster backend.
+one with no record of its coordinator's address, one whose workers call another machine
+(the attach must serve the address they call), and one with no live worker (``tidal
+resume`` restarts it from a checkpoint).
+
+On Ray the workers' pids are on other nodes: the attach cannot see them, so it counts the
+workers the records left running, and the new coordinator adopts their detached actors by
+name (``RayBackend.adopt``); a worker whose actor is gone is lost, as after a restart by the
+supervisor, and a job that adopts none goes on from its newest checkpoint
+(``rules.every_member_lost``).
 """
 
 from __future__ import annotations
@@ -71,11 +78,22 @@ def cmd_attach(args: argparse.Namespace, *, launch: Callable[..., int]) -> int:
     finally:
         db.close()
     try:
-        attach = check_attach(args.job, spec, status, jd.read_coordinator(), alive=_alive)
+        attach = check_attach(
+            args.job, spec, status, jd.read_coordinator(), host=_address(spec), alive=_alive
+        )
     except BaseException:
         os.close(lock)
         raise
     return launch(spec, home, args, None, lock, attach=attach)
+
+
+def _address(spec: JobSpec) -> str:
+    """The address a coordinator of ``spec`` listens on from this machine (``runner``)."""
+    if spec.backend == "ray":
+        from tidal.backends.ray import node_address
+
+        return node_address()
+    return "127.0.0.1"
 
 
 def _alive(pid: int) -> bool:
@@ -89,30 +107,41 @@ def _alive(pid: int) -> bool:
 
 
 def check_attach(
-    name: str, spec: JobSpec, status: JobStatus, info: dict | None, *, alive: Callable[[int], bool]
+    name: str,
+    spec: JobSpec,
+    status: JobStatus,
+    info: dict | None,
+    *,
+    host: str,
+    alive: Callable[[int], bool],
 ) -> Attach:
     """The ``Attach`` for the job, or ``ValueError`` (one line) saying why there is none;
-    ``info``: its coordinator file, ``alive``: whether a pid runs."""
+    ``info``: its coordinator file, ``host``: the address this machine would serve,
+    ``alive``: whether a pid runs on this machine (asked of local workers only: module doc)."""
     if JobState(status.state).terminal:
         raise ValueError(f"job {name!r} {JobState(status.state).value}; nothing to attach to")
-    if spec.backend != "local":
-        raise ValueError(
-            f"tidal attach takes over local workers only; job {name!r} runs on {spec.backend}"
-        )
     if not info or not info.get("url") or not info.get("token"):
         raise ValueError(
             f"no record of job {name!r}'s coordinator address; its workers cannot be reached "
             f"(`tidal resume {name}` restarts it from a checkpoint)"
         )
+    url = urlsplit(info["url"])
+    if url.hostname != host:
+        raise ValueError(
+            f"job {name!r}'s workers call {url.hostname}, and this machine serves {host}: "
+            "run `tidal attach` on the machine that ran `tidal run`"
+        )
+    local = spec.backend == "local"
     live = [
         w.id
         for w in status.workers
-        if w.pid and w.state not in (WorkerState.EXITED, WorkerState.FAILED) and alive(w.pid)
+        if w.pid
+        and w.state not in (WorkerState.EXITED, WorkerState.FAILED)
+        and (not local or alive(w.pid))
     ]
     if not live:
         raise ValueError(
             f"no worker of job {name!r} is alive; `tidal resume {name}` restarts it from a "
             "checkpoint"
         )
-    port = urlsplit(info["url"]).port
-    return Attach(token=info["token"], api_port=port)
+    return Attach(token=info["token"], api_port=url.port)
