@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from tidal.coordinator.answers import Answers
+from tidal.coordinator.pacing import heartbeat_interval
 from tidal.coordinator.records import WorkerRecord, changed_rows
-from tidal.coordinator.rules import heartbeat_interval
 from tidal.protocol import (
     API_PREFIX,
     GenerationInfo,

@@ -1,28 +1,30 @@
-"""Table tests of the control loop's rules about workers' lives (``coordinator.rules``):
-pure functions, milliseconds, no processes."""
+"""Table tests of the control loop's rules about workers' lives (``coordinator.rules``) and
+its timing (``coordinator.pacing``): pure functions, milliseconds, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.coordinator.rules import (
+from tidal.coordinator.pacing import (
     HEARTBEATS_PER_S,
     LOOP_BUSY_S,
     LOOP_SETTLE_S,
     LOOP_SETTLED_S,
+    clocks_restart,
+    heartbeat_interval,
+    loop_wait,
+)
+from tidal.coordinator.rules import (
     REFORMS_WITHOUT_PROGRESS,
     ExitFacts,
     HealthFacts,
     capacity_victims,
-    clocks_restart,
     completion_refused,
     effective_target,
     every_member_lost,
     final_checkpoint,
-    heartbeat_interval,
     judge_exit,
     leaver_target,
-    loop_wait,
     reform_due,
     repeated_failure,
     roll_back,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidal.coordinator.rules import heartbeat_interval
+from tidal.coordinator.pacing import heartbeat_interval
 from tidal.protocol import GenerationInfo, HeartbeatResponse, Role
 
 

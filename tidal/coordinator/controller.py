@@ -2,7 +2,7 @@
 
 Threads: the HTTP API (uvicorn's) calls the ``on_*`` methods; the controller thread calls
 ``tick`` when an API call sets ``wake`` or a worker exits (``Backend.wake_fds``), and
-otherwise at the interval ``rules.loop_wait`` gives. Both hold ``self.lock``, so each sees a
+otherwise at the interval ``pacing.loop_wait`` gives. Both hold ``self.lock``, so each sees a
 consistent job.
 Decisions come from pure functions (``rules``, ``policy.reconcile``, ``policy.schedule``);
 ``tick`` turns them into changes of the job in memory (``job.Job``) and actions
@@ -502,7 +502,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
 
     def settled(self) -> bool:
         """True when nothing is in motion that a pass must notice within tenths of a
-        second (``rules.loop_wait``): the latest generation formed, no re-form, leaver,
+        second (``pacing.loop_wait``): the latest generation formed, no re-form, leaver,
         stop or outcome pending, no worker still starting."""
         latest = self.job.latest
         if latest is None or not latest.formed or self.job.leaving:

@@ -18,12 +18,12 @@ from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.actions import AdoptWorker, RecordControl, SignalWorker, StartWorker
 from tidal.coordinator.job import Job
+from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
 from tidal.coordinator.rules import (
     ExitFacts,
     HealthFacts,
-    clocks_restart,
     judge_exit,
     roll_back,
     to_kill,

@@ -33,8 +33,8 @@ from tidal.config import JobSpec
 from tidal.coordinator.actions import KillEveryWorker
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
+from tidal.coordinator.pacing import loop_wait
 from tidal.coordinator.records import Resume
-from tidal.coordinator.rules import loop_wait
 from tidal.coordinator.supervisor import Attach, Hosting, supervise
 from tidal.dashboard.history import Recorder
 from tidal.host.server import ApiServer
