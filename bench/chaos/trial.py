@@ -43,6 +43,7 @@ TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
 POLL_S = 0.1
 HEARTBEAT_LAG_S = 0.8  # a heartbeat, a status snapshot (up to 0.5 s old), a poll
 SLOW_PACE_S = 0.1
+SETTLED_STEPS = 3  # a settled job trained this many steps in its newest generation
 
 
 class Watch:
@@ -110,7 +111,7 @@ def settled(s: dict, after_step: int = 0) -> bool:
     running = [w for w in s["workers"] if w["state"] == "running"]
     return (
         len(g["members"]) == s["target_workers"] == len(running)
-        and s["step"] >= max(after_step, g["start_step"]) + 3
+        and s["step"] >= max(after_step, g["start_step"]) + SETTLED_STEPS
     )
 
 
@@ -228,10 +229,27 @@ class Trial:
 
     def settle_after(self, t: float, what: str) -> dict:
         """Settled, with the step counted from what the job did after time ``t`` (status
-        steps come from heartbeats and status answers are shared snapshots: they lag)."""
+        steps come from heartbeats and status answers are shared snapshots: they lag), and
+        the members' own step logs showing ``SETTLED_STEPS`` steps committed since ``t``. The
+        logs are the proof: a restarted coordinator's status starts from its records' step,
+        behind the workers', so its step can pass the base while the job is stuck (seed
+        320000008: a member SIGSTOPped with the coordinator's SIGKILL looked settled at
+        once; the next fault then found no step committed)."""
         self.watch.idle(max(0.0, t + HEARTBEAT_LAG_S - time.time()))
         base = self.watch.until(lambda s: True, self.settings.recovery_timeout_s, "a status")
-        return self.settle(base["step"], what)
+        s = self.settle(base["step"], what)
+        end = time.monotonic() + self.settings.recovery_timeout_s
+        if self.commits_between(t, time.time()) >= SETTLED_STEPS:
+            return s
+        while self.commits_between(t, time.time()) < SETTLED_STEPS:
+            if time.monotonic() > end:
+                raise TrialFailure(
+                    "recovery", f"{what}: the members committed no {SETTLED_STEPS} steps"
+                )
+            if self.watch.poll()["state"] in TERMINAL:
+                raise JobEnded(self.watch.last["state"])
+            time.sleep(POLL_S)
+        return self.settle(self.watch.last["step"], what)  # trained again: settled again
 
     def scale(self, n: int) -> None:
         """``tidal scale`` through the CLI's own entry point (in process: no interpreter
