@@ -95,13 +95,15 @@ def check_e(e: dict, summary: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_the_reform_resume_and_amp_parts_pass_on_cpu(tmp_path: Path) -> None:
-    """CI's small part of the check (the whole is ``-m bench``): (b), the failed collective,
-    the lost job and its resume, and (e), AMP with a GradScaler carried through a resume."""
-    result, summary = run_on_cpu(tmp_path, "be", "--only", "b,e")
-    assert result["parts"]["a"]["skipped"] and result["parts"]["c"]["skipped"], result["parts"]
-    check_b(result["parts"]["b"])
-    check_e(result["parts"]["e"], summary)
+def test_the_amp_part_passes_on_cpu(tmp_path: Path) -> None:
+    """CI's small part of the check (the whole is ``-m bench``): (e), AMP with a GradScaler
+    carried through a resume. Part (b)'s mechanisms (a failed collective, a lost job and its
+    resume) are CI's end-to-end tests on the CPU already (``test_e2e_runtime``,
+    ``test_e2e_checkpoint``); its harness runs in the ``bench`` test below."""
+    result, summary = run_on_cpu(tmp_path, "e", "--only", "e")
+    parts = result["parts"]
+    assert parts["a"]["skipped"] and parts["b"]["skipped"] and parts["c"]["skipped"], parts
+    check_e(parts["e"], summary)
 
 
 @pytest.mark.bench

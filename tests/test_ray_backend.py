@@ -85,7 +85,20 @@ def ray_token() -> Iterator[str]:
 
 
 @pytest.fixture
+def fresh_nodes(ray_token: str) -> Iterator[RayCluster]:
+    """Two nodes for a test that changes the cluster (loses or adds a node)."""
+    cluster = RayCluster(nodes=2)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
 def two_nodes(ray_token: str) -> Iterator[RayCluster]:
+    """Two nodes shared by the tests that leave the cluster as they found it (each checks
+    that its job left no process behind); ~8 s a cluster saved. They come after the tests
+    of ``fresh_nodes`` in this file, so that two clusters never run at once."""
     cluster = RayCluster(nodes=2)
     try:
         yield cluster
@@ -99,6 +112,81 @@ def ray_opts(cluster: RayCluster, *extra: str) -> list[str]:
 
 def node_ids(status: dict, *states: str) -> set[str]:
     return {w["node"] for w in status["workers"] if not states or w["state"] in states}
+
+
+def test_node_loss_is_a_worker_failure(
+    tidal_home: Home, fresh_nodes: RayCluster, reference_params
+) -> None:
+    out = tidal_home.path / "final.safetensors"
+    job = tidal_home.start(
+        "rayloss",
+        *ray_opts(fresh_nodes, "--workers", "2"),
+        script_args=["--max-steps", "600", "--save", str(out)],
+    )
+    status = job.wait_for(
+        lambda s: s["world_size"] == 2 and s["step"] >= 30, 120, "2 workers past step 30"
+    )
+    second = fresh_nodes.nodes[1]
+    first = {w["id"] for w in status["workers"]}
+    (lost,) = [w["id"] for w in status["workers"] if w["node"] == second.node_id]
+    fresh_nodes.kill_raylet(second)
+
+    status = job.wait_state("succeeded", "failed", timeout=180)
+    assert status["state"] == "succeeded", f"{summarize(status)}\n{job.logs_tail()}"
+    # The survivor went on alone on the first node, from where the pair had got to.
+    last = status["generations"][-1]
+    assert last["world_size"] == 1 and lost not in last["members"], summarize(status)
+    assert last["start_step"] >= 30
+    assert any(f"worker {lost} failed" in m for m in event_messages(status, "failure"))
+    # No room for a replacement: it waited as pending, and was cancelled at the end.
+    formed_after = [g for g in status["generations"][1:] if g["start_step"] is not None]
+    assert [g["world_size"] for g in formed_after] == [1], summarize(status)
+    (replacement,) = [w for w in status["workers"] if w["id"] not in first]
+    assert replacement["node"] is None and replacement["state"] == "exited"
+    assert any("cancelled before Ray placed it" in m for m in event_messages(status))
+    # At most one step redone, none applied twice: still a 1-worker run's parameters.
+    assert relative_l2(out, reference_params(600)) < 1e-4
+    tidal_home.assert_no_processes()
+
+
+def test_third_worker_waits_for_a_third_node(tidal_home: Home, fresh_nodes: RayCluster) -> None:
+    job = tidal_home.start(
+        "raypend",
+        *ray_opts(fresh_nodes, "--workers", "2", "--max-workers", "3"),
+        script_args=["--max-steps", "1000000", "--log-every", "1000"],
+    )
+    job.wait_for(lambda s: s["world_size"] == 2, 120, "2 workers training")
+    assert job.scale(3).returncode == 0
+    status = job.wait_for(lambda s: s["pending_workers"] == 1, 30, "a pending worker")
+    (pending,) = [w for w in status["workers"] if w["state"] == "pending"]
+    assert status["target_workers"] == 3 and status["world_size"] == 2
+
+    # Still pending a while later: the target is kept, nothing fails.
+    later = job.wait_for(lambda s: s["step"] > status["step"] + 50, 60, "50 more steps")
+    assert later["pending_workers"] == 1 and later["target_workers"] == 3
+    assert later["world_size"] == 2 and later["state"] == "running"
+
+    third = fresh_nodes.add_node()
+    status = job.wait_for(lambda s: s["world_size"] == 3, 120, "the third worker joined")
+    joined = {w["id"]: w for w in status["workers"]}[pending["id"]]
+    assert joined["state"] == "running" and joined["node"] == third.node_id
+    assert node_ids(status, "running") == {n.node_id for n in fresh_nodes.nodes}
+    assert status["pending_workers"] == 0
+
+    # Scale-down removes a worker (the highest rank): its actor ends and frees its node.
+    assert job.scale(2).returncode == 0
+    status = job.wait_for(
+        lambda s: s["world_size"] == 2 and s["generations"][-1]["start_step"] is not None,
+        60,
+        "back to 2 workers",
+    )
+    left = [w for w in status["workers"] if w["state"] in ("exited", "stopping")]
+    assert len(left) == 1, summarize(status)
+    assert not any(m.endswith("failed") for m in event_messages(status, "failure"))
+
+    assert job.stop().returncode == 0
+    assert job.wait_state("stopped", timeout=60)["state"] == "stopped"
+    tidal_home.assert_no_processes()
 
 
 def test_two_nodes_train_digits(tidal_home: Home, two_nodes: RayCluster, reference_params) -> None:
@@ -121,81 +209,6 @@ def test_two_nodes_train_digits(tidal_home: Home, two_nodes: RayCluster, referen
     assert host and not host.startswith("127."), status["url"]
     # Same mathematics as anywhere else: equal to a 1-worker local run.
     assert relative_l2(out, reference_params(200)) < 1e-4
-    tidal_home.assert_no_processes()
-
-
-def test_node_loss_is_a_worker_failure(
-    tidal_home: Home, two_nodes: RayCluster, reference_params
-) -> None:
-    out = tidal_home.path / "final.safetensors"
-    job = tidal_home.start(
-        "rayloss",
-        *ray_opts(two_nodes, "--workers", "2"),
-        script_args=["--max-steps", "600", "--save", str(out)],
-    )
-    status = job.wait_for(
-        lambda s: s["world_size"] == 2 and s["step"] >= 30, 120, "2 workers past step 30"
-    )
-    second = two_nodes.nodes[1]
-    first = {w["id"] for w in status["workers"]}
-    (lost,) = [w["id"] for w in status["workers"] if w["node"] == second.node_id]
-    two_nodes.kill_raylet(second)
-
-    status = job.wait_state("succeeded", "failed", timeout=180)
-    assert status["state"] == "succeeded", f"{summarize(status)}\n{job.logs_tail()}"
-    # The survivor went on alone on the first node, from where the pair had got to.
-    last = status["generations"][-1]
-    assert last["world_size"] == 1 and lost not in last["members"], summarize(status)
-    assert last["start_step"] >= 30
-    assert any(f"worker {lost} failed" in m for m in event_messages(status, "failure"))
-    # No room for a replacement: it waited as pending, and was cancelled at the end.
-    formed_after = [g for g in status["generations"][1:] if g["start_step"] is not None]
-    assert [g["world_size"] for g in formed_after] == [1], summarize(status)
-    (replacement,) = [w for w in status["workers"] if w["id"] not in first]
-    assert replacement["node"] is None and replacement["state"] == "exited"
-    assert any("cancelled before Ray placed it" in m for m in event_messages(status))
-    # At most one step redone, none applied twice: still a 1-worker run's parameters.
-    assert relative_l2(out, reference_params(600)) < 1e-4
-    tidal_home.assert_no_processes()
-
-
-def test_third_worker_waits_for_a_third_node(tidal_home: Home, two_nodes: RayCluster) -> None:
-    job = tidal_home.start(
-        "raypend",
-        *ray_opts(two_nodes, "--workers", "2", "--max-workers", "3"),
-        script_args=["--max-steps", "1000000", "--log-every", "1000"],
-    )
-    job.wait_for(lambda s: s["world_size"] == 2, 120, "2 workers training")
-    assert job.scale(3).returncode == 0
-    status = job.wait_for(lambda s: s["pending_workers"] == 1, 30, "a pending worker")
-    (pending,) = [w for w in status["workers"] if w["state"] == "pending"]
-    assert status["target_workers"] == 3 and status["world_size"] == 2
-
-    # Still pending a while later: the target is kept, nothing fails.
-    later = job.wait_for(lambda s: s["step"] > status["step"] + 50, 60, "50 more steps")
-    assert later["pending_workers"] == 1 and later["target_workers"] == 3
-    assert later["world_size"] == 2 and later["state"] == "running"
-
-    third = two_nodes.add_node()
-    status = job.wait_for(lambda s: s["world_size"] == 3, 120, "the third worker joined")
-    joined = {w["id"]: w for w in status["workers"]}[pending["id"]]
-    assert joined["state"] == "running" and joined["node"] == third.node_id
-    assert node_ids(status, "running") == {n.node_id for n in two_nodes.nodes}
-    assert status["pending_workers"] == 0
-
-    # Scale-down removes a worker (the highest rank): its actor ends and frees its node.
-    assert job.scale(2).returncode == 0
-    status = job.wait_for(
-        lambda s: s["world_size"] == 2 and s["generations"][-1]["start_step"] is not None,
-        60,
-        "back to 2 workers",
-    )
-    left = [w for w in status["workers"] if w["state"] in ("exited", "stopping")]
-    assert len(left) == 1, summarize(status)
-    assert not any(m.endswith("failed") for m in event_messages(status, "failure"))
-
-    assert job.stop().returncode == 0
-    assert job.wait_state("stopped", timeout=60)["state"] == "stopped"
     tidal_home.assert_no_processes()
 
 
