@@ -177,3 +177,27 @@ def test_attach_ignores_pids_of_workers_that_ended() -> None:
         check_attach("j", SPEC, st, INFO, host="127.0.0.1", alive=lambda pid: True)  # recycled
     with pytest.raises(ValueError, match="no worker of job 'j' is alive"):
         check_attach("j", RAY, st, ON_RAY, host="10.0.0.7", alive=lambda pid: True)
+
+
+def test_an_interrupted_status_fails_only_the_workers_it_can_see_gone() -> None:
+    """``tidal status`` of a job without a coordinator: a worker of this machine whose
+    process is gone is failed; one recorded on another machine keeps its state."""
+    import os
+    import socket
+
+    from tidal.cli import _mark_lost_workers
+
+    here = socket.gethostname()
+    st = status(
+        workers=[(0, WorkerState.RUNNING), (1, WorkerState.RUNNING), (2, WorkerState.RUNNING)]
+    )
+    gone = 2**22 + 12345  # above pid_max's default: no such process
+    st.workers[0].host, st.workers[0].pid = here, os.getpid()
+    st.workers[1].host, st.workers[1].pid = here, gone
+    st.workers[2].host, st.workers[2].pid = "another-node", gone
+    _mark_lost_workers(st)
+    assert [w.state for w in st.workers] == [
+        WorkerState.RUNNING,
+        WorkerState.FAILED,
+        WorkerState.RUNNING,
+    ]

@@ -93,14 +93,17 @@ def get_status(home: Path, name: str) -> JobStatus:
 
 
 def _mark_lost_workers(status: JobStatus) -> None:
-    """Workers an interrupted job's records show live, whose process is gone: ``failed``
-    (their coordinator died before it could record their end)."""
+    """Workers of this machine an interrupted job's records show live, whose process is
+    gone: ``failed`` (their coordinator died before it could record their end). A worker
+    recorded on another machine (a Ray node) keeps its recorded state: its process cannot
+    be checked from here, and it may be training on (``tidal attach`` adopts it)."""
     here = socket.gethostname()
     for w in status.workers:
         if w.state in (WorkerState.EXITED, WorkerState.FAILED):
             continue
-        alive = w.host == here and w.pid is not None and _pid_alive(w.pid)
-        if not alive:
+        if w.host is not None and w.host != here:
+            continue
+        if w.pid is None or not _pid_alive(w.pid):
             w.state, w.rank = WorkerState.FAILED, None
 
 
