@@ -176,3 +176,29 @@ def test_a_fault_that_overlaps_an_earlier_one_is_bounded_from_its_own_injection(
     first.notes.clear()
     with pytest.raises(TrialFailure, match="pause"):
         pauses(status(5.26), [first, second, later])
+
+
+def test_a_stall_after_an_overlapped_fault_is_bounded_by_the_larger_bound() -> None:
+    """Seed 320000080: workers 2 SIGTERMed and 1 SIGSTOPped (5 s), then, before recovery, a
+    SIGKILL of worker 3 (2 s): the stall after the kill (2.04 s) was the stopped member's,
+    found by its missed heartbeats; it is held to the stop's bound. Without the overlap the
+    kill's own bound holds."""
+    from bench.chaos.checks import pauses, stall_bounds
+    from bench.chaos.records import OVERLAPPED, Event, TrialFailure
+
+    double = Event("double", ["SIGTERM worker 2 (rank 1)", "SIGSTOP worker 1 (rank 0)"], 2, 5.0)
+    double.time = 203.1
+    kill = Event("kill", ["SIGKILL worker 3 (rank 1 of 2)"], 1, 2.0, time=204.38)
+    later = Event("term", ["SIGTERM worker 4 (rank 0 of 2)"], 1, 2.0, time=220.0)
+    double.notes.append(OVERLAPPED)
+    assert stall_bounds([double, kill, later]) == [5.0, 5.0, 2.0]
+    kill.stall_s = 2.04
+    assert pauses({"generations": []}, [double, kill, later]) == []
+    kill.stall_s = 5.2
+    with pytest.raises(TrialFailure, match="pause"):
+        pauses({"generations": []}, [double, kill, later])
+    kill.stall_s, later.stall_s = 0.3, 2.04  # a chain ends at the first recovered fault
+    with pytest.raises(TrialFailure, match="pause"):
+        pauses({"generations": []}, [double, kill, later])
+    double.notes.clear()
+    assert stall_bounds([double, kill, later]) == [5.0, 2.0, 2.0]

@@ -199,3 +199,49 @@ def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
     assert writes == [[coord.job.workers[7].row(), coord.job.workers[8].row()]]
     states = {w.id: w.state for w in coord.status(fresh=True).workers}
     assert states[7] == WorkerState.EXITED and states[9] == WorkerState.STANDBY
+
+
+def test_an_answer_from_a_new_coordinator_waits_for_the_registration_that_made_it(
+    served_coordinator,
+) -> None:
+    """Seeds 320000039, -49, -114: a restarted coordinator answered the training thread as soon
+    as it had processed the heartbeat thread's registration, before that thread took the new
+    config and bumped ``epoch``; the trainer saw the old epoch and joined the new generation
+    in the dead coordinator's store. ``registered_epoch`` waits for the registration."""
+    from tidal.protocol import WorkerEnv
+    from tidal.worker.agent import Agent
+
+    coord, url = served_coordinator
+    with coord.lock:
+        coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY, adopted=False)
+        coord._publish()
+    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
+    processed, release = threading.Event(), threading.Event()
+    real = agent._beat_client.register
+
+    def register_then_pause(*args, **kwargs):
+        resp = real(*args, **kwargs)  # the coordinator has adopted the worker...
+        processed.set()
+        release.wait(10)  # ...and this thread has not taken its answer yet
+        return resp
+
+    agent._beat_client.register = register_then_pause
+    try:
+        beat = threading.Thread(target=agent._register, args=(agent._beat_client, 0))
+        beat.start()
+        assert processed.wait(10)
+        assert agent.fetch().role == Role.STANDBY  # answered: the registration is processed
+        assert agent.epoch == 0  # the race: the answer is in hand, the epoch is not bumped
+        got: list[int] = []
+        reader = threading.Thread(target=lambda: got.append(agent.registered_epoch()))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and not got  # it waits for the registration in flight
+        release.set()
+        reader.join(10)
+        assert got == [1] and agent.config is not None
+    finally:
+        release.set()
+        beat.join(10)
+        agent._client.close()
+        agent._beat_client.close()

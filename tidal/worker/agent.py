@@ -120,6 +120,15 @@ class Agent:
             self.epoch += 1
             return resp
 
+    def registered_epoch(self) -> int:
+        """``epoch``, once a registration in flight on another thread has finished. A
+        restarted coordinator answers this worker as soon as it has processed a registration,
+        while the thread that sent it may not have taken the new ``config`` yet: an answer in
+        hand proves that registration is done or holds the lock (seeds 320000039, -49, -114:
+        a member joined a new coordinator's generation in the dead one's store)."""
+        with self._register_lock:
+            return self.epoch
+
     def _call(self, client: CoordinatorClient, fn: Callable[[CoordinatorClient], T]) -> T:
         """``fn(client)``, retried through a coordinator outage (unreachable, or a 5xx)
         until the orphan timeout; a 409 registers again first. Other refusals (4xx) raise."""

@@ -130,9 +130,10 @@ class Membership:
         Returns False when the coordinator wants this worker to exit or the job to stop.
         """
         assert self._agent is not None and self._store is not None
-        tried = self.generation
+        tried = self.generation  # the newest generation tried
         self._t_join = time.time()
         while True:
+            before = tried  # what was tried before this attempt
             self._notices.follow(self._agent.config)
             self._notices.mark()  # before the answer: a change after it is news
             resp = self._agent.fetch()
@@ -143,7 +144,7 @@ class Membership:
                 self._last_rank = None  # removed: no longer speaks for the job's state
             if resp.role == Role.EXIT:
                 return False
-            if self._store_epoch != self._agent.epoch:  # a restarted coordinator's store
+            if self._store_epoch != self._agent.registered_epoch():  # a new coordinator
                 self._connect_store()
             info = resp.generation
             try:
@@ -169,8 +170,12 @@ class Membership:
                     continue
             except dist.DistError as exc:
                 # The store went away with its coordinator: wait for the next one (the
-                # heartbeat registers with it), then join what it decides.
+                # heartbeat registers with it), then join what it decides. That may be a
+                # generation of the same id (the new coordinator's, answered before this
+                # worker knew its store; or one the dead one announced and never recorded):
+                # not tried yet, or its other members would wait the rendezvous timeout.
                 self._debug(f"store lost while joining: {exc}")
+                tried = before
                 self._agent.beat_now()
                 self._connect_store()
                 continue
