@@ -20,7 +20,6 @@ from e2e_helpers import (
     Home,
     event_messages,
     relative_l2,
-    standalone_params,
     summarize,
     wait_gone,
     wait_stopped,
@@ -32,10 +31,10 @@ STEPS = "1000"
 
 
 @pytest.fixture(scope="module")
-def reference64(tmp_path_factory: pytest.TempPathFactory):
-    """The float64 parameters a plain one-worker run has after ``STEPS`` digits steps."""
-    root = tmp_path_factory.mktemp("reference64")
-    return standalone_params(root / "ref.safetensors", "--max-steps", STEPS, "--double")
+def reference64(reference_params):
+    """The float64 parameters a plain one-worker run has after ``STEPS`` digits steps (trained
+    once a session: other files compare with the same run)."""
+    return reference_params(int(STEPS), 0, double=True)
 
 
 def one_line(proc: subprocess.CompletedProcess | tuple[int, str], *needles: str) -> str:

@@ -283,7 +283,7 @@ def test_sigkill_of_the_coordinator_loses_nothing_on_ray(
     """The coordinator is the cluster's driver; its workers' actors are detached. Killed at
     step >= 100, it is restarted (a new driver), adopts both actors by name, and the same
     two scripts finish the job in the generation they formed, exactly as one worker."""
-    steps = 3000
+    steps = 1500  # the 1-worker run of test_coordinator_crash's (trained once a session)
     out = tidal_home.path / "final.safetensors"
     job = tidal_home.start(
         "raycrash",
