@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tidal import pids
 from tidal.testing import fault_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,19 +56,7 @@ def standalone_params(out: Path, *script_args: str) -> Path:
 # -- processes ----------------------------------------------------------------------------
 def pid_alive(pid: int | None) -> bool:
     """True if ``pid`` runs (a zombie counts as gone: it holds no resources but its slot)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return pids.alive(pid)
 
 
 def _environ_of(pid: int) -> bytes:

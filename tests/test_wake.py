@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tidal.backends.pidwatch import PidWatch, proc_gone
 from tidal.coordinator.wake import Wake
@@ -85,3 +86,26 @@ def test_pidwatch_a_pid_already_gone_is_gone_at_once() -> None:
     assert watch.gone() == {proc.pid}
     watch.remove(proc.pid)
     assert watch.gone() == set()
+
+
+def test_one_answer_to_whether_a_pid_runs() -> None:
+    """``pids.alive``, which the CLI, attach, the checkpoint store, the dashboard and the
+    local backend use: running, a zombie, reaped, and values that name no process."""
+    from tidal import pids
+
+    proc = _sleeper()
+    try:
+        assert pids.alive(proc.pid) and pids.alive(os.getpid())
+        assert pids.alive(1)  # init: another user's process in general; running
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while pids.alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not pids.alive(proc.pid)  # a zombie, not yet reaped
+        assert Path(f"/proc/{proc.pid}").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not pids.alive(proc.pid)  # reaped
+    for nothing in (0, -1, None, True, "12", 2**22 + 7):
+        assert not pids.alive(nothing), nothing

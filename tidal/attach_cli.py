@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from tidal import pids
 from tidal.config import JobSpec
 from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
 from tidal.coordinator.supervisor import Attach
@@ -79,7 +80,7 @@ def cmd_attach(args: argparse.Namespace, *, launch: Callable[..., int]) -> int:
         db.close()
     try:
         attach = check_attach(
-            args.job, spec, status, jd.read_coordinator(), host=_address(spec), alive=_alive
+            args.job, spec, status, jd.read_coordinator(), host=_address(spec), alive=pids.alive
         )
     except BaseException:
         os.close(lock)
@@ -94,16 +95,6 @@ def _address(spec: JobSpec) -> str:
 
         return node_address()
     return "127.0.0.1"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def check_attach(

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tidal import pids
 from tidal.client import CoordinatorClient, CoordinatorError
 from tidal.config import JobSpec, add_flags, from_flags, parse_schedule
 from tidal.coordinator.home import (
@@ -103,18 +104,8 @@ def _mark_lost_workers(status: JobStatus) -> None:
             continue
         if w.host is not None and w.host != here:
             continue
-        if w.pid is None or not _pid_alive(w.pid):
+        if w.pid is None or not pids.alive(w.pid):
             w.state, w.rank = WorkerState.FAILED, None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _add_checkpoints_on_disk(home: Path, status: JobStatus) -> None:

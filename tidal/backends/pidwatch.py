@@ -16,22 +16,13 @@ from __future__ import annotations
 import errno
 import os
 import select
-from pathlib import Path
+
+from tidal.pids import alive
 
 
 def proc_gone(pid: int) -> bool:
-    """True once ``pid`` no longer runs (a zombie counts as gone), from ``/proc``."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    """True once ``pid`` no longer runs (a zombie counts as gone)."""
+    return not alive(pid)
 
 
 def readable(fds: object, timeout_s: float = 0.0) -> list[int]:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tidal import devices
+from tidal import devices, pids
 from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's names
     BAD,
     CHUNK,
@@ -310,21 +310,11 @@ def prune(directory: Path, keep: int) -> list[Path]:
             age = now - path.stat().st_mtime
         except OSError:  # renamed or removed meanwhile
             continue
-        if path.is_dir() and stale_temporary(path.name, age_s=age, host=host, alive=_alive):
+        if path.is_dir() and stale_temporary(path.name, age_s=age, host=host, alive=pids.alive):
             doomed.append(path)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 # -- reading -----------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from tidal import pids
 from tidal.coordinator.home import JobDir
-from tidal.dashboard.sources import _pid_alive
 
 FOLLOW_POLL_S = 0.2
 _NAME = re.compile(r"worker-(\d+)\.log$")
@@ -48,7 +48,7 @@ def tail(path: Path, max_bytes: int = 64 * 1024) -> str:
 
 def coordinator_running(jd: JobDir) -> bool:
     info = jd.read_coordinator()
-    return bool(info) and _pid_alive(info.get("pid"))
+    return bool(info) and pids.alive(info.get("pid"))
 
 
 class _Reader:

@@ -9,13 +9,13 @@ step rate), every other job of its home as ``HomeSource`` does.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal import pids
 from tidal.coordinator.db import Database, UnknownJob
 from tidal.coordinator.home import db_path, job_dir
 from tidal.dashboard.history import HistoryStore
@@ -28,22 +28,6 @@ __all__ = ["HomeSource", "LiveSource", "UnknownJob"]
 
 RATE_WINDOW_S = 5.0
 IN_SYNC_STEPS = 25  # a member's reported step trails the job's by a heartbeat at most
-
-
-def _pid_alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is gone
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def job_summary(s: JobStatus, *, live: bool) -> dict:
@@ -83,7 +67,7 @@ class HomeSource:
 
     def coordinator_alive(self, name: str) -> bool:
         info = job_dir(self.home, name).read_coordinator()
-        return bool(info) and _pid_alive(info.get("pid"))
+        return bool(info) and pids.alive(info.get("pid"))
 
     def job_names(self) -> list[str]:
         return self.db.job_names()
