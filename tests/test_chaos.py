@@ -84,10 +84,15 @@ def test_a_small_seeded_chaos_campaign_recovers_from_every_fault(tmp_path: Path)
     assert report["failed_trials"] == [], failed
     assert report["faults_injected"] == report["clean_recoveries"] == 3, report
     assert report["trials"] == len(report["trial_log"]) >= 1
-    events = [e for t in report["trial_log"] for e in t["events"]]
-    assert {e["kind"] for e in events} <= set(KINDS) and sum(e["count"] for e in events) == 3
-    for e in events:  # each was recovered from, within its bound
-        assert e["recovered_s"] > 0 and e["stall_s"] <= e["bound_s"], e
+    from bench.chaos.checks import stall_bounds
+    from bench.chaos.records import TrialResult
+
+    events = [e for t in report["trial_log"] for e in TrialResult.from_record(t).events]
+    assert {e.kind for e in events} <= set(KINDS) and sum(e.count for e in events) == 3
+    for t in report["trial_log"]:  # each was recovered from, within its bound
+        trial = TrialResult.from_record(t).events
+        for e, bound in zip(trial, stall_bounds(trial), strict=True):
+            assert e.recovered_s > 0 and e.stall_s <= bound, e
     for p in (p for t in report["trial_log"] for p in t["pauses"]):
         assert p["pause_s"] <= p["bound_s"], p
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
