@@ -19,6 +19,6 @@ def alive(pid: object) -> bool:
         return True
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
+    except OSError:  # gone since, or a system without /proc (then ``kill`` has answered)
+        return not Path("/proc/self/stat").exists()
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
