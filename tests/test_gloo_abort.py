@@ -165,8 +165,9 @@ out = {"connections": grp.connections()}
 x = torch.ones(2); dist.all_reduce(x); out["sum"] = x.tolist()
 waits = Waits()
 if rank == 0:  # rank 1 never joins this all-reduce: the watch gives up after 0.5 s
+    cut = threading.Event()
     def give_up():
-        waits.abort("the watch gave up"); grp.cut_group()
+        waits.abort("the watch gave up"); grp.cut_group(); cut.set()
     threading.Timer(0.5, give_up).start()
     t = time.monotonic()
     try:
@@ -174,6 +175,10 @@ if rank == 0:  # rank 1 never joins this all-reduce: the watch gives up after 0.
         out["returned"] = True
     except Aborted:
         out["released_after_s"] = time.monotonic() - t
+    # The abort releases this thread before the watch's thread has cut: rank 1 is told only
+    # once the cut is done (told earlier, its all-reduce could pair with the one still
+    # pending here in gloo, and then wait for rank 1's own watch: none in this test).
+    cut.wait(10)
     store.set("cut", "1")
     t = time.monotonic()
     grp.destroy_group(failed=True, park=True)
