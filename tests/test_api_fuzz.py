@@ -236,10 +236,10 @@ def test_fuzz_with_the_credential_never_fails_the_server(fuzzed):
     # the calls reached the handlers: each operation was answered 2xx at least once
     assert all(any(200 <= c < 300 for c in codes) for codes in answered.values()), answered
     assert len(answered) == len(OPERATIONS)
-    assert (
-        coord.status(fresh=True).state.value == "pending"
-        and coord.job.stop_requested_at is not None
-    )
+    # Stopped last; never started by a tick (none runs), though a member's fuzzed step
+    # report of generation 1, with its own credential, rightly marks the job running.
+    assert coord.status(fresh=True).state.value in ("pending", "running")
+    assert coord.job.stop_requested_at is not None
 
 
 # -- the dashboard's routes (not in the schema: include_in_schema=False) ---------------------

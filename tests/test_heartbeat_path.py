@@ -82,6 +82,62 @@ def test_a_new_generation_is_answered_as_soon_as_it_is_opened(served):
     assert beat(client)["role"] == "exit"  # the record is read directly, not the snapshot
 
 
+def _hold_in_thread(client: httpx.Client, step: int) -> tuple[threading.Thread, list[dict]]:
+    done: list[dict] = []
+    t = threading.Thread(
+        target=lambda: done.append(beat(client, step=step, generation=1, holding=True))
+    )
+    t.start()
+    return t, done
+
+
+def test_a_holding_member_is_answered_once_its_step_is_settled(served, monkeypatch):
+    """The long poll of a member held at a scheduled step: applied at once, answered when
+    the loop settles the step (no second round trip), the event loop free meanwhile."""
+    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    coord, client = served
+    with coord.lock:
+        coord._open([0], "test")
+    held, done = _hold_in_thread(client, 10)
+    held.join(0.5)
+    assert held.is_alive() and not done  # not settled: kept back...
+    assert coord.job.workers[0].step == 10  # ...though applied before the wait
+    assert beat(client, step=10)["settled_step"] == -1  # a quick beat is answered meanwhile
+    with coord.lock:
+        coord.job.settled_step = 10
+        coord._publish()
+    held.join(10)
+    assert done and done[0]["settled_step"] == 10 and done[0]["role"] == "member"
+
+
+def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(
+    served, monkeypatch
+):
+    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    coord, client = served
+    with coord.lock:
+        coord.job.workers[1] = WorkerRecord(id=1, state=WorkerState.STANDBY)
+        coord._open([0], "test")
+    held, done = _hold_in_thread(client, 10)
+    held.join(0.5)
+    assert held.is_alive() and not done
+    with coord.lock:
+        coord._open([1], "a scheduled shrink leaves 0 out")  # publishes
+    held.join(10)
+    assert done and done[0]["role"] == "standby" and done[0]["settled_step"] == -1
+
+
+def test_a_hold_never_settled_is_answered_after_the_bound(served, monkeypatch):
+    """The coordinator keeps a holding answer back at most ``HOLD_ANSWER_S``: the member
+    asks again, so a loop that never settles cannot hang a request."""
+    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 0.05)
+    coord, client = served
+    with coord.lock:
+        coord._open([0], "test")
+    answer = beat(client, step=10, generation=1, holding=True)
+    assert answer["role"] == "member" and answer["settled_step"] == -1
+
+
 def test_a_worker_of_a_previous_coordinator_must_register_again_on_the_quick_path(served):
     coord, client = served
     coord.job.workers[0].adopted = False

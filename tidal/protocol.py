@@ -297,6 +297,9 @@ class CheckpointFailure(BaseModel):
 #: Per-step records one heartbeat carries at most; a worker's outbox holds more and sends them
 #: over the next heartbeats (``tidal.worker.agent``).
 MAX_STEP_RECORDS = 1000
+#: The longest a coordinator keeps a holding heartbeat's answer back (``HeartbeatRequest``);
+#: well inside any client's timeout, and a member whose hold is not settled by then asks again.
+HOLD_ANSWER_S = 0.25
 
 
 class StepMetrics(BaseModel):
@@ -320,11 +323,15 @@ class StepSeries(BaseModel):
 
 class HeartbeatRequest(BaseModel):
     """``leaving``: the worker got a preemption notice (SIGTERM) and asks to leave at the
-    next step boundary, a planned leave rather than a failure."""
+    next step boundary, a planned leave rather than a failure. ``holding``: the member has
+    committed ``step``, one of ``WorkerConfig.hold_steps``, and waits there; the coordinator
+    answers once it has settled that step, or changed the generation, stopped or ended the
+    job, or after at most ``HOLD_ANSWER_S`` (a long poll: no second round trip)."""
 
     step: Step = 0
     generation: Id = 0
     leaving: bool = False
+    holding: bool = False
     metrics: dict[MetricName, MetricValue] = Field(default_factory=dict, max_length=MAX_METRICS)
     reports: list[StepReport] = Field(default_factory=list, max_length=1000)
     checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)

@@ -140,6 +140,7 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
             journal=journal,
         )
         self.lock = threading.RLock()
+        self.published = threading.Condition()  # ``Handlers._publish``
         # Set by API calls that need a decision (a registration, a failure report, a
         # scale, a stop, members holding at a scheduled step): the loop ticks at once
         # instead of at its next interval.

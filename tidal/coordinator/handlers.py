@@ -18,6 +18,7 @@ what the loop published (``views``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -37,11 +38,13 @@ from tidal.coordinator.facts import (
     StopRequested,
 )
 from tidal.protocol import (
+    HOLD_ANSWER_S,
     DoneReport,
     FailureReport,
     HeartbeatRequest,
     RegisterRequest,
     RegisterResponse,
+    Role,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +57,7 @@ class Handlers:
 
     answers: Answers | None = None  # published by ``_publish``; None before the first
     _published_key: tuple | None = None
+    published: threading.Condition  # notified by every ``_publish``; set by Coordinator
     #: Facts not applied yet, each with the future its caller waits on (None: nobody waits)
     inbox: deque[tuple[Fact, Future | None]]
 
@@ -82,8 +86,25 @@ class Handlers:
             base_s=self.spec.beat_interval_s,
             timeout_s=self.spec.heartbeat_timeout_s,
         )
+        with self.published:  # held members' heartbeats wait on it (``_await_hold``)
+            self.published.notify_all()
         if notice:  # after the answer: rank 0 fetches it when it sees the count move
             self.executor.do(Notify())
+
+    def _await_hold(self, w: WorkerRecord, step: int, timeout_s: float) -> None:
+        """Wait (outside the lock) until the published answers release ``w``, held at
+        ``step`` (``Membership._hold``): that step settled, ``w`` no longer a member, a stop
+        or the job's end; at most ``timeout_s``. The long poll saves the held members a
+        round trip after the loop's pass that settles the step (a hold is part of every
+        scheduled change's pause)."""
+
+        def released() -> bool:
+            a = self.answers
+            member = a.role(w.id, retired=w.retired) == Role.MEMBER
+            return a.settled_step >= step or not member or a.stop or a.ended
+
+        with self.published:
+            self.published.wait_for(released, timeout_s)
 
     def _answer(self, w: WorkerRecord) -> bytes:
         answers = self.answers
@@ -150,13 +171,22 @@ class Handlers:
     def heartbeat_is_quick(req: HeartbeatRequest) -> bool:
         """True if ``req`` may be answered at once and applied by the next pass (see the
         module's docstring)."""
-        return not (req.leaving or req.checkpoints or req.checkpoint_failures or req.reports)
+        return not (
+            req.leaving or req.holding or req.checkpoints or req.checkpoint_failures or req.reports
+        )
 
     def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> bytes:
         """The heartbeat's answer, JSON-encoded (a ``HeartbeatResponse``). Lock-free when
-        ``heartbeat_is_quick(req)``: a caller on an event loop runs only those inline."""
+        ``heartbeat_is_quick(req)``: a caller on an event loop runs only those inline. A
+        holding one (never quick) is answered once the loop has settled its step
+        (``_await_hold``)."""
         if not self.heartbeat_is_quick(req):
-            return self._submit(Beat(wid, req))
+            body = self._submit(Beat(wid, req))
+            if req.holding:  # applying it woke the loop (a scheduled step)
+                w = self._caller(wid)
+                self._await_hold(w, req.step, HOLD_ANSWER_S)
+                body = self._answer(w)
+            return body
         w = self._caller(wid)
         w.last_heartbeat = time.time()
         self.inbox.append((Beat(wid, req), None))

@@ -243,14 +243,12 @@ class Agent:
         self._set_latest(resp)
         return resp
 
-    def beat_now(self) -> HeartbeatResponse:
-        """A heartbeat from the calling thread, so the coordinator learns the step now."""
-        resp = self._call(
-            self._client,
-            lambda c: c.heartbeat(
-                self.worker_id, HeartbeatRequest(step=self.step, generation=self.generation)
-            ),
-        )
+    def beat_now(self, *, holding: bool = False) -> HeartbeatResponse:
+        """A heartbeat from the calling thread, so the coordinator learns the step now;
+        ``holding``: this member waits at a scheduled step, and the coordinator answers
+        once it has settled it (``HeartbeatRequest.holding``)."""
+        req = HeartbeatRequest(step=self.step, generation=self.generation, holding=holding)
+        resp = self._call(self._client, lambda c: c.heartbeat(self.worker_id, req))
         self._set_latest(resp)
         return resp
 

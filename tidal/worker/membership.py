@@ -114,8 +114,8 @@ class Membership:
         so all see the same answer without a control word)."""
         assert self._agent is not None
         self._debug(f"hold at {step}")
-        while True:
-            resp = self._agent.beat_now()
+        while True:  # the coordinator keeps each answer back until it settles the step
+            resp = self._agent.beat_now(holding=True)
             if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
                 break
             self._agent.wait_change(0.005)
