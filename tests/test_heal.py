@@ -107,3 +107,50 @@ def test_only_members_behind_the_source_receive():
     assert [o["sent"] for o in lag] == [True, True, False]
     assert lag[0]["params"] == lag[1]["params"] == lag[2]["params"]
     assert lag[0]["momentum"] == lag[1]["momentum"]
+
+
+SCRIPT_CUT = r"""
+import json, os, sys, torch, torch.distributed as dist
+import tidal.worker.heal as heal_mod
+rank, port, cut = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+torch.manual_seed(rank)
+m = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4))
+assert m[0].weight.numel() >= heal_mod.LARGE  # the first tensor travels alone, in place
+opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
+m(torch.randn(5, 1024)).sum().backward(); opt.step(); opt.zero_grad()
+
+def die(*args, **kwargs):  # the source is lost: in the blob, or after the first tensor
+    if cut == "tensors":
+        dist.isend(args[0][0].detach(), 1).wait()
+    print(json.dumps({"first": m[0].weight.flatten()[:64].tolist()}), flush=True)
+    os._exit(0)
+
+if rank == 0:
+    setattr(heal_mod, "_send_blob" if cut == "blob" else "_send_tensors", die)
+before = m[0].weight.flatten()[:64].tolist()
+try:
+    heal_mod.heal(module=m, optimizer=opt, step=7 if rank == 0 else 6)
+    error = None
+except Exception as exc:
+    error = type(exc).__name__
+print(json.dumps({"error": error, "before": before, "first": m[0].weight.flatten()[:64].tolist()}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cut", ["blob", "tensors"])
+def test_a_heal_cut_while_receiving_says_the_state_is_a_mix(cut):
+    """A laggard (step 6) heals from the source (step 7), which dies mid-heal. Cut in the
+    tensors, the laggard's first parameter is already the source's: it holds a mix of two
+    steps, and the heal says so (``HealInterrupted``, which makes the member forget its
+    state). Cut before any tensor, its state is untouched and stays its own."""
+    source, laggard = run_ranks(SCRIPT_CUT, 2, args=(cut,))
+    assert laggard["error"] is not None  # the heal failed either way
+    if cut == "tensors":
+        assert laggard["error"] == "HealInterrupted"
+        assert laggard["first"] == source["first"] != laggard["before"]
+    else:
+        assert laggard["error"] != "HealInterrupted"
+        assert laggard["first"] == laggard["before"] != source["first"]

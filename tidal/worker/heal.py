@@ -35,6 +35,21 @@ CPU = torch.device("cpu")
 NO_STATE = -1
 
 
+class HealInterrupted(RuntimeError):
+    """The heal failed after this member had begun to overwrite its state with the source's
+    (the model's tensors are received in place): it holds a mix of two steps and must no
+    longer claim any. Raised from the receiver's error; the caller forgets its state, so a
+    later generation heals it, rolls back to a checkpoint, or refuses (``StateLost``), but
+    never trains on the mix or offers it as a source."""
+
+    def __init__(self, source: int, step: int, cause: BaseException) -> None:
+        super().__init__(
+            f"the heal from rank {source} (step {step}) was cut after this member's state "
+            f"began to be overwritten: {type(cause).__name__}: {cause}"
+        )
+        self.source, self.step = source, step
+
+
 class StateLost(RuntimeError):
     """No member of the generation holds the job's committed state (its holders were lost):
     training on would silently start over from an older step. Every member raises it at the
@@ -158,7 +173,8 @@ def heal(
     (``GenerationInfo.committed_step``). Raises ``StateLost`` when the most advanced member
     is more than one step behind it (members are at most one step apart, so a member with
     the state is never further behind). ``wire``: the group's wire device; ``waits``: on
-    gloo, the worker's abortable waits (module doc)."""
+    gloo, the worker's abortable waits (module doc). A receiver whose transfer fails raises
+    ``HealInterrupted``: its state is then a mix and must be forgotten."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
     steps = [torch.empty_like(mine) for _ in range(world)]
@@ -204,14 +220,19 @@ def heal(
         tensors = [_empty(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
         extra = [_empty(shape, dtype) for shape, dtype in shipped["tensors"]]
     model = list(module.parameters()) + list(module.buffers())
-    _send_tensors(model + tensors + extra, source, receivers, wire, waits)
-    if rank != source:
+    if rank == source:
+        _send_tensors(model + tensors + extra, source, receivers, wire, waits)
+        return HealResult(source=source, step=best, sent=True)
+    try:  # from here on this member's own state is being overwritten
+        _send_tensors(model + tensors + extra, source, receivers, wire, waits)
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])
         random.setstate(meta["python_rng"])
         devices.set_cuda_rng_state(meta.get("cuda_rng"))
         if tracked is not None or shipped["skeleton"]:
             (tracked or TrackedState({})).restore(shipped["skeleton"], extra)
+    except Exception as exc:  # noqa: BLE001 - whatever cut it, the state is now a mix
+        raise HealInterrupted(source, best, exc) from exc
     return HealResult(source=source, step=best, sent=True)
 
 

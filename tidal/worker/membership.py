@@ -12,7 +12,8 @@ boundaries). Contracts:
   in, so the coordinator can tell a fresh fact from one a newer generation already answers.
 - Healing never trains from scratch: a generation that holds nobody with the job's state
   raises ``StateLost``, and only a coordinator-chosen checkpoint (``resume_from``) restores
-  it.
+  it. A member whose heal was cut while it received (``HealInterrupted``) holds a mix of
+  two steps and forgets its state: it is never a source of that mix.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
 from tidal.worker import ddp, probes
 from tidal.worker import group as grp
-from tidal.worker.heal import HealResult, StateLost, heal
+from tidal.worker.heal import HealInterrupted, HealResult, StateLost, heal
 from tidal.worker.shard_plan import Path as ShardPath
 from tidal.worker.step import _one_line
 
@@ -193,6 +194,8 @@ class Membership:
                 self._leave_group()
                 self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
+                if isinstance(exc, HealInterrupted):  # a mix of two steps: never a source
+                    self._has_state = False
                 self._failed_forms += 1
                 self._leave_group(failed=True)
                 self._report_failure(info.id, exc)
@@ -263,10 +266,11 @@ class Membership:
                 wire=devices.wire_device(self._backend, self.device),
                 waits=self._waits if self._backend == "gloo" else None,
             )
+            # Whole from here: a receiver holds the source's state, even if the watch cut
+            # something after the transfer ended.
+            self.step, self._has_state = result.step, True
             if self._watch is not None and (aborted := self._watch.close()) is not None:
                 raise RuntimeError(f"heal aborted: {aborted}")
-            self.step = result.step
-            self._has_state = True
             self._recovery = (RecoveryPath.HEAL if result.sent else RecoveryPath.NONE, 0)
             if rolled_back is not None:
                 self._recovery = (RecoveryPath.CHECKPOINT, rolled_back)
