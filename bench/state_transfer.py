@@ -4,7 +4,10 @@ transfer of the same bytes, in two processes on this machine.
 Rank 0 holds a trained model (25 M float32 parameters, 100 MB) and its SGD momentum
 (another 100 MB); rank 1 joins with a fresh model and no optimizer state, and both call
 ``tidal.worker.heal.heal`` in a 2-rank gloo group: rank 1 receives parameters, buffers,
-optimizer state and RNG (what a joiner gets in a real scale-up). The peer is the floor for
+optimizer state and RNG (what a joiner gets in a real scale-up). The joiner prepares its
+landing memory first (``landing.prepare``), as a worker does in its warm-up before it is
+ready; each repetition also heals a joiner without it (``heal_cold``: the optimizer state
+lands in fresh memory, faulted in during the transfer). The peer is the floor for
 moving those bytes: one gloo broadcast of a single flat tensor of the same size, and a
 plain TCP socket over loopback; the faster of the two is reported. Timed on rank 0 between
 barriers, median of ``--reps``.
@@ -48,6 +51,7 @@ def worker(rank: int, port: int, sock_port: int, width: int, reps: int, out: Pat
     import torch.distributed as dist
 
     from tidal.worker.heal import heal
+    from tidal.worker.landing import prepare
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -57,16 +61,21 @@ def worker(rank: int, port: int, sock_port: int, width: int, reps: int, out: Pat
     if rank == 0:  # one update: momentum buffers exist, as after training
         model(torch.randn(8, width)).sum().backward()
         opt.step()
-    heal_s, raw_s, sock_s = [], [], []
+    heal_s, cold_s, raw_s, sock_s = [], [], [], []
     nbytes = 0
     for _ in range(reps):
-        if rank == 1:
-            model, opt = build(width)  # a fresh joiner every time
-        dist.barrier()
-        t0 = time.perf_counter()
-        heal(module=model, optimizer=opt, step=5 if rank == 0 else None)
-        dist.barrier()
-        heal_s.append(time.perf_counter() - t0)
+        for timings, prepared in ((heal_s, True), (cold_s, False)):
+            land = []
+            if rank == 1:
+                model, opt = build(width)  # a fresh joiner every time
+                if prepared:  # as a worker does in its warm-up, before it is ready
+                    land = prepare(opt)
+            dist.barrier()
+            t0 = time.perf_counter()
+            heal(module=model, optimizer=opt, step=5 if rank == 0 else None, landing=land)
+            dist.barrier()
+            timings.append(time.perf_counter() - t0)
+            del land
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     nbytes += sum(
         t.numel() * t.element_size()
@@ -102,7 +111,13 @@ def worker(rank: int, port: int, sock_port: int, width: int, reps: int, out: Pat
             conn.sendall(b"k")
         conn.close()
     if rank == 0:
-        result = {"bytes": nbytes, "heal_s": heal_s, "gloo_s": raw_s, "socket_s": sock_s}
+        result = {
+            "bytes": nbytes,
+            "heal_s": heal_s,
+            "heal_cold_s": cold_s,
+            "gloo_s": raw_s,
+            "socket_s": sock_s,
+        }
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -130,6 +145,7 @@ def measure(tmp: Path, *, mb: float = 100, reps: int = 5, timeout: float = 300) 
         procs.cleanup()
     res = json.loads(out.read_text())
     res["heal"] = statistics.median(res["heal_s"])
+    res["heal_cold"] = statistics.median(res["heal_cold_s"])
     res["gloo"] = statistics.median(res["gloo_s"])
     res["socket"] = statistics.median(res["socket_s"])
     res["raw"] = min(res["gloo"], res["socket"])
@@ -154,7 +170,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         res = measure(Path(t), mb=args.mb, reps=args.reps)
     print(
-        f"{res['bytes'] / 1e6:.0f} MB: heal {res['heal'] * 1000:.0f} ms, gloo broadcast "
+        f"{res['bytes'] / 1e6:.0f} MB: heal {res['heal'] * 1000:.0f} ms (into fresh memory "
+        f"{res['heal_cold'] * 1000:.0f} ms), gloo broadcast "
         f"{res['gloo'] * 1000:.0f} ms, socket {res['socket'] * 1000:.0f} ms: "
         f"{res['heal'] / res['raw']:.2f}x the raw transfer"
     )

@@ -1,6 +1,7 @@
 """Healing between real processes over gloo: a joiner with no state adopts the source's
 parameters, optimizer state (Adam's and SGD's) and RNG exactly, on every device (gloo's
-wire is the CPU: CUDA tensors travel as host copies, small and large ones)."""
+wire is the CPU: CUDA tensors travel as host copies, small and large ones), into the landing
+memory it prepared (``landing.prepare``) on the CPU."""
 
 import pytest
 from ranks import run_ranks
@@ -8,6 +9,7 @@ from ranks import run_ranks
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
 from tidal.worker.heal import heal, LARGE
+from tidal.worker.landing import prepare
 rank, port, dev = int(sys.argv[1]), int(sys.argv[2]), torch.device(sys.argv[3])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -23,8 +25,11 @@ for name in ("adam", "sgd"):
     if rank == 0:
         for _ in range(3):
             m(torch.randn(5, 16).to(dev)).sum().backward(); opt.step(); opt.zero_grad()
-    result = heal(module=m, optimizer=opt, step=7 if rank == 0 else None, wire=torch.device("cpu"))
+    land = prepare(opt) if rank == 1 and dev.type == "cpu" else []
+    result = heal(module=m, optimizer=opt, step=7 if rank == 0 else None, wire=torch.device("cpu"),
+                  landing=land)
     sd = opt.state_dict()
+    ptrs = {t.data_ptr() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)}
     out[name] = {
         "step": result.step, "sent": result.sent, "source": result.source,
         "params": [p.detach().flatten()[::97].tolist() for p in m.parameters()],
@@ -32,6 +37,7 @@ for name in ("adam", "sgd"):
         "state": {str(k): {kk: (v.flatten()[::97].tolist() if torch.is_tensor(v) else v)
                            for kk, v in st.items()} for k, st in sd["state"].items()},
         "groups": repr(sd["param_groups"]),
+        "landed": bool(land) and ptrs == {t.data_ptr() for t in land},
         "draw": torch.rand(2).tolist(),
         "cuda_draw": torch.rand(2, device=dev).tolist() if dev.type == "cuda" else None,
     }
@@ -51,6 +57,8 @@ def test_joiner_adopts_the_source_state_exactly(device):
         assert joiner[name]["draw"] == source[name]["draw"]  # the RNG came along
         assert joiner[name]["cuda_draw"] == source[name]["cuda_draw"]
         assert {d.split(":")[0] for d in joiner[name]["devices"]} == {device}  # stayed there
+        # On the CPU the state landed in the memory the joiner prepared, every tensor of it.
+        assert joiner[name]["landed"] == (device == "cpu")
 
 
 SCRIPT3 = r"""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.tracked import Captured, TrackedState
+from tidal.worker.landing import Landing, state_tensors
 from tidal.worker.waits import Waits
 
 CPU = torch.device("cpu")
@@ -166,6 +168,7 @@ def heal(
     tracked: TrackedState | None = None,
     wire: torch.device = CPU,
     waits: Waits | None = None,
+    landing: Sequence[torch.Tensor] = (),
 ) -> HealResult:
     """Make this member's state equal to the most advanced member's: model, optimizer, RNG
     and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
@@ -174,7 +177,9 @@ def heal(
     is more than one step behind it (members are at most one step apart, so a member with
     the state is never further behind). ``wire``: the group's wire device; ``waits``: on
     gloo, the worker's abortable waits (module doc). A receiver whose transfer fails raises
-    ``HealInterrupted``: its state is then a mix and must be forgotten."""
+    ``HealInterrupted``: its state is then a mix and must be forgotten. A receiver receives
+    the optimizer's state into its own optimizer's tensors and into ``landing``
+    (``landing.prepare``) where shapes and dtypes match: memory already touched."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
     steps = [torch.empty_like(mine) for _ in range(world)]
@@ -216,9 +221,10 @@ def heal(
         io.BytesIO(_send_blob(blob, source, receivers, wire, waits)), weights_only=True
     )
     shipped = json.loads(meta["tracked"])
-    if rank != source:
-        tensors = [_empty(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
-        extra = [_empty(shape, dtype) for shape, dtype in shipped["tensors"]]
+    if rank != source:  # into its own optimizer's tensors and the landing, where they fit
+        land = Landing(state_tensors(optimizer.state_dict()) + list(landing))
+        tensors = [land.take(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
+        extra = [land.take(shape, dtype) for shape, dtype in shipped["tensors"]]
     model = list(module.parameters()) + list(module.buffers())
     if rank == source:
         _send_tensors(model + tensors + extra, source, receivers, wire, waits)
@@ -234,10 +240,6 @@ def heal(
     except Exception as exc:  # noqa: BLE001 - whatever cut it, the state is now a mix
         raise HealInterrupted(source, best, exc) from exc
     return HealResult(source=source, step=best, sent=True)
-
-
-def _empty(shape: list[int], dtype: str) -> torch.Tensor:
-    return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
 def _split_state(state_dict: dict) -> tuple[dict, list[torch.Tensor]]:

@@ -265,7 +265,9 @@ class Membership:
                 tracked=self._tracked,
                 wire=devices.wire_device(self._backend, self.device),
                 waits=self._waits if self._backend == "gloo" else None,
+                landing=self._landing,
             )
+            self._landing = []  # used, or never needed: this member holds state from now
             # Whole from here: a receiver holds the source's state, even if the watch cut
             # something after the transfer ended.
             self.step, self._has_state = result.step, True

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
-from tidal.worker import ddp, probes
+from tidal.worker import ddp, landing, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
@@ -176,6 +176,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self.generation = 0
         self.completed = False
         self._has_state = False
+        self._landing: list[torch.Tensor] = []  # until the first forming (``landing``)
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._fsdp: Any = None  # tidal.worker.fsdp.Fsdp under tidal run with sharding="fsdp"
         self._shrink = False  # this member knows the next generation drops a member
@@ -280,6 +281,8 @@ class Trainer(Membership, ShardedSteps, Reports):
     def _run_elastic(self, max_steps: int) -> Iterator[Step]:
         assert self._env is not None
         ddp.warm_up(self.module)
+        if self._sharding == "ddp":  # memory a heal's optimizer state lands in, touched now
+            self._landing = landing.prepare(self.optimizer)
         self._agent = Agent(self._env)
         self._agent.install_preemption_handler()
         cfg = self._agent.register(max_steps=max_steps).config
