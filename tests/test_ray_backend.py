@@ -216,6 +216,9 @@ def test_two_nodes_train_digits(tidal_home: Home, two_nodes: RayCluster, referen
 
 def test_wrong_ray_token_is_one_line(tidal_home: Home, two_nodes: RayCluster) -> None:
     env = {**tidal_home.env(), "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    # Ray's driver retries the refused connection once a second, 20 times by default: two
+    # are enough to see the refusal (Ray's own setting; 20 s -> 2 s here).
+    env["RAY_gcs_server_port_wait_time_s"] = "2"
     proc = subprocess.run(
         [sys.executable, "-m", "tidal.cli", "run", "--home", str(tidal_home.path)]
         + ray_opts(two_nodes, "--workers", "1", "--quiet")
