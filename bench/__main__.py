@@ -66,6 +66,8 @@ GOALS = {
     "throughput_ws2": "ratio >= 0.98",
     "rescale_pause_p50": "Tidal <= 0.05 s and ratio >= 20",
     "rescale_pause_net_p50": "Tidal <= 0.015 s",
+    "rescale_down_net_p50": "Tidal <= 0.015 s",
+    "rescale_up_net_p50": "peer: the joiner's state at raw loopback speed",
     "recovery_p50": "Tidal <= 0.1 s, <= 1 step lost",
     "state_transfer": "Tidal <= 1.5x raw (ratio >= 0.667)",
     "checkpoint_stall_pct": "Tidal <= 3.5 %",
@@ -86,7 +88,7 @@ def met(r: dict, extra: dict) -> bool | None:
         return ratio >= 0.98
     if name == "rescale_pause_p50":
         return t <= 0.05 and ratio >= 20
-    if name == "rescale_pause_net_p50":
+    if name in ("rescale_pause_net_p50", "rescale_down_net_p50"):
         return t <= 0.015
     if name == "recovery_p50":
         return t <= 0.1 and max(extra.get("steps_lost", [0]) or [0]) <= 1
@@ -149,7 +151,32 @@ def run_rescale(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     p = rescale.peer_pauses(size["joins"], tmp / "peer")
     log(f"torchrun pauses (s): {[round(x, 3) for x in p['pauses_s']]}, step {p['step_s']}")
     rows = times_rows("rescale_pause", t["pauses_s"], p["pauses_s"], t["excess_s"], p["excess_s"])
-    return rows, {"tidal": t, "peer": p}
+    # Each direction apart. A scale-up moves the joiner's state (the bench model's parameters
+    # and momentum) before its first step: its floor is that transfer at raw loopback speed,
+    # measured here in the same run (``bench.state_transfer``, the same bytes).
+    floor = rescale.up_floor(tmp / "floor", reps=size["reps"])
+    log(
+        f"scale-up floor: {floor['bytes'] / 1e6:.0f} MB raw {floor['raw'] * 1000:.1f} ms "
+        f"(heal {floor['heal'] * 1000:.1f} ms)"
+    )
+    peer_down = [x - p["step_s"][1] for x in p["down_s"]]
+    rows += [
+        row(
+            "rescale_up_net_p50",
+            percentile(t["excess_up_s"], 50),
+            floor["raw"],
+            "s",
+            higher_is_better=False,
+        ),
+        row(
+            "rescale_down_net_p50",
+            percentile(t["excess_down_s"], 50),
+            percentile(peer_down, 50),
+            "s",
+            higher_is_better=False,
+        ),
+    ]
+    return rows, {"tidal": t, "peer": p, "up_floor": floor}
 
 
 def run_recovery(size: dict, tmp: Path) -> tuple[list[dict], dict]:

@@ -35,6 +35,7 @@ from bench.common import (
     torchrun_cmd,
     wait_until,
 )
+from bench.train_mlp import build as build_mlp
 
 
 def tidal_status(home: Path, name: str) -> dict:
@@ -68,18 +69,29 @@ def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12)
     recs = read_records(tmp / "tidal")
     step = {w: median_step(recs, w) for w in (2, 3)}
     excess = [g["pause_s"] - step[g["world_size"]] for g in gens if g["pause_s"] is not None]
-    phases = [g["pause_phases"] for g in gens if g.get("pause_phases")]
-    phase_p50 = {
-        k: statistics.median(ph[k] for ph in phases) for k in (phases[0] if phases else {})
-    }
-    if phase_p50:
-        log(
-            "tidal pause phases, median (ms): "
-            + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in phase_p50.items())
-        )
+    phase_p50 = _phases_p50(gens)
+    by_size = {w: _phases_p50([g for g in gens if g["world_size"] == w]) for w in (3, 2)}
+    for what, p50 in (("", phase_p50), (" up", by_size[3]), (" down", by_size[2])):
+        if p50:
+            log(
+                f"tidal{what} pause phases, median (ms): "
+                + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in p50.items())
+            )
     return {
         "pauses_s": pauses,
         "phases_p50_s": phase_p50,
+        "phases_up_p50_s": by_size[3],
+        "phases_down_p50_s": by_size[2],
+        "excess_up_s": [
+            g["pause_s"] - step[3]
+            for g in gens
+            if g["pause_s"] is not None and g["world_size"] == 3
+        ],
+        "excess_down_s": [
+            g["pause_s"] - step[2]
+            for g in gens
+            if g["pause_s"] is not None and g["world_size"] == 2
+        ],
         "excess_s": excess,
         "step_s": step,
         "up_s": ups,
@@ -87,6 +99,25 @@ def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12)
         "generations": len(gens),
         "reasons": sorted({g["reason"] for g in gens}),
     }
+
+
+def up_floor(tmp: Path, *, reps: int = 5) -> dict:
+    """The floor of a scale-up's pause net of its first step: a joiner's state (the bench
+    model's parameters and SGD momentum) moved at raw loopback speed (``state_transfer``'s
+    ``raw``: the faster of a gloo broadcast and a plain socket, into touched memory); its
+    ``heal`` is Tidal's own heal of the same bytes, for comparison."""
+    from bench import state_transfer
+
+    model, _, _ = build_mlp()
+    mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    tmp.mkdir(parents=True, exist_ok=True)
+    return state_transfer.measure(tmp, mb=mb, reps=reps)
+
+
+def _phases_p50(gens: list[dict]) -> dict[str, float]:
+    """The median of each pause phase over ``gens`` (the survivors' own report)."""
+    phases = [g["pause_phases"] for g in gens if g.get("pause_phases")]
+    return {k: statistics.median(ph[k] for ph in phases) for k in (phases[0] if phases else {})}
 
 
 def _gap(recs, before: float, new_world: int) -> tuple[float, float] | None:
