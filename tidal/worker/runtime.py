@@ -295,6 +295,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         resumed = self._durable.resume(self.module, self.optimizer, self._tracked)
         if resumed is not None:
             self.step, self._has_state = resumed, True
+            self._landing = []  # its own state, loaded, is the landing now: not twice
             self._agent.step = resumed
         if self._sharding == "fsdp":  # the module becomes the template: after any resume
             self._start_sharded(cfg)
