@@ -68,3 +68,13 @@ def test_landing_hands_each_tensor_out_once_by_shape_and_dtype():
     other = land.take([3], "float32")  # the float64 one does not fit a float32 slot
     assert other.dtype == torch.float32
     assert land.take([3], "float64").dtype == torch.float64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_landing_for_parameters_on_a_gpu():
+    # A second copy of the state on the device could exhaust it; the same optimizer on the
+    # CPU gets its landing.
+    on_gpu = _model().cuda()
+    assert prepare(torch.optim.SGD(on_gpu.parameters(), lr=0.1, momentum=0.9)) == []
+    assert prepare(torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)) != []

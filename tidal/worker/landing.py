@@ -36,12 +36,12 @@ def state_tensors(state_dict: dict) -> list[torch.Tensor]:
 def prepare(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The state tensors one step of ``optimizer`` makes, allocated and written now; empty
     when the optimizer already holds state (it is its own landing then), when its parameters
-    are not all on the CPU (on gloo a GPU tensor travels through a copy the heal allocates
-    anyway; a copy of the model there could exhaust the device), or when it cannot be stepped
-    this way (an optimizer that needs a closure, or that cannot be copied)."""
+    are not all on the CPU (device memory comes from the caching allocator without the page
+    faults a landing saves; a second copy of the state could exhaust the device), or when it
+    cannot be stepped this way (an optimizer that needs a closure, or that cannot be copied)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if optimizer.state or any(p.device.type != "cpu" for p in params):
-        return []  # has its own; or on a GPU, where the wire's copy is allocated anyway
+        return []  # has its own; or on a GPU (see above)
     rng = torch.get_rng_state()
     try:
         twin = copy.deepcopy(optimizer)
