@@ -117,6 +117,41 @@ def test_only_members_behind_the_source_receive():
     assert lag[0]["momentum"] == lag[1]["momentum"]
 
 
+SCRIPT_STRIDED = r"""
+import json, sys, torch, torch.distributed as dist
+from tidal.worker.heal import heal, LARGE
+from tidal.worker.landing import prepare
+rank, port, landed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "landing"
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+torch.manual_seed(rank)
+m = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
+m[0].weight = torch.nn.Parameter(torch.randn(512, 512).t())  # a transposed weight
+assert not m[0].weight.is_contiguous() and m[0].weight.numel() >= LARGE
+opt = torch.optim.Adam(m.parameters(), 1e-3)
+if rank == 0:  # Adam's state takes the weight's strides; a fresh receiver's does not
+    for _ in range(3):
+        m(torch.randn(5, 512)).sum().backward(); opt.step(); opt.zero_grad()
+land = prepare(opt) if rank == 1 and landed else []
+heal(module=m, optimizer=opt, step=7 if rank == 0 else None, landing=land)
+print(json.dumps({
+    "params": [p.detach().flatten().tolist() for p in m.parameters()],
+    "state": [v.flatten().tolist() for st in opt.state.values() for v in st.values()],
+}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("landing", ["landing", "fresh"])
+def test_strided_tensors_travel_whole_whatever_the_receivers_strides(landing):
+    # The sender's large state tensors are strided; the receiver's fresh ones are not (its
+    # landing's are). Before 2026-12-04 the two sides then disagreed on the messages and
+    # gloo aborted the process (or, had the sizes matched, a tensor got another's data).
+    source, joiner = run_ranks(SCRIPT_STRIDED, 2, args=(landing,))
+    assert joiner["params"] == source["params"]
+    assert joiner["state"] == source["state"] and len(source["state"]) == 12
+
+
 SCRIPT_CUT = r"""
 import json, os, sys, torch, torch.distributed as dist
 import tidal.worker.heal as heal_mod

@@ -126,17 +126,25 @@ def _send_tensors(
     wire: torch.device = CPU,
     waits: Waits | None = None,
 ) -> None:
-    """Large contiguous tensors on the wire device travel in place, one message each (a
-    large one elsewhere as a copy on the wire device); the small ones are flattened into one
-    message per dtype (a message each would cost its latency)."""
+    """Large tensors travel one message each: in place when contiguous on the wire device,
+    else as a contiguous copy there; the small ones are flattened into one message per dtype
+    (a message each would cost its latency). Which message a tensor travels in depends on
+    its size alone, never on its strides or device, which the sender's and a receiver's
+    copies of it need not share (a receiver's tensors are allocated fresh, or taken from its
+    landing): otherwise the two sides would disagree on the messages and gloo would abort,
+    or, were the sizes to match, a tensor would receive another's data."""
     large, moved, by_dtype = [], [], {}
     sending = dist.get_rank() == src
     for t in tensors:
-        if t.numel() >= LARGE and t.is_contiguous():
-            if t.device == wire:
+        if t.numel() >= LARGE:
+            if t.device == wire and t.is_contiguous():
                 large.append(t.detach())
             else:  # a copy travels: the sender's holds the data, the receiver's lands back
-                copy = t.detach().to(wire) if sending else torch.empty_like(t, device=wire)
+                copy = (
+                    t.detach().to(wire).contiguous()
+                    if sending
+                    else torch.empty(t.shape, dtype=t.dtype, device=wire)
+                )
                 large.append(copy)
                 moved.append((copy, t))
         else:
