@@ -152,6 +152,43 @@ def test_strided_tensors_travel_whole_whatever_the_receivers_strides(landing):
     assert joiner["state"] == source["state"] and len(source["state"]) == 12
 
 
+SCRIPT_OTHER_MODEL = r"""
+import datetime, json, sys, torch, torch.distributed as dist
+from tidal.worker.heal import heal, ModelMismatch
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=10))
+torch.manual_seed(rank)
+# The receiver's layer is the source's transposed: every tensor has the same size, so the
+# bytes would fit and nothing would fail but the training.
+shape = (512, 256) if rank == 0 else (256, 512)
+m = torch.nn.Sequential(torch.nn.Linear(*shape, bias=False), torch.nn.Linear(shape[1], 4))
+opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
+if rank == 0:
+    m(torch.randn(5, 512)).sum().backward(); opt.step(); opt.zero_grad()
+before = [p.detach().clone() for p in m.parameters()]
+try:
+    heal(module=m, optimizer=opt, step=7 if rank == 0 else None)
+    error = None
+except Exception as exc:
+    error = [type(exc).__name__, str(exc)]
+untouched = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+dist.destroy_process_group()  # a member that failed leaves the group
+print(json.dumps({"error": error, "untouched": untouched, "state": len(opt.state)}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_whose_model_differs_refuses_before_receiving():
+    source, receiver = run_ranks(SCRIPT_OTHER_MODEL, 2)
+    kind, line = receiver["error"]
+    assert kind == "ModelMismatch", receiver
+    assert "0.weight: [512, 256] float32 here, [256, 512] float32 at the source" in line
+    assert receiver["untouched"] and receiver["state"] == 0  # nothing was received
+    assert source["error"] is not None and source["untouched"]  # its send failed, loudly
+
+
 SCRIPT_CUT = r"""
 import json, os, sys, torch, torch.distributed as dist
 import tidal.worker.heal as heal_mod

@@ -19,6 +19,7 @@ blocked.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import random
 from collections.abc import Sequence
@@ -50,6 +51,27 @@ class HealInterrupted(RuntimeError):
             f"began to be overwritten: {type(cause).__name__}: {cause}"
         )
         self.source, self.step = source, step
+
+
+class ModelMismatch(RuntimeError):
+    """This receiver's model is not the source's: a parameter or buffer differs in shape or
+    dtype, or one side has more (a script that builds its model from the rank, the world
+    size or the machine). Raised before anything is received, so this member's state is
+    untouched; its failure is reported like any failed forming, and the same failure at the
+    same step ends the job quoting this line (``rules.repeated_failure``). Receiving anyway
+    would abort in gloo, or, where the sizes happen to agree, load one tensor's data into
+    another: a silent divergence."""
+
+    def __init__(self, here: list[str] | None, there: list[str] | None) -> None:
+        name = (here or there)[0]
+        super().__init__(
+            f"this worker's model differs from the source's at {name}: {_say(here)} here, "
+            f"{_say(there)} at the source; every worker must build the same model"
+        )
+
+
+def _say(t: list[str] | None) -> str:
+    return f"{t[1]} {t[2]}" if t is not None else "no such tensor"
 
 
 class StateLost(RuntimeError):
@@ -208,6 +230,7 @@ def heal(
     # The optimizer's structure travels first, as a small blob, so that the receivers can
     # allocate its tensors; then every tensor (model, optimizer, tracked) streams in one
     # transfer: the model's in place, the rest straight into the allocated tensors.
+    model = list(module.parameters()) + list(module.buffers())
     blob = None
     if rank == source:
         layout, tensors = _split_state(optimizer.state_dict())
@@ -221,6 +244,7 @@ def heal(
                 "python_rng": random.getstate(),
                 "cuda_rng": devices.cuda_rng_state(),
                 "tracked": captured.to_json(),  # JSON text: no pickle of user objects
+                "model": _model_layout(module),
             },
             buf,
         )
@@ -230,10 +254,10 @@ def heal(
     )
     shipped = json.loads(meta["tracked"])
     if rank != source:  # into its own optimizer's tensors and the landing, where they fit
+        _check_model(_model_layout(module), meta["model"])
         land = Landing(state_tensors(optimizer.state_dict()) + list(landing))
         tensors = [land.take(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
         extra = [land.take(shape, dtype) for shape, dtype in shipped["tensors"]]
-    model = list(module.parameters()) + list(module.buffers())
     if rank == source:
         _send_tensors(model + tensors + extra, source, receivers, wire, waits)
         return HealResult(source=source, step=best, sent=True)
@@ -248,6 +272,20 @@ def heal(
     except Exception as exc:  # noqa: BLE001 - whatever cut it, the state is now a mix
         raise HealInterrupted(source, best, exc) from exc
     return HealResult(source=source, step=best, sent=True)
+
+
+def _model_layout(module: torch.nn.Module) -> list[list[str]]:
+    """[name, shape, dtype] of each parameter and buffer, in the order ``heal`` sends them."""
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    return [[n, str(list(t.shape)), str(t.dtype).removeprefix("torch.")] for n, t in named]
+
+
+def _check_model(mine: list[list[str]], source: list[list[str]]) -> None:
+    """Raise ``ModelMismatch`` at the first tensor whose shape or dtype differs from the
+    source's, or that one side lacks (names are not compared: a wrapper may rename)."""
+    for here, there in itertools.zip_longest(mine, source):
+        if here is None or there is None or here[1:] != there[1:]:
+            raise ModelMismatch(here, there)
 
 
 def _split_state(state_dict: dict) -> tuple[dict, list[torch.Tensor]]:
