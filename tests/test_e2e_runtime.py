@@ -356,7 +356,7 @@ def test_bad_input_gets_one_line_and_harms_nothing(tidal_home: Home) -> None:
 
 
 PER_WORKER_MODEL = """
-import os, torch, tidal
+import os, sys, torch, tidal
 from torch.utils.data import TensorDataset
 torch.set_num_threads(1)
 # The bug: a model built from something that differs between workers (here the id).
@@ -366,7 +366,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
 trainer = tidal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                        global_batch_size=16)
+                        global_batch_size=16, sharding=sys.argv[1])
 for step in trainer.run(1000):
     for x, y in step.micro_batches():
         step.backward(torch.nn.functional.cross_entropy(trainer.model(x), y) / 16)
@@ -375,8 +375,9 @@ for step in trainer.run(1000):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_a_joiner_with_another_model_fails_the_job_in_one_line(
-    tidal_home: Home, tmp_path: Path
+    tidal_home: Home, tmp_path: Path, sharding: str
 ) -> None:
     # Healing it would either abort in gloo or, where sizes agree, train on another
     # tensor's data; the heal refuses before receiving, and the repeated refusal ends the
@@ -384,10 +385,16 @@ def test_a_joiner_with_another_model_fails_the_job_in_one_line(
     script = tmp_path / "per_worker_model.py"
     script.write_text(PER_WORKER_MODEL)
     proc, job = tidal_home.run(
-        "othermodel", "--workers", "1", "--schedule", "20:2", script=script, timeout=100
+        "othermodel",
+        *("--workers", "1", "--schedule", "20:2"),
+        script=script,
+        script_args=[sharding],
+        timeout=100,
     )
     line = assert_one_line_error(proc, "othermodel", "ModelMismatch")
-    assert "0.weight: [33, 8] float32 here, [32, 8] float32 at the source" in line
+    # Either worker may have been the first member, so the source.
+    shapes = re.search(r"0\.weight: \[(\d+), 8\] float32 here, \[(\d+), 8\] float32 at the", line)
+    assert shapes and {shapes[1], shapes[2]} == {"32", "33"}, line
     status = job.status()
     assert status["state"] == "failed" and status["step"] == 20, summarize(status)
     tidal_home.assert_no_processes()

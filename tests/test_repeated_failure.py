@@ -24,6 +24,7 @@ from tidal.coordinator.recovery import Control
 from tidal.coordinator.rules import REFORMS_WITHOUT_PROGRESS, Streak
 from tidal.display import print_outcome
 from tidal.protocol import (
+    FailureKind,
     FailureReport,
     HeartbeatRequest,
     JobState,
@@ -238,3 +239,24 @@ def test_tidal_run_fails_a_job_whose_collective_always_fails(tidal_home) -> None
     reformed = [g for g in status["generations"] if "reported a failed collective" in g["reason"]]
     assert len(reformed) == 9, summarize(status)
     tidal_home.assert_no_processes()
+
+
+def test_a_model_mismatch_fails_the_job_at_once_quoting_it(
+    coord: Coordinator, capsys: pytest.CaptureFixture
+) -> None:
+    # The source's send fails first (its peer left); the receiver's refusal then ends the
+    # job at once, quoting the refusal, not the peer's error: no re-form can mend it.
+    gen = coord.job.latest.id
+    mismatch = "ModelMismatch: this worker's model differs from the source's at 0.weight"
+    coord.on_failure(0, FailureReport(generation=gen, step=20, error=PREMUL))
+    coord.on_failure(
+        1,
+        FailureReport(generation=gen, step=20, error=mismatch, kind=FailureKind.MODEL_MISMATCH),
+    )
+    while coord.tick():  # the wind-down: no process to wait for
+        pass
+    assert coord.job.outcome == JobState.FAILED
+    assert coord.job.latest.id == gen  # never re-formed
+    assert job_failed_events(coord) == [f"job failed: worker 1: {mismatch}"]
+    assert print_outcome(coord) == 1
+    assert f"failed: worker 1: {mismatch}\n" in capsys.readouterr().err

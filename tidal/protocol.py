@@ -358,6 +358,9 @@ class FailureKind(str, Enum):
 
     COLLECTIVE = "collective"  # a collective (or the forming) failed: a peer died or hung
     STATE_LOST = "state_lost"  # healing found no member holding the job's committed state
+    # Healing found this member's model differs from the source's (``heal.ModelMismatch``):
+    # every worker runs the same script, so no re-form can mend it; the job fails saying so.
+    MODEL_MISMATCH = "model_mismatch"
 
 
 class FailureReport(BaseModel):

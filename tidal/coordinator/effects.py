@@ -182,6 +182,10 @@ class Effects:
         latest = self.job.latest
         if latest is None or r.generation != latest.id or self.job.outcome is not None:
             return  # a newer generation already answers it
+        if r.kind == FailureKind.MODEL_MISMATCH:  # no re-form can mend it (``FailureKind``)
+            self._decide(JobState.FAILED, f"worker {wid}: {r.error}")
+            self.wake.set()
+            return
         if r.kind == FailureKind.STATE_LOST:  # the control loop rolls back or fails
             if self.job.state_lost is None:
                 self.job.state_lost = (latest.id, f"worker {wid}: {r.error}")

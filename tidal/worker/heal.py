@@ -57,10 +57,10 @@ class ModelMismatch(RuntimeError):
     """This receiver's model is not the source's: a parameter or buffer differs in shape or
     dtype, or one side has more (a script that builds its model from the rank, the world
     size or the machine). Raised before anything is received, so this member's state is
-    untouched; its failure is reported like any failed forming, and the same failure at the
-    same step ends the job quoting this line (``rules.repeated_failure``). Receiving anyway
+    untouched; the member reports it as ``FailureKind.MODEL_MISMATCH`` and the coordinator
+    fails the job at once quoting this line (no re-form can mend it). Receiving anyway
     would abort in gloo, or, where the sizes happen to agree, load one tensor's data into
-    another: a silent divergence."""
+    another: a silent divergence. The sharded heal checks the same (``shard_heal``)."""
 
     def __init__(self, here: list[str] | None, there: list[str] | None) -> None:
         name = (here or there)[0]
@@ -244,7 +244,7 @@ def heal(
                 "python_rng": random.getstate(),
                 "cuda_rng": devices.cuda_rng_state(),
                 "tracked": captured.to_json(),  # JSON text: no pickle of user objects
-                "model": _model_layout(module),
+                "model": model_layout(module),
             },
             buf,
         )
@@ -254,7 +254,7 @@ def heal(
     )
     shipped = json.loads(meta["tracked"])
     if rank != source:  # into its own optimizer's tensors and the landing, where they fit
-        _check_model(_model_layout(module), meta["model"])
+        check_model(model_layout(module), meta["model"])
         land = Landing(state_tensors(optimizer.state_dict()) + list(landing))
         tensors = [land.take(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
         extra = [land.take(shape, dtype) for shape, dtype in shipped["tensors"]]
@@ -274,13 +274,13 @@ def heal(
     return HealResult(source=source, step=best, sent=True)
 
 
-def _model_layout(module: torch.nn.Module) -> list[list[str]]:
+def model_layout(module: torch.nn.Module) -> list[list[str]]:
     """[name, shape, dtype] of each parameter and buffer, in the order ``heal`` sends them."""
     named = list(module.named_parameters()) + list(module.named_buffers())
     return [[n, str(list(t.shape)), str(t.dtype).removeprefix("torch.")] for n, t in named]
 
 
-def _check_model(mine: list[list[str]], source: list[list[str]]) -> None:
+def check_model(mine: list[list[str]], source: list[list[str]]) -> None:
     """Raise ``ModelMismatch`` at the first tensor whose shape or dtype differs from the
     source's, or that one side lacks (names are not compared: a wrapper may rename)."""
     for here, there in itertools.zip_longest(mine, source):

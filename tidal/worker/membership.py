@@ -31,7 +31,7 @@ from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
 from tidal.worker import ddp, probes
 from tidal.worker import group as grp
-from tidal.worker.heal import HealInterrupted, HealResult, StateLost, heal
+from tidal.worker.heal import HealInterrupted, HealResult, ModelMismatch, StateLost, heal
 from tidal.worker.shard_plan import Path as ShardPath
 from tidal.worker.step import _one_line
 
@@ -49,7 +49,7 @@ class Membership:
     ) -> None:
         """Tell the coordinator this member left ``generation`` (the one it was training or
         forming in: a report naming an older one would be ignored as already answered)."""
-        what = "healing" if kind == FailureKind.STATE_LOST else "collective"
+        what = "collective" if kind == FailureKind.COLLECTIVE else "healing"
         print(
             f"tidal: worker {self.worker_id}: {what} failed in generation "
             f"{generation} at step {self.step}: {type(exc).__name__}: {exc}",
@@ -193,6 +193,9 @@ class Membership:
             except StateLost as exc:
                 self._leave_group()
                 self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
+            except ModelMismatch as exc:  # the job cannot go on: the coordinator fails it
+                self._leave_group(failed=True)
+                self._report_failure(info.id, exc, kind=FailureKind.MODEL_MISMATCH)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
                 if isinstance(exc, HealInterrupted):  # a mix of two steps: never a source
                     self._has_state = False

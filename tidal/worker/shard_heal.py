@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tidal.tracked import TrackedState
 from tidal.worker import shard_plan as plan
 from tidal.worker.guard import Guard
-from tidal.worker.heal import StateLost, _send_blob
+from tidal.worker.heal import StateLost, _send_blob, check_model
 from tidal.worker.ring import Ring
 from tidal.worker.sharded import Key, ShardedModel
 from tidal.worker.shards import from_whole, reshard
@@ -101,6 +101,7 @@ def heal_sharded(
         blob = ring.copies.blob if src.slot == plan.Slot.OWN else sm.replicated_blob(held, tracked)
     blob = _send_blob(blob, src.member, [r for r in range(world) if r != src.member])
     meta = torch.load(io.BytesIO(blob), weights_only=True)
+    check_model(sm.model_layout(), meta["model"])  # before anything moves (ModelMismatch)
     holders = [s.member for s in decision.sources]
     # Members that hold the whole state at the decided step (after the gather before a
     # planned shrink, a resume, a roll-back) cut their own rows from it: nothing is sent

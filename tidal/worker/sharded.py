@@ -144,6 +144,13 @@ class ShardedModel:
     def full_shape(self, key: Key) -> tuple[int, ...]:
         return self.shapes[key[1]]
 
+    def model_layout(self) -> list[list[str]]:
+        """[name, shape, dtype] of each parameter (``heal.model_layout``'s form)."""
+        return [
+            [n, str(list(self.shapes[n])), str(self.dtypes[n]).removeprefix("torch.")]
+            for n in self.names
+        ]
+
     # -- the replicated part -------------------------------------------------------------
     def replicated_blob(self, held: Held, tracked: TrackedState | None) -> bytes:
         """Everything but the row blocks, as a ``torch.save`` blob (loaded with
@@ -154,6 +161,7 @@ class ShardedModel:
         torch.save(
             {
                 "keys": [list(k) for k in keys],
+                "model": self.model_layout(),
                 "dtypes": [str(held.rows[k].dtype).removeprefix("torch.") for k in keys],
                 "buffers": held.buffers,
                 "scalars": held.scalars,
