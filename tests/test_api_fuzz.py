@@ -238,7 +238,7 @@ def test_fuzz_with_the_credential_never_fails_the_server(fuzzed):
     assert len(answered) == len(OPERATIONS)
     # Stopped last; never started by a tick (none runs), though a member's fuzzed step
     # report of generation 1, with its own credential, rightly marks the job running. A
-    # member's fuzzed failure report of kind model_mismatch rightly fails the job at once,
+    # member's fuzzed failure report of kind script_mismatch rightly fails the job at once,
     # and a decided job takes no stop.
     assert coord.status(fresh=True).state.value in ("pending", "running")
     if coord.job.outcome is None:

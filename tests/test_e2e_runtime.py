@@ -355,46 +355,58 @@ def test_bad_input_gets_one_line_and_harms_nothing(tidal_home: Home) -> None:
     assert job.wait_state("stopped", "succeeded", "failed", timeout=60)["state"] == "stopped"
 
 
-PER_WORKER_MODEL = """
+PER_WORKER = """
 import os, sys, torch, tidal
 from torch.utils.data import TensorDataset
 torch.set_num_threads(1)
-# The bug: a model built from something that differs between workers (here the id).
-hidden = 32 if os.environ["TIDAL_WORKER_ID"] == "0" else 33
+sharding, differs = sys.argv[1], sys.argv[2]
+# The bug: something built from what differs between workers (here the id).
+odd = os.environ["TIDAL_WORKER_ID"] != "0"
+hidden = 33 if odd and differs == "model" else 32
+batch = 32 if odd and differs == "batch" else 16
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 2))
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
 trainer = tidal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                        global_batch_size=16, sharding=sys.argv[1])
+                        global_batch_size=batch, sharding=sharding)
 for step in trainer.run(1000):
     for x, y in step.micro_batches():
-        step.backward(torch.nn.functional.cross_entropy(trainer.model(x), y) / 16)
+        step.backward(torch.nn.functional.cross_entropy(trainer.model(x), y) / batch)
 """
+
+# What the job's one line says: the first member may be either worker.
+DIFFERS = {
+    "model": r"ModelMismatch: .* at 0\.weight: \[(\d+), 8\] float32 here, \[(\d+), 8\] float32 at",
+    "batch": r"ScriptMismatch: .*global_batch_size: (\d+) here, (\d+) in the first worker",
+}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_a_joiner_with_another_model_fails_the_job_in_one_line(
-    tidal_home: Home, tmp_path: Path, sharding: str
+@pytest.mark.parametrize(
+    ("sharding", "differs"), [("ddp", "model"), ("fsdp", "model"), ("ddp", "batch")]
+)
+def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
+    tidal_home: Home, tmp_path: Path, sharding: str, differs: str
 ) -> None:
-    # Healing it would either abort in gloo or, where sizes agree, train on another
-    # tensor's data; the heal refuses before receiving, and the repeated refusal ends the
-    # job saying why.
-    script = tmp_path / "per_worker_model.py"
-    script.write_text(PER_WORKER_MODEL)
+    # Before 2026-12-04 both jobs ran to `succeeded`: a joiner with a wider layer healed a
+    # shifted copy of the source's parameters, and one with another global batch computed
+    # its share of a different batch. Now the heal (model) or the first join (settings)
+    # refuses, and the job fails at once saying why.
+    script = tmp_path / "per_worker.py"
+    script.write_text(PER_WORKER)
     proc, job = tidal_home.run(
-        "othermodel",
+        "differs",
         *("--workers", "1", "--schedule", "20:2"),
         script=script,
-        script_args=[sharding],
+        script_args=[sharding, differs],
         timeout=100,
     )
-    line = assert_one_line_error(proc, "othermodel", "ModelMismatch")
-    # Either worker may have been the first member, so the source.
-    shapes = re.search(r"0\.weight: \[(\d+), 8\] float32 here, \[(\d+), 8\] float32 at the", line)
-    assert shapes and {shapes[1], shapes[2]} == {"32", "33"}, line
+    line = assert_one_line_error(proc, "differs")
+    found = re.search(DIFFERS[differs], line)
+    expected = {"32", "33"} if differs == "model" else {"16", "32"}
+    assert found and {found[1], found[2]} == expected, line
     status = job.status()
     assert status["state"] == "failed" and status["step"] == 20, summarize(status)
     tidal_home.assert_no_processes()

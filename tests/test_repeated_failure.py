@@ -241,7 +241,7 @@ def test_tidal_run_fails_a_job_whose_collective_always_fails(tidal_home) -> None
     tidal_home.assert_no_processes()
 
 
-def test_a_model_mismatch_fails_the_job_at_once_quoting_it(
+def test_a_script_mismatch_fails_the_job_at_once_quoting_it(
     coord: Coordinator, capsys: pytest.CaptureFixture
 ) -> None:
     # The source's send fails first (its peer left); the receiver's refusal then ends the
@@ -251,7 +251,7 @@ def test_a_model_mismatch_fails_the_job_at_once_quoting_it(
     coord.on_failure(0, FailureReport(generation=gen, step=20, error=PREMUL))
     coord.on_failure(
         1,
-        FailureReport(generation=gen, step=20, error=mismatch, kind=FailureKind.MODEL_MISMATCH),
+        FailureReport(generation=gen, step=20, error=mismatch, kind=FailureKind.SCRIPT_MISMATCH),
     )
     while coord.tick():  # the wind-down: no process to wait for
         pass

@@ -358,9 +358,10 @@ class FailureKind(str, Enum):
 
     COLLECTIVE = "collective"  # a collective (or the forming) failed: a peer died or hung
     STATE_LOST = "state_lost"  # healing found no member holding the job's committed state
-    # Healing found this member's model differs from the source's (``heal.ModelMismatch``):
-    # every worker runs the same script, so no re-form can mend it; the job fails saying so.
-    MODEL_MISMATCH = "model_mismatch"
+    # This member's script set up the job differently from the others': its model (the
+    # heal's ``ModelMismatch``) or its data split (``identity.ScriptMismatch``). No re-form
+    # can mend it; the job fails saying so.
+    SCRIPT_MISMATCH = "script_mismatch"
 
 
 class FailureReport(BaseModel):

@@ -182,7 +182,7 @@ class Effects:
         latest = self.job.latest
         if latest is None or r.generation != latest.id or self.job.outcome is not None:
             return  # a newer generation already answers it
-        if r.kind == FailureKind.MODEL_MISMATCH:  # no re-form can mend it (``FailureKind``)
+        if r.kind == FailureKind.SCRIPT_MISMATCH:  # no re-form can mend it (``FailureKind``)
             self._decide(JobState.FAILED, f"worker {wid}: {r.error}")
             self.wake.set()
             return

@@ -57,7 +57,7 @@ class ModelMismatch(RuntimeError):
     """This receiver's model is not the source's: a parameter or buffer differs in shape or
     dtype, or one side has more (a script that builds its model from the rank, the world
     size or the machine). Raised before anything is received, so this member's state is
-    untouched; the member reports it as ``FailureKind.MODEL_MISMATCH`` and the coordinator
+    untouched; the member reports it as ``FailureKind.SCRIPT_MISMATCH`` and the coordinator
     fails the job at once quoting this line (no re-form can mend it). Receiving anyway
     would abort in gloo, or, where the sizes happen to agree, load one tensor's data into
     another: a silent divergence. The sharded heal checks the same (``shard_heal``)."""

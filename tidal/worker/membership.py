@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
-from tidal.worker import ddp, probes
+from tidal.worker import ddp, identity, probes
 from tidal.worker import group as grp
 from tidal.worker.heal import HealInterrupted, HealResult, ModelMismatch, StateLost, heal
 from tidal.worker.shard_plan import Path as ShardPath
@@ -161,6 +161,17 @@ class Membership:
                 self.sampler.check_world_size(len(info.members))
                 if self._fsdp is not None:
                     self._fsdp.sharded.check_world(len(info.members))
+                if not self._agreed:  # once, before this process first trains with others
+                    try:
+                        identity.agree(
+                            self._store,
+                            f"{self._cfg.store_namespace}/settings",
+                            identity.settings(self.sampler, self._sharding),
+                        )
+                    except identity.ScriptMismatch as exc:  # the coordinator fails the job
+                        self._report_failure(info.id, exc, kind=FailureKind.SCRIPT_MISMATCH)
+                        continue
+                    self._agreed = True
                 probes.point("join", self.step, info.id)
                 outcome = grp.rendezvous(
                     self._store, info, timeout_s=self._cfg.collective_timeout_s
@@ -195,7 +206,7 @@ class Membership:
                 self._report_failure(info.id, exc, kind=FailureKind.STATE_LOST)
             except ModelMismatch as exc:  # the job cannot go on: the coordinator fails it
                 self._leave_group(failed=True)
-                self._report_failure(info.id, exc, kind=FailureKind.MODEL_MISMATCH)
+                self._report_failure(info.id, exc, kind=FailureKind.SCRIPT_MISMATCH)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
                 if isinstance(exc, HealInterrupted):  # a mix of two steps: never a source
                     self._has_state = False

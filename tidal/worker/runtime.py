@@ -176,6 +176,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self.generation = 0
         self.completed = False
         self._has_state = False
+        self._agreed = False  # its settings checked against the job's (``identity``)
         self._landing: list[torch.Tensor] = []  # until the first forming (``landing``)
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._fsdp: Any = None  # tidal.worker.fsdp.Fsdp under tidal run with sharding="fsdp"
@@ -398,6 +399,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         cfg = self._agent.config
         self._store_epoch = self._agent.epoch
         self._cfg = cfg
+        self._agreed = False  # a new store holds no settings yet: agree again (``identity``)
         self._store = dist.TCPStore(
             cfg.store_host,
             cfg.store_port,

@@ -1,0 +1,55 @@
+"""What every worker must agree on before training with the others (``tidal.worker.identity``):
+the first worker's settings, set once in a real store; a worker whose settings differ is
+refused with one line naming each difference."""
+
+import pytest
+import torch.distributed as dist
+
+from tidal.worker.data import ElasticSampler
+from tidal.worker.identity import ScriptMismatch, agree, differences, settings
+
+
+def sampler(**kw) -> ElasticSampler:
+    return ElasticSampler(**{"dataset_size": 256, "global_batch_size": 16, "seed": 0, **kw})
+
+
+@pytest.mark.parametrize(
+    ("mine", "first", "expected"),
+    [
+        (settings(sampler(), "ddp"), settings(sampler(), "ddp"), []),
+        # micro-batches only change how a member splits its share: not compared
+        (settings(sampler(micro_batch_size=4), "ddp"), settings(sampler(), "ddp"), []),
+        (
+            settings(sampler(global_batch_size=32), "ddp"),
+            settings(sampler(), "ddp"),
+            ["global_batch_size: 32 here, 16 in the first worker"],
+        ),
+        (
+            settings(sampler(dataset_size=300, seed=1), "fsdp"),
+            settings(sampler(), "ddp"),
+            [
+                "dataset length: 300 here, 256 in the first worker",
+                "seed: 1 here, 0 in the first worker",
+                "sharding: 'fsdp' here, 'ddp' in the first worker",
+            ],
+        ),
+        (
+            settings(sampler(dataset_size=None), "ddp"),  # a stream has no length
+            settings(sampler(), "ddp"),
+            ["dataset length: None here, 256 in the first worker"],
+        ),
+    ],
+    ids=["same", "micro-batches", "global-batch", "three", "stream"],
+)
+def test_differences(mine, first, expected):
+    assert differences(mine, first) == expected
+
+
+def test_the_first_worker_sets_them_and_a_different_one_is_refused():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = settings(sampler(), "ddp")
+    agree(store, "job/settings", first)  # sets them
+    agree(store, "job/settings", dict(first))  # the same: agreed
+    with pytest.raises(ScriptMismatch, match=r"global_batch_size: 32 here, 16 in the first"):
+        agree(store, "job/settings", settings(sampler(global_batch_size=32), "ddp"))
+    agree(store, "other/settings", settings(sampler(global_batch_size=32), "ddp"))  # per key
