@@ -38,8 +38,13 @@ def sampler(**kw) -> ElasticSampler:
             settings(sampler(), "ddp"),
             ["dataset length: None here, 256 in the first worker"],
         ),
+        (
+            settings(sampler(), "ddp", 1.0),
+            settings(sampler(), "ddp"),
+            ["clip_grad_norm: 1.0 here, None in the first worker"],
+        ),
     ],
-    ids=["same", "micro-batches", "global-batch", "three", "stream"],
+    ids=["same", "micro-batches", "global-batch", "three", "stream", "clip"],
 )
 def test_differences(mine, first, expected):
     assert differences(mine, first) == expected

@@ -1,9 +1,10 @@
 """What every worker of a job must agree on before it trains with the others.
 
-The elastic data split is a function of the step and of the sampler's settings (``data``):
-a worker whose script made a different global batch, seed, dataset length or sharding mode
-would compute its share of a *different* global batch, and the summed gradients would mix
-two trainings with nothing failing (a script that derives the global batch from the world
+The elastic data split is a function of the step and of the sampler's settings: a worker
+whose script made a different global batch, seed, dataset length or sharding mode would
+compute its share of a *different* global batch, and the summed gradients would mix two
+trainings with nothing failing; one with another ``clip_grad_norm`` would apply another
+update to the same gradients, and the members would drift apart (a script that derives the global batch from the world
 size or the worker's id does exactly that). So each worker, before its first rendezvous,
 compares its settings with the first worker's through the job's store (one
 ``compare_set``: the first to arrive sets them) and refuses to join when they differ. The
@@ -25,13 +26,17 @@ class ScriptMismatch(RuntimeError):
     no generation can mend it, so the coordinator fails the job quoting this line."""
 
 
-def settings(sampler: ElasticSampler, sharding: str) -> dict[str, object]:
-    """The settings every member must share, by the ``Trainer`` argument that sets each."""
+def settings(
+    sampler: ElasticSampler, sharding: str, clip_grad_norm: float | None = None
+) -> dict[str, object]:
+    """The settings every member must share, by the ``Trainer`` argument that sets each
+    (``clip_grad_norm`` changes the update each member applies to the summed gradients)."""
     return {
         "dataset length": sampler.dataset_size,
         "global_batch_size": sampler.global_batch_size,
         "seed": sampler.seed,
         "sharding": sharding,
+        "clip_grad_norm": clip_grad_norm,
     }
 
 

@@ -166,7 +166,9 @@ class Membership:
                         identity.agree(
                             self._store,
                             f"{self._cfg.store_namespace}/settings",
-                            identity.settings(self.sampler, self._sharding),
+                            identity.settings(
+                                self.sampler, self._sharding, self._update.clip_grad_norm
+                            ),
                         )
                     except identity.ScriptMismatch as exc:  # the coordinator fails the job
                         self._report_failure(info.id, exc, kind=FailureKind.SCRIPT_MISMATCH)
