@@ -3,12 +3,12 @@
 The elastic data split is a function of the step and of the sampler's settings: a worker
 whose script made a different global batch, seed, dataset length or sharding mode would
 compute its share of a *different* global batch, and the summed gradients would mix two
-trainings with nothing failing; one with another ``clip_grad_norm`` would apply another
-update to the same gradients, and the members would drift apart (a script that derives the global batch from the world
-size or the worker's id does exactly that). So each worker, before its first rendezvous,
-compares its settings with the first worker's through the job's store (one
-``compare_set``: the first to arrive sets them) and refuses to join when they differ. The
-model itself is compared by the heal, which every joiner goes through
+trainings with nothing failing (a script that derives the global batch from the world size
+or the worker's id does exactly that); one with another ``clip_grad_norm`` would apply
+another update to the same gradients, and the members would drift apart. So each worker,
+before its first rendezvous, compares its settings with the first worker's through the
+job's store (one ``compare_set``: the first to arrive sets them) and refuses to join when
+they differ. The model itself is compared by the heal, which every joiner goes through
 (``heal.ModelMismatch``).
 """
 
