@@ -186,6 +186,38 @@ def test_a_peer_lost_while_connecting_costs_the_connect_window_not_the_timeout()
         assert out["sum"] == [2.0, 2.0], out
 
 
+STORE_AFTER_FORMING = r"""
+import gc, json, sys, datetime, torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from tidal.worker import group as grp
+from tidal.protocol import GenerationInfo, generation_prefix
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+info = GenerationInfo(id=1, members=[0, 1], store_prefix=generation_prefix("ns", 1), reason="")
+grp.form_group(store, info, rank, namespace="ns", timeout_s=20, connect_s=1)
+gc.collect()
+out = {}
+try:  # what NCCL does at its first collective: publish its id, read the peer's
+    default = c10d._get_default_store()
+    default.set(f"id{rank}", str(rank).encode())
+    out["default"] = default.get(f"id{1 - rank}").decode()
+except Exception as exc:
+    out["error"] = str(exc)[:200]
+grp.destroy_group()
+print(json.dumps(out))
+"""
+
+
+def test_the_groups_store_outlives_forming() -> None:
+    """GPU finding (docs/gpu.md): NCCL reads the group's store at its first collective,
+    after ``form_group`` returned; the store (written in Python) had been collected by then
+    and every NCCL job failed its first collective ("fn INTERNAL ASSERT FAILED ... Not
+    implemented."). gloo reads it only while connecting, so the CPU never showed it."""
+    first, second = run_ranks(STORE_AFTER_FORMING, 2, timeout=60)
+    assert first.get("default") == "1" and second.get("default") == "0", (first, second)
+
+
 def test_the_connect_window_widens_with_each_failed_forming_in_a_row() -> None:
     assert grp.connect_timeout(0, 120) == grp.CONNECT_S
     assert grp.connect_timeout(1, 120) == 2 * grp.CONNECT_S

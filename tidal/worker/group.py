@@ -68,6 +68,12 @@ CONNECT_S = 0.3
 
 #: The current gloo group's connections (``form_group``; empty when none were captured).
 _conns = Conns([])
+#: The stores of the current default group and of the latest side group, kept alive with
+#: them: c10d holds only the C++ half of a store written in Python, and once the Python
+#: object is collected every call c10d makes on it fails ("Not implemented."). gloo reads
+#: its store only while it connects, but NCCL connects at the first collective, after
+#: ``form_group`` has returned.
+_stores: dict[str, dist.Store] = {}
 
 
 def connect_timeout(failed_forms: int, collective_timeout_s: float) -> float:
@@ -216,6 +222,7 @@ def side_group(
         watched, rank, len(info.members), datetime.timedelta(seconds=min(connect_s, timeout_s))
     )
     pg._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+    _stores["side"] = watched
     return pg
 
 
@@ -265,6 +272,7 @@ def form_group(
             ),
         )
         c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        _stores["default"] = watched  # NCCL reads it at the first collective (``_stores``)
         if backend == "gloo":
             _conns = Conns.opened_since(
                 before,
@@ -290,6 +298,7 @@ def destroy_group(backend: str = "gloo", *, failed: bool = False, park: bool = F
     joins, an abort frees the communicators at once (and is a no-op after the watch aborted
     them)."""
     global _conns
+    _stores.pop("default", None)
     if backend == "nccl":
         abort_group()
         return
@@ -329,4 +338,5 @@ def abort_group() -> None:
     unregister it; a no-op when there is none."""
     if dist.is_initialized():
         c10d._abort_process_group()
+    _stores.pop("default", None)
     c10d._world.group_count = 0
