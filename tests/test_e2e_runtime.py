@@ -7,6 +7,7 @@ and are stopped; jobs that must end by themselves get a small one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -370,6 +371,9 @@ g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
 trainer = tidal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                         global_batch_size=batch, sharding=sharding)
+if differs == "file" and not odd:  # the file is edited while the job runs
+    with open(__file__, "a") as f:
+        f.write("# edited\\n")
 for step in trainer.run(1000):
     for x, y in step.micro_batches():
         step.backward(torch.nn.functional.cross_entropy(trainer.model(x), y) / batch)
@@ -379,13 +383,19 @@ for step in trainer.run(1000):
 DIFFERS = {
     "model": r"ModelMismatch: .* at 0\.weight: \[(\d+), 8\] float32 here, \[(\d+), 8\] float32 at",
     "batch": r"ScriptMismatch: .*global_batch_size: (\d+) here, (\d+) in the first worker",
+    "file": r"ScriptMismatch: .*script \(sha256 of the file\): '(\w+)' here, '(\w+)' in the first",
 }
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("sharding", "differs"), [("ddp", "model"), ("fsdp", "model"), ("ddp", "batch")]
+    ("sharding", "differs"),
+    [("ddp", "model"), ("fsdp", "model"), ("ddp", "batch"), ("ddp", "file")],
 )
 def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     tidal_home: Home, tmp_path: Path, sharding: str, differs: str
@@ -393,7 +403,8 @@ def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     # Before 2026-12-04 both jobs ran to `succeeded`: a joiner with a wider layer healed a
     # shifted copy of the source's parameters, and one with another global batch computed
     # its share of a different batch. Now the heal (model) or the first join (settings)
-    # refuses, and the job fails at once saying why.
+    # refuses, and the job fails at once saying why. ``file``: worker 0 edits the script
+    # after it started; the joiner runs the edited file, and is refused.
     script = tmp_path / "per_worker.py"
     script.write_text(PER_WORKER)
     proc, job = tidal_home.run(
@@ -405,7 +416,11 @@ def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     )
     line = assert_one_line_error(proc, "differs")
     found = re.search(DIFFERS[differs], line)
-    expected = {"32", "33"} if differs == "model" else {"16", "32"}
+    expected = {
+        "model": {"32", "33"},
+        "batch": {"16", "32"},
+        "file": {_digest(PER_WORKER), _digest(PER_WORKER + "# edited\n")},
+    }[differs]
     assert found and {found[1], found[2]} == expected, line
     status = job.status()
     assert status["state"] == "failed" and status["step"] == 20, summarize(status)

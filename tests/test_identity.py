@@ -2,11 +2,14 @@
 the first worker's settings, set once in a real store; a worker whose settings differ is
 refused with one line naming each difference."""
 
+import hashlib
+
 import pytest
+import torch
 import torch.distributed as dist
 
 from tidal.worker.data import ElasticSampler
-from tidal.worker.identity import ScriptMismatch, agree, differences, settings
+from tidal.worker.identity import ScriptMismatch, agree, differences, origin, settings
 
 
 def sampler(**kw) -> ElasticSampler:
@@ -58,3 +61,28 @@ def test_the_first_worker_sets_them_and_a_different_one_is_refused():
     with pytest.raises(ScriptMismatch, match=r"global_batch_size: 32 here, 16 in the first"):
         agree(store, "job/settings", settings(sampler(global_batch_size=32), "ddp"))
     agree(store, "other/settings", settings(sampler(global_batch_size=32), "ddp"))  # per key
+
+
+def test_origin_is_the_scripts_content_and_torchs_version(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    mine = origin(str(script))
+    assert mine == {
+        "script (sha256 of the file)": hashlib.sha256(b"print(1)\n").hexdigest()[:16],
+        "torch": torch.__version__,
+    }
+    assert origin(str(script)) == mine  # the same file: the same origin
+    script.write_text("print(2)\n")  # edited: another origin
+    (line,) = differences(origin(str(script)), mine)
+    assert line.startswith("script (sha256 of the file): '") and "in the first worker" in line
+    # no file to read (``python -c``, an interactive session): the content is not compared
+    assert origin("-c")["script (sha256 of the file)"] is None
+    assert origin("")["script (sha256 of the file)"] is None
+
+
+def test_another_torch_is_refused():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = settings(sampler(), "ddp") | {"torch": "2.13.0+cpu"}
+    agree(store, "job/settings", first)
+    with pytest.raises(ScriptMismatch, match=r"torch: '2\.11\.0' here, '2\.13\.0\+cpu' in the"):
+        agree(store, "job/settings", settings(sampler(), "ddp") | {"torch": "2.11.0"})

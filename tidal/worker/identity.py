@@ -5,7 +5,10 @@ whose script made a different global batch, seed, dataset length or sharding mod
 compute its share of a *different* global batch, and the summed gradients would mix two
 trainings with nothing failing (a script that derives the global batch from the world size
 or the worker's id does exactly that); one with another ``clip_grad_norm`` would apply
-another update to the same gradients, and the members would drift apart. So each worker,
+another update to the same gradients, and the members would drift apart. A worker started
+from another version of the script (a file edited while the job runs, a node with a stale
+copy) or under another torch (whose optimizer or kernels may compute the update
+differently) trains on beside the others just as silently. So each worker,
 before its first rendezvous, compares its settings with the first worker's through the
 job's store (one ``compare_set``: the first to arrive sets them) and refuses to join when
 they differ. The model itself is compared by the heal, which every joiner goes through
@@ -14,8 +17,11 @@ they differ. The model itself is compared by the heal, which every joiner goes t
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from tidal.worker.data import ElasticSampler
@@ -40,6 +46,18 @@ def settings(
     }
 
 
+def origin(script: str) -> dict[str, object]:
+    """What this process runs, to be compared like ``settings``: the training script's
+    content (the start of the sha256 of the file ``script``, the process's ``sys.argv[0]``;
+    None where it is no file, as under ``python -c``) and torch's version. Read once, when
+    the ``Trainer`` is made: the code this process runs is the file as it was then."""
+    path = Path(script) if script else None
+    digest = None
+    if path is not None and path.is_file():
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return {"script (sha256 of the file)": digest, "torch": torch.__version__}
+
+
 def differences(mine: dict[str, object], first: dict[str, object]) -> list[str]:
     """Each setting that differs, as ``name: mine here, theirs in the first worker``."""
     return [
@@ -59,5 +77,6 @@ def agree(store: dist.Store, key: str, mine: dict[str, object]) -> None:
         raise ScriptMismatch(
             "this worker's script sets up the job differently from the first worker's: "
             + "; ".join(diff or ["(unreadable)"])
-            + "; every worker must make the same Trainer"
+            + "; every worker must run the same script, under the same torch, and make the "
+            + "same Trainer"
         )

@@ -168,7 +168,8 @@ class Membership:
                             f"{self._cfg.store_namespace}/settings",
                             identity.settings(
                                 self.sampler, self._sharding, self._update.clip_grad_norm
-                            ),
+                            )
+                            | self._origin,
                         )
                     except identity.ScriptMismatch as exc:  # the coordinator fails the job
                         self._report_failure(info.id, exc, kind=FailureKind.SCRIPT_MISMATCH)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
-from tidal.worker import ddp, landing, probes
+from tidal.worker import ddp, identity, landing, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
@@ -177,6 +178,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self.completed = False
         self._has_state = False
         self._agreed = False  # its settings checked against the job's (``identity``)
+        self._origin = identity.origin(sys.argv[0] if sys.argv else "")  # compared the same way
         self._landing: list[torch.Tensor] = []  # until the first forming (``landing``)
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._fsdp: Any = None  # tidal.worker.fsdp.Fsdp under tidal run with sharding="fsdp"
