@@ -427,6 +427,45 @@ def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     tidal_home.assert_no_processes()
 
 
+BATCH_NORM = """
+import sys, torch, tidal
+from torch.utils.data import TensorDataset
+torch.set_num_threads(1)
+when = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+if when == "loop":
+    model[1].eval()  # frozen when the Trainer is made...
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+trainer = tidal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                        global_batch_size=16)
+for step in trainer.run(100):
+    trainer.model.train()  # ...and un-frozen by the loop
+    for x, y in step.micro_batches():
+        step.backward(torch.nn.functional.cross_entropy(trainer.model(x), y) / 16)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["trainer", "loop"])
+def test_batch_norm_in_training_mode_fails_the_job_in_one_line(
+    tidal_home: Home, tmp_path: Path, when: str
+) -> None:
+    # Before 2026-12-04 such a job ran to `succeeded`: each member normalised over its own
+    # share, so the updates depended on the number of workers (``tidal.worker.norms``).
+    script = tmp_path / "batch_norm.py"
+    script.write_text(BATCH_NORM)
+    proc, job = tidal_home.run(
+        "bn", "--workers", "2", script=script, script_args=[when], timeout=100
+    )
+    assert_one_line_error(proc, "BatchNormRefused", "'1' normalises", "allow_batch_norm=True")
+    status = job.status()
+    assert status["state"] == "failed" and status["step"] == 0, summarize(status)
+    tidal_home.assert_no_processes()
+
+
 # -- k -----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(120)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
-from tidal.worker import ddp, identity, landing, probes
+from tidal.worker import ddp, identity, landing, norms, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
@@ -105,6 +105,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         worker_init_fn: Callable[[int], None] | None = None,
         sharding: str = "ddp",
         device: str | torch.device | None = None,
+        allow_batch_norm: bool = False,
     ) -> None:
         """``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
         ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
@@ -121,7 +122,14 @@ class Trainer(Membership, ShardedSteps, Reports):
         where to train (``tidal.devices.resolve_device``: None is the worker's GPU where CUDA
         exists, else the CPU); the model is moved there in place (build the optimizer from
         its parameters before or after: they keep their identity) and every micro-batch is
-        moved there before the loop sees it."""
+        moved there before the loop sees it. ``allow_batch_norm``: under ``tidal run`` a
+        BatchNorm layer in training mode is refused (``norms``: it would make the updates
+        depend on the number of workers); True accepts per-member statistics, as DDP has
+        them."""
+        self._env = WorkerEnv.from_environ()
+        if self._env is not None and not allow_batch_norm:  # elastic: under tidal run
+            norms.check(model)  # now, in one line, before this worker joins anyone
+            norms.guard(model)  # and at any later forward in training mode
         self.device = devices.resolve_device(device, cuda_available=torch.cuda.is_available())
         if sharding == "fsdp" and self.device.type != "cpu":
             raise ValueError(
@@ -193,7 +201,6 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._waits = Waits()  # gloo: the waits the watch can cut (``waits``)
         self._members: list[int] = []  # the worker ids of the generation this one formed
         self._step_s: float | None = None  # a recent step's time (the watch's grace)
-        self._env = WorkerEnv.from_environ()
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
