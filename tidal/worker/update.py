@@ -14,6 +14,11 @@ member sees the same synchronised gradients and makes the same decisions:
 Nothing here runs for a step whose collective failed: that step is redone, so nothing is
 applied twice. A 1-worker run applies the same sequence, so the mathematics do not depend
 on the world size.
+
+The optimizer is stepped here only. A script ported from a plain loop that still calls
+``optimizer.step()`` itself would step each member with its own unsynchronised gradients
+(between micro-batches) or step twice, and nothing would fail; so a step pre-hook on the
+optimizer refuses any step this module did not start (``OptimizerStepRefused``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,37 @@ import torch
 RESERVED = ("lr_scheduler", "grad_scaler")  # names the Trainer's own tracked objects take
 
 
+class OptimizerStepRefused(RuntimeError):
+    """The script stepped the optimizer itself (module doc)."""
+
+
+class _OnlyHere:
+    """The optimizer's step pre-hook: refuses a step unless ``Update.apply`` is making it.
+    A copy of the optimizer (``copy.deepcopy``, the landing's twin) carries no hooks: an
+    optimizer's pickled state is its defaults, state and groups."""
+
+    def __init__(self) -> None:
+        self.stepping = False
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.stepping:
+            raise OptimizerStepRefused(
+                "the script called optimizer.step(): under Tidal the Trainer steps the "
+                "optimizer once per committed step, after the gradients are synchronised; "
+                "remove the call (and its zero_grad()), and call step.backward(loss) only"
+            )
+
+    @classmethod
+    def on(cls, optimizer: torch.optim.Optimizer) -> _OnlyHere:
+        """The optimizer's guard, registered once however many Trainers share it."""
+        guard = getattr(optimizer, "_tidal_only_here", None)
+        if guard is None:
+            guard = cls()
+            optimizer.register_step_pre_hook(guard)
+            optimizer._tidal_only_here = guard
+        return guard
+
+
 @dataclass(kw_only=True)
 class Update:
     optimizer: torch.optim.Optimizer
@@ -35,6 +71,7 @@ class Update:
     grad_scaler: torch.amp.GradScaler | None = None
     clip_grad_norm: float | None = None
     hooks: list[Callable[[int], None]] = field(default_factory=list)
+    _only_here: _OnlyHere = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         c = self.clip_grad_norm
@@ -49,6 +86,8 @@ class Update:
             raise ValueError(
                 f"lr_scheduler must have a step() method, got {type(self.lr_scheduler).__name__}"
             )
+
+        self._only_here = _OnlyHere.on(self.optimizer)  # once the settings are valid
 
     def tracked(self, state: Mapping[str, Any] | None) -> dict[str, Any]:
         """The objects a Trainer tracks: the scheduler, the scaler and the user's ``state``."""
@@ -80,11 +119,15 @@ class Update:
                 coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))
                 for p in params:
                     getattr(p.grad, "_local_tensor", p.grad).mul_(coef)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        self._only_here.stepping = True
+        try:
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        finally:
+            self._only_here.stepping = False
         opt.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
