@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 import tidal
 from tidal.worker import landing
-from tidal.worker.update import OptimizerStepRefused, Update
+from tidal.worker.update import OptimizerStepRefused, SchedulerStepRefused, Update
 
 
 def _model_and_opt():
@@ -67,3 +67,39 @@ def test_a_loop_that_steps_the_optimizer_itself_fails_at_that_call():
             for x, y in step.micro_batches():
                 step.backward(torch.nn.functional.mse_loss(trainer.model(x), y))
                 opt.step()  # left over from the plain loop
+
+
+def _scheduled():
+    model, opt = _model_and_opt()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched, Update(optimizer=opt, lr_scheduler=sched)
+
+
+def test_a_scheduler_step_the_script_made_is_refused_at_the_steps_end():
+    model, opt, sched, update = _scheduled()
+    update.begin()
+    model(torch.ones(3, 4)).sum().backward()
+    update.apply(0)  # the Trainer's own scheduler step: fine
+    assert sched.last_epoch == 1
+    update.begin()
+    model(torch.ones(3, 4)).sum().backward()
+    sched.step()  # the script's, e.g. once per micro-batch
+    before = model.weight.detach().clone()
+    with pytest.raises(
+        SchedulerStepRefused, match=r"during step 1 \(its last_epoch went from 1 to 2\)"
+    ):
+        update.apply(1)
+    assert torch.equal(model.weight, before)  # refused before anything was applied
+
+
+def test_a_loop_that_steps_the_scheduler_itself_fails():
+    model, opt = _model_and_opt()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+    trainer = tidal.Trainer(model, opt, data, global_batch_size=8, lr_scheduler=sched)
+    with pytest.raises(SchedulerStepRefused):
+        for step in trainer.run(2):
+            for x, y in step.micro_batches():
+                step.backward(torch.nn.functional.mse_loss(trainer.model(x), y))
+            sched.step()  # left over from the plain loop
+    assert trainer.step == 0

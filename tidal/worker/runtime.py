@@ -283,6 +283,7 @@ class Trainer(Membership, ShardedSteps, Reports):
     def _run_alone(self, max_steps: int) -> Iterator[Step]:
         while self.step < max_steps:
             step = Step(self, self.step, self.sampler.shard(self.step, 0, 1))
+            self._update.begin()
             yield step
             self._commit()
         self.completed = True
@@ -321,6 +322,7 @@ class Trainer(Membership, ShardedSteps, Reports):
                 probes.point("step", index, self.generation)
                 step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
                 mark = self._tracked.mark() if self._tracked else None
+                self._update.begin()
                 yield step
                 if step._failed is not None:
                     if mark is not None:  # the step is redone: what it moved moves back

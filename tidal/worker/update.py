@@ -18,7 +18,10 @@ on the world size.
 The optimizer is stepped here only. A script ported from a plain loop that still calls
 ``optimizer.step()`` itself would step each member with its own unsynchronised gradients
 (between micro-batches) or step twice, and nothing would fail; so a step pre-hook on the
-optimizer refuses any step this module did not start (``OptimizerStepRefused``).
+optimizer refuses any step this module did not start (``OptimizerStepRefused``). The LR
+scheduler likewise: one the script steps itself (once per micro-batch, whose count differs
+between members) would give the members different learning rates; its ``last_epoch`` moved
+between the step's start (``begin``) and ``apply`` is refused (``SchedulerStepRefused``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ RESERVED = ("lr_scheduler", "grad_scaler")  # names the Trainer's own tracked ob
 
 class OptimizerStepRefused(RuntimeError):
     """The script stepped the optimizer itself (module doc)."""
+
+
+class SchedulerStepRefused(RuntimeError):
+    """The script stepped the LR scheduler itself (module doc)."""
 
 
 class _OnlyHere:
@@ -72,6 +79,7 @@ class Update:
     clip_grad_norm: float | None = None
     hooks: list[Callable[[int], None]] = field(default_factory=list)
     _only_here: _OnlyHere = field(init=False, repr=False)
+    _epoch_at_begin: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         c = self.clip_grad_norm
@@ -104,11 +112,23 @@ class Update:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
+    def begin(self) -> None:
+        """A step's body is about to run: note where the scheduler stands."""
+        self._epoch_at_begin = getattr(self.lr_scheduler, "last_epoch", None)
+
     def apply(self, index: int, *, grad_norm: float | None = None) -> None:
         """Apply committed step ``index``: see the module contract. ``grad_norm``: the norm
         of the whole gradient when this member holds only a shard of it (``sharding="fsdp"``
         computes it with the step's control all-reduce); None: computed here."""
         opt, scaler = self.optimizer, self.grad_scaler
+        moved = getattr(self.lr_scheduler, "last_epoch", None)
+        begun, self._epoch_at_begin = self._epoch_at_begin, None
+        if begun is not None and moved != begun:
+            raise SchedulerStepRefused(
+                f"the script stepped the lr_scheduler during step {index} (its last_epoch went "
+                f"from {begun} to {moved}): the Trainer steps it once per "
+                "committed step; remove the script's lr_scheduler.step()"
+            )
         if scaler is not None:
             scaler.unscale_(opt)
         if self.clip_grad_norm is not None:
