@@ -92,6 +92,7 @@ def test_a_scheduler_step_the_script_made_is_refused_at_the_steps_end():
     assert torch.equal(model.weight, before)  # refused before anything was applied
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 def test_a_loop_that_steps_the_scheduler_itself_fails():
     model, opt = _model_and_opt()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
