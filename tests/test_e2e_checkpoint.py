@@ -205,3 +205,64 @@ def test_resume_refuses_unknown_and_running_jobs(tidal_home: Home):
     proc = tidal_home.cli("resume", "nosuchjob")
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
     assert "unknown job" in proc.stderr
+
+
+SIDECAR_BATCH = """
+import sys, torch, tidal
+from pathlib import Path
+from torch.utils.data import TensorDataset
+torch.set_num_threads(1)
+batch = int((Path(__file__).parent / "batch.txt").read_text())  # a config file, say
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 2, (256,), generator=g))
+trainer = tidal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                        global_batch_size=batch)
+for step in trainer.run(int(sys.argv[1])):
+    for x, y in step.micro_batches():
+        step.backward(torch.nn.functional.cross_entropy(trainer.model(x), y) / batch)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_resume_with_another_data_order_is_refused_and_the_checkpoint_kept(
+    tidal_home: Home, tmp_path: Path
+) -> None:
+    # Before 2026-12-04 the resumed job placed its data by the step alone: a global batch
+    # changed in between made it skip or repeat samples, and it ran to `succeeded`.
+    script, batch = tmp_path / "sidecar.py", tmp_path / "batch.txt"
+    script.write_text(SIDECAR_BATCH)
+    batch.write_text("16")
+    job = tidal_home.start(
+        "order",
+        "--workers",
+        "1",
+        "--checkpoint-every",
+        "1000000",
+        script=script,
+        script_args=["8000"],
+    )
+    job.wait_running(min_step=20, timeout=90)
+    assert job.stop().returncode == 0
+    status = job.wait_state("stopped", "failed", "succeeded", timeout=60)
+    assert status["state"] == "stopped", summarize(status)
+    (checkpoint,) = status["checkpoints"]
+
+    batch.write_text("32")
+    proc = tidal_home.cli("resume", "order", "--quiet", timeout=120)
+    assert proc.returncode != 0, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tidal: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "DataOrderMismatch" in errors[0], errors[0]
+    assert "global_batch_size: 32 here, 16 in the checkpoint" in errors[0], errors[0]
+    assert job.status()["step"] == checkpoint["step"]  # not one step trained
+
+    batch.write_text("16")  # put back: the same checkpoint resumes, to the end
+    proc = tidal_home.cli("resume", "order", "--quiet", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {Path(checkpoint['path']).name}" in proc.stderr, proc.stderr
+    status = job.status()
+    assert status["state"] == "succeeded" and status["step"] == 8000, summarize(status)
+    tidal_home.assert_no_processes()

@@ -9,7 +9,16 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.data import ElasticSampler
-from tidal.worker.identity import ScriptMismatch, agree, differences, origin, settings
+from tidal.worker.identity import (
+    DataOrderMismatch,
+    ScriptMismatch,
+    agree,
+    check_resume,
+    data_order,
+    differences,
+    origin,
+    settings,
+)
 
 
 def sampler(**kw) -> ElasticSampler:
@@ -86,3 +95,16 @@ def test_another_torch_is_refused():
     agree(store, "job/settings", first)
     with pytest.raises(ScriptMismatch, match=r"torch: '2\.11\.0' here, '2\.13\.0\+cpu' in the"):
         agree(store, "job/settings", settings(sampler(), "ddp") | {"torch": "2.11.0"})
+
+
+def test_a_resume_with_another_data_order_is_refused_and_the_same_one_accepted():
+    mine = data_order(sampler())
+    assert mine == {"dataset length": 256, "global_batch_size": 16, "seed": 0}
+    check_resume("ckpt", dict(mine), mine)  # the same: resumed
+    check_resume("ckpt", None, mine)  # a checkpoint from before the record: resumed
+    with pytest.raises(
+        DataOrderMismatch,
+        match=r"^checkpoint ckpt was written with another data order: global_batch_size: 32 "
+        r"here, 16 in the checkpoint; seed: 1 here, 0 in the checkpoint; resumed",
+    ):
+        check_resume("ckpt", mine, data_order(sampler(global_batch_size=32, seed=1)))

@@ -18,7 +18,7 @@ from tidal.checkpoint import store
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.protocol import CheckpointView, WorkerConfig
 from tidal.tracked import TrackedState
-from tidal.worker import probes
+from tidal.worker import identity, probes
 from tidal.worker.agent import Agent
 
 
@@ -45,9 +45,12 @@ class Durable:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         tracked: TrackedState | None = None,
+        *,
+        data_order: dict[str, object],
     ) -> int | None:
         """Load the checkpoint the coordinator chose, if any; returns its step. One that does
-        not load is marked bad (``layout.mark_bad``), so the next resume skips it."""
+        not load is marked bad (``layout.mark_bad``), so the next resume skips it; one written
+        with another ``data_order`` (``identity.check_resume``) is refused and kept."""
         if self.cfg.resume_from is None:
             return None
         path = Path(self.cfg.resume_from)
@@ -56,6 +59,7 @@ class Durable:
         except store.CheckpointError as exc:
             store.mark_bad(path, str(exc))
             raise
+        identity.check_resume(str(path), meta.get("data_order"), data_order)
         store.restore_rng(meta)
         return int(meta["step"])
 

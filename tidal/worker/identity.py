@@ -13,6 +13,12 @@ before its first rendezvous, compares its settings with the first worker's throu
 job's store (one ``compare_set``: the first to arrive sets them) and refuses to join when
 they differ. The model itself is compared by the heal, which every joiner goes through
 (``heal.ModelMismatch``).
+
+The same holds across a ``tidal resume``: a checkpoint records its step, and the step
+alone places the data (``ElasticSampler.position``), so a script resumed with another
+dataset length, global batch or seed would skip or repeat samples without a word. A
+checkpoint records its ``data_order`` and ``check_resume`` refuses one that differs
+(``DataOrderMismatch``; the checkpoint itself stays good).
 """
 
 from __future__ import annotations
@@ -32,18 +38,25 @@ class ScriptMismatch(RuntimeError):
     no generation can mend it, so the coordinator fails the job quoting this line."""
 
 
-def settings(
-    sampler: ElasticSampler, sharding: str, clip_grad_norm: float | None = None
-) -> dict[str, object]:
-    """The settings every member must share, by the ``Trainer`` argument that sets each
-    (``clip_grad_norm`` changes the update each member applies to the summed gradients)."""
+class DataOrderMismatch(ValueError):
+    """The checkpoint being resumed was written with another data order (``check_resume``)."""
+
+
+def data_order(sampler: ElasticSampler) -> dict[str, object]:
+    """What fixes the samples each step consumes, by the ``Trainer`` argument that sets it."""
     return {
         "dataset length": sampler.dataset_size,
         "global_batch_size": sampler.global_batch_size,
         "seed": sampler.seed,
-        "sharding": sharding,
-        "clip_grad_norm": clip_grad_norm,
     }
+
+
+def settings(
+    sampler: ElasticSampler, sharding: str, clip_grad_norm: float | None = None
+) -> dict[str, object]:
+    """The settings every member must share (``clip_grad_norm`` changes the update each
+    member applies to the summed gradients)."""
+    return data_order(sampler) | {"sharding": sharding, "clip_grad_norm": clip_grad_norm}
 
 
 def origin(script: str) -> dict[str, object]:
@@ -58,13 +71,28 @@ def origin(script: str) -> dict[str, object]:
     return {"script (sha256 of the file)": digest, "torch": torch.__version__}
 
 
-def differences(mine: dict[str, object], first: dict[str, object]) -> list[str]:
-    """Each setting that differs, as ``name: mine here, theirs in the first worker``."""
+def differences(
+    mine: dict[str, object], first: dict[str, object], *, where: str = "in the first worker"
+) -> list[str]:
+    """Each setting that differs, as ``name: mine here, theirs <where>``."""
     return [
-        f"{k}: {mine.get(k)!r} here, {first.get(k)!r} in the first worker"
+        f"{k}: {mine.get(k)!r} here, {first.get(k)!r} {where}"
         for k in sorted(set(mine) | set(first))
         if mine.get(k) != first.get(k)
     ]
+
+
+def check_resume(path: str, saved: dict[str, object] | None, mine: dict[str, object]) -> None:
+    """Refuse to resume checkpoint ``path`` whose recorded data order (``saved``; None in a
+    checkpoint older than the record) is not this script's (``mine``)."""
+    diff = differences(mine, saved, where="in the checkpoint") if saved is not None else []
+    if diff:
+        raise DataOrderMismatch(
+            f"checkpoint {path} was written with another data order: "
+            + "; ".join(diff)
+            + "; resumed, its steps would skip or repeat samples: resume with the same "
+            "dataset, global_batch_size and seed (the checkpoint is kept)"
+        )
 
 
 def agree(store: dist.Store, key: str, mine: dict[str, object]) -> None:

@@ -303,7 +303,9 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these
             {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
         )
-        resumed = self._durable.resume(self.module, self.optimizer, self._tracked)
+        resumed = self._durable.resume(
+            self.module, self.optimizer, self._tracked, data_order=identity.data_order(self.sampler)
+        )
         if resumed is not None:
             self.step, self._has_state = resumed, True
             self._landing = []  # its own state, loaded, is the landing now: not twice
@@ -424,9 +426,15 @@ class Trainer(Membership, ShardedSteps, Reports):
             module=self.module,
             optimizer=self.optimizer,
             tracked=self._tracked,
-            meta={"world_size": self.world_size, **vars(self.sampler.position(self.step))},
+            meta={"world_size": self.world_size, **self._position()},
         )
         self._stall_pending = True
+
+    def _position(self) -> dict[str, object]:
+        """Where the data stands after the committed steps, for a checkpoint's meta: the
+        position and what fixes it (``identity.check_resume`` compares it at resume)."""
+        order = identity.data_order(self.sampler)
+        return {**vars(self.sampler.position(self.step)), "data_order": order}
 
     def _before_sync(self, step: Step) -> None:
         """Set the control word for this step's all-reduce from the newest heartbeat."""

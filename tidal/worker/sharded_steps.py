@@ -52,7 +52,7 @@ class ShardedSteps:
                 self._fsdp.sharded,
                 directory=Path(cfg.checkpoint_dir),
                 step=self.step,
-                position=vars(self.sampler.position(self.step)),
+                position=self._position(),
                 tracked=self._tracked,
                 keep=cfg.keep_checkpoints,
                 agent=self._agent,
