@@ -369,7 +369,8 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 2))
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
-trainer = tidal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+optim = torch.optim.Adam if odd and differs == "optimizer" else torch.optim.SGD
+trainer = tidal.Trainer(model, optim(model.parameters(), lr=0.1), data,
                         global_batch_size=batch, sharding=sharding)
 if differs == "file" and not odd:  # the file is edited while the job runs
     with open(__file__, "a") as f:
@@ -383,6 +384,7 @@ for step in trainer.run(1000):
 DIFFERS = {
     "model": r"ModelMismatch: .* at 0\.weight: \[(\d+), 8\] float32 here, \[(\d+), 8\] float32 at",
     "batch": r"ScriptMismatch: .*global_batch_size: (\d+) here, (\d+) in the first worker",
+    "optimizer": r"ScriptMismatch: .*optimizer: '(\w+)' here, '(\w+)' in the first worker",
     "file": r"ScriptMismatch: .*script \(sha256 of the file\): '(\w+)' here, '(\w+)' in the first",
 }
 
@@ -395,7 +397,7 @@ def _digest(text: str) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("sharding", "differs"),
-    [("ddp", "model"), ("fsdp", "model"), ("ddp", "batch"), ("ddp", "file")],
+    [("ddp", "model"), ("fsdp", "model"), ("ddp", "batch"), ("ddp", "optimizer"), ("ddp", "file")],
 )
 def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     tidal_home: Home, tmp_path: Path, sharding: str, differs: str
@@ -419,6 +421,7 @@ def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     expected = {
         "model": {"32", "33"},
         "batch": {"16", "32"},
+        "optimizer": {"Adam", "SGD"},
         "file": {_digest(PER_WORKER), _digest(PER_WORKER + "# edited\n")},
     }[differs]
     assert found and {found[1], found[2]} == expected, line

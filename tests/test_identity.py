@@ -16,6 +16,7 @@ from tidal.worker.identity import (
     check_resume,
     data_order,
     differences,
+    kinds,
     origin,
     settings,
 )
@@ -108,3 +109,19 @@ def test_a_resume_with_another_data_order_is_refused_and_the_same_one_accepted()
         r"here, 16 in the checkpoint; seed: 1 here, 0 in the checkpoint; resumed",
     ):
         check_resume("ckpt", mine, data_order(sampler(global_batch_size=32, seed=1)))
+
+
+def test_kinds_name_the_optimizer_and_each_tracked_objects_class():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    mine = kinds(opt, {"lr_scheduler": sched, "ema": model})
+    assert mine == {"optimizer": "SGD", "tracked state": "ema: Linear, lr_scheduler: StepLR"}
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)
+    assert differences(kinds(opt, {"lr_scheduler": cosine, "ema": model}), mine) == [
+        "tracked state: 'ema: Linear, lr_scheduler: CosineAnnealingLR' here, "
+        "'ema: Linear, lr_scheduler: StepLR' in the first worker"
+    ]
+    assert differences(kinds(opt, {}), kinds(opt, {"ema": model})) == [
+        "tracked state: '' here, 'ema: Linear' in the first worker"
+    ]

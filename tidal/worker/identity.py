@@ -5,13 +5,14 @@ whose script made a different global batch, seed, dataset length or sharding mod
 compute its share of a *different* global batch, and the summed gradients would mix two
 trainings with nothing failing (a script that derives the global batch from the world size
 or the worker's id does exactly that); one with another ``clip_grad_norm`` would apply
-another update to the same gradients, and the members would drift apart. A worker started
-from another version of the script (a file edited while the job runs, a node with a stale
-copy) or under another torch (whose optimizer or kernels may compute the update
-differently) trains on beside the others just as silently. So each worker,
-before its first rendezvous, compares its settings with the first worker's through the
-job's store (one ``compare_set``: the first to arrive sets them) and refuses to join when
-they differ. The model itself is compared by the heal, which every joiner goes through
+another update to the same gradients, and the members would drift apart; one with another
+optimizer or scheduler class would load the heal's state into it and apply another update
+(``kinds``). A worker started from another version of the script (a file edited while the
+job runs, a node with a stale copy) or under another torch (whose optimizer or kernels may
+compute the update differently) trains on beside the others just as silently. So each
+worker, before its first rendezvous, compares its settings with the first worker's through
+the job's store (one ``compare_set``: the first to arrive sets them) and refuses to join
+when they differ. The model itself is compared by the heal, which every joiner goes through
 (``heal.ModelMismatch``).
 
 The same holds across a ``tidal resume``: a checkpoint records its step, and the step
@@ -69,6 +70,17 @@ def origin(script: str) -> dict[str, object]:
     if path is not None and path.is_file():
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return {"script (sha256 of the file)": digest, "torch": torch.__version__}
+
+
+def kinds(optimizer: object, tracked: dict[str, object]) -> dict[str, object]:
+    """The classes the ``Trainer`` was made with: the optimizer's, and each tracked object's
+    by name (``lr_scheduler``, ``grad_scaler``, ``state=``). A heal loads the source's state
+    into them: another scheduler class takes it without a word (``load_state_dict`` updates
+    its ``__dict__``), and tracked names that differ fail only at the heal."""
+    return {
+        "optimizer": type(optimizer).__name__,
+        "tracked state": ", ".join(f"{n}: {type(o).__name__}" for n, o in sorted(tracked.items())),
+    }
 
 
 def differences(

@@ -186,7 +186,10 @@ class Trainer(Membership, ShardedSteps, Reports):
         self.completed = False
         self._has_state = False
         self._agreed = False  # its settings checked against the job's (``identity``)
-        self._origin = identity.origin(sys.argv[0] if sys.argv else "")  # compared the same way
+        # What this process runs and what the Trainer was made with: agreed like the settings.
+        self._origin = identity.origin(sys.argv[0] if sys.argv else "") | identity.kinds(
+            optimizer, self._tracked.objects
+        )
         self._landing: list[torch.Tensor] = []  # until the first forming (``landing``)
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._fsdp: Any = None  # tidal.worker.fsdp.Fsdp under tidal run with sharding="fsdp"
