@@ -242,7 +242,7 @@ def test_resume_with_another_data_order_is_refused_and_the_checkpoint_kept(
         "--checkpoint-every",
         "1000000",
         script=script,
-        script_args=["8000"],
+        script_args=["10000000"],  # never reached: the test stops it
     )
     job.wait_running(min_step=20, timeout=90)
     assert job.stop().returncode == 0
@@ -259,10 +259,12 @@ def test_resume_with_another_data_order_is_refused_and_the_checkpoint_kept(
     assert "global_batch_size: 32 here, 16 in the checkpoint" in errors[0], errors[0]
     assert job.status()["step"] == checkpoint["step"]  # not one step trained
 
-    batch.write_text("16")  # put back: the same checkpoint resumes, to the end
-    proc = tidal_home.cli("resume", "order", "--quiet", timeout=120)
+    batch.write_text("16")  # put back: the same checkpoint resumes and trains on
+    proc = tidal_home.cli("resume", "order", "--detach", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"resuming from {Path(checkpoint['path']).name}" in proc.stderr, proc.stderr
-    status = job.status()
-    assert status["state"] == "succeeded" and status["step"] == 8000, summarize(status)
+    status = job.wait_running(min_step=checkpoint["step"] + 20, timeout=90)
+    assert status["generations"][-1]["start_step"] == checkpoint["step"], summarize(status)
+    assert job.stop().returncode == 0
+    assert job.wait_state("stopped", "failed", "succeeded", timeout=60)["state"] == "stopped"
     tidal_home.assert_no_processes()
