@@ -370,6 +370,10 @@ model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Linear(hidden, 
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
 optim = torch.optim.Adam if odd and differs == "optimizer" else torch.optim.SGD
+if differs == "file" and odd:  # started beside worker 0 (a spare for the scale-up): the
+    import time                # file it reads must be the edited one, as a late joiner's is
+    while "# edited" not in open(__file__).read():
+        time.sleep(0.01)
 trainer = tidal.Trainer(model, optim(model.parameters(), lr=0.1), data,
                         global_batch_size=batch, sharding=sharding)
 if differs == "file" and not odd:  # the file is edited while the job runs
