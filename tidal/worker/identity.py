@@ -65,7 +65,7 @@ def origin(script: str) -> dict[str, object]:
     content (the start of the sha256 of the file ``script``, the process's ``sys.argv[0]``;
     None where it is no file, as under ``python -c``) and torch's version. Read once, when
     the ``Trainer`` is made, moments after the script started: an edit in between counts
-    here although this process runs the file as it was (a refusal either way)."""
+    here although this process runs the file as it was."""
     path = Path(script) if script else None
     digest = None
     if path is not None and path.is_file():
