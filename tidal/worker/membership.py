@@ -164,12 +164,7 @@ class Membership:
                 if not self._agreed:  # once, before this process first trains with others
                     try:
                         identity.agree(
-                            self._store,
-                            f"{self._cfg.store_namespace}/settings",
-                            identity.settings(
-                                self.sampler, self._sharding, self._update.clip_grad_norm
-                            )
-                            | self._origin,
+                            self._store, f"{self._cfg.store_namespace}/settings", self._identity
                         )
                     except identity.ScriptMismatch as exc:  # the coordinator fails the job
                         self._report_failure(info.id, exc, kind=FailureKind.SCRIPT_MISMATCH)

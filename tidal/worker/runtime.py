@@ -186,9 +186,11 @@ class Trainer(Membership, ShardedSteps, Reports):
         self.completed = False
         self._has_state = False
         self._agreed = False  # its settings checked against the job's (``identity``)
-        # What this process runs and what the Trainer was made with: agreed like the settings.
-        self._origin = identity.origin(sys.argv[0] if sys.argv else "") | identity.kinds(
-            optimizer, self._tracked.objects
+        # What every worker must agree on (``identity``): fixed once the Trainer is made.
+        self._identity = (
+            identity.settings(self.sampler, sharding, clip_grad_norm)
+            | identity.origin(sys.argv[0] if sys.argv else "")
+            | identity.kinds(optimizer, self._tracked.objects)
         )
         self._landing: list[torch.Tensor] = []  # until the first forming (``landing``)
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
