@@ -475,3 +475,18 @@ def test_a_job_whose_script_logs_nan_runs_to_success(tidal_home, tmp_path):
     assert status["state"] == "succeeded" and status["step"] == 30
     assert status["metrics"]["loss"] == "NaN" and status["metrics"]["best"] == "Infinity"
     assert "refused" not in job.worker_log(0)
+
+
+def test_a_client_of_a_plain_http_coordinator_builds_no_verifying_tls_context(served):
+    """Coordinators serve plain HTTP: a client of one loads no CA bundle (20 to 130 ms per
+    client, three per worker, one on a recovery's path), and still speaks to it; an
+    ``https://`` URL (a proxy in front) keeps verification on."""
+    import ssl
+
+    coord, url = served
+    plain = CoordinatorClient(url, coord.token)
+    assert plain._http._transport._pool._ssl_context.verify_mode == ssl.CERT_NONE
+    assert plain.status().name == coord.spec.name
+    proxied = CoordinatorClient("https://coordinator.example", coord.token)
+    ctx = proxied._http._transport._pool._ssl_context
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname

@@ -66,8 +66,9 @@ class Agent:
         self.worker_id = env.worker_id
         self._client = CoordinatorClient(env.url, env.token)
         self._beat_client = CoordinatorClient(env.url, env.token)
-        self._report_client: CoordinatorClient | None = None  # made with the first report
-        self._reporter: ThreadPoolExecutor | None = None
+        # Made now, not with the first report: that is on a recovery's path.
+        self._report_client = CoordinatorClient(env.url, env.token)
+        self._reporter = ThreadPoolExecutor(1, thread_name_prefix="tidal-failure-report")
         self._failure_reports: list[Future] = []
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
@@ -323,9 +324,6 @@ class Agent:
         ~10 ms of every recovery). Reports are delivered in order, on one thread and
         connection of their own; the done report waits for them (``report_done``)."""
         report = FailureReport(generation=generation, step=step, error=error[:500], kind=kind)
-        if self._reporter is None:
-            self._report_client = CoordinatorClient(self.env.url, self.env.token)
-            self._reporter = ThreadPoolExecutor(1, thread_name_prefix="tidal-failure-report")
         client = self._report_client
         self._failure_reports = [f for f in self._failure_reports if not f.done()]
         self._failure_reports.append(
@@ -361,5 +359,4 @@ class Agent:
         finally:
             self._client.close()
             self._beat_client.close()
-            if self._report_client is not None:
-                self._report_client.close()
+            self._report_client.close()
