@@ -42,13 +42,13 @@ SIZES = {
     # within the neighbour-copy interval), the DCP peer's restarts, and the steps at 2
     # members between the changes and the kills (copies' cost to the steps)
     "full": dict(
-        tput_steps=300, tput_reps=2, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
+        tput_steps=300, tput_reps=4, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
         fsdp_steady=60,
     ),
     "quick": dict(
-        tput_steps=120, tput_reps=1, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
+        tput_steps=120, tput_reps=2, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
         ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
         fsdp_steady=30,

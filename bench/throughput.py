@@ -4,6 +4,7 @@ first fifth of the steps is skipped), from rank 0's step records."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -73,18 +74,30 @@ def run_tidal(world: int, steps: int, tmp: Path, timeout: float) -> float:
 
 
 def measure(world: int, steps: int, tmp: Path, reps: int = 1, timeout: float = 300) -> dict:
-    """Alternate Tidal and the peer ``reps`` times; the best of each (the other engineers'
-    load on the machine only ever slows a run down)."""
+    """Run Tidal and the peer ``reps`` times each, in pairs back to back, the order swapped
+    every pair (Tidal first, then the peer first: a drift of the machine's speed during the
+    measurement favours neither); each tool's rate is the median of its runs. Not the best
+    of each: on this shared VM one run of either tool moves by 10 to 25% between two runs a
+    minute apart, and the best of a few picks whichever tool drew the quietest minute."""
     tidal, peer = [], []
     for rep in range(reps):
         d = tmp / f"rep{rep}"
         d.mkdir(parents=True, exist_ok=True)
-        tidal.append(run_tidal(world, steps, d, timeout))
-        peer.append(run_peer(world, steps, d, timeout))
+        for which in ("tidal", "peer") if rep % 2 == 0 else ("peer", "tidal"):
+            if which == "tidal":
+                tidal.append(run_tidal(world, steps, d, timeout))
+            else:
+                peer.append(run_peer(world, steps, d, timeout))
         log(
             f"throughput ws{world} rep {rep}: tidal {tidal[-1]:.0f}, torchrun {peer[-1]:.0f} samples/s"
         )
-    return {"tidal": max(tidal), "peer": max(peer), "tidal_all": tidal, "peer_all": peer}
+    return {
+        "tidal": statistics.median(tidal),
+        "peer": statistics.median(peer),
+        "tidal_all": tidal,
+        "peer_all": peer,
+        "pair_ratios": [t / p for t, p in zip(tidal, peer, strict=True)],
+    }
 
 
 if __name__ == "__main__":
