@@ -266,3 +266,15 @@ def test_workers_beat_at_the_interval_or_a_fifth_of_the_timeout(interval, timeou
     assert job.beat_interval_s == pytest.approx(beat)
     cfg = WorkerConfig.from_spec(job, store_host="h", store_port=1, store_namespace="n")
     assert cfg.heartbeat_interval_s == pytest.approx(beat)  # what the workers are told
+
+
+def test_the_cli_parses_its_flags_without_the_heavy_libraries():
+    """``tidal run`` starts the workers' zygote, whose imports are a cold start's critical
+    path, as soon as it has parsed and claimed the job: the parser (every subcommand's
+    flags) must not pull in torch, numpy, pydantic or httpx first (~0.4 s)."""
+    code = (
+        "import sys; from tidal.cli import build_parser; build_parser().parse_args(['run', 'x.py']); "
+        "print(sorted(m for m in ('torch', 'numpy', 'pydantic', 'httpx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

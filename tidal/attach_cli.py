@@ -24,13 +24,16 @@ import argparse
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from tidal import pids
 from tidal.config import JobSpec
 from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
 from tidal.coordinator.supervisor import Attach
-from tidal.protocol import JobState, JobStatus, WorkerState
+
+if TYPE_CHECKING:
+    from tidal.protocol import JobStatus
 
 
 def add_parser(
@@ -109,6 +112,8 @@ def check_attach(
     """The ``Attach`` for the job, or ``ValueError`` (one line) saying why there is none;
     ``info``: its coordinator file, ``host``: the address this machine would serve,
     ``alive``: whether a pid runs on this machine (asked of local workers only: module doc)."""
+    from tidal.protocol import JobState, WorkerState  # pydantic: not for the CLI's parser
+
     if JobState(status.state).terminal:
         raise ValueError(f"job {name!r} {JobState(status.state).value}; nothing to attach to")
     if not info or not info.get("url") or not info.get("token"):

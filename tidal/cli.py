@@ -14,9 +14,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal import pids
-from tidal.client import CoordinatorClient, CoordinatorError
 from tidal.config import JobSpec, add_flags, from_flags, parse_schedule
 from tidal.coordinator.home import (
     JobBusy,
@@ -26,10 +26,17 @@ from tidal.coordinator.home import (
     os_error_line,
     resolve_home,
 )
-from tidal.coordinator.records import Resume
 from tidal.coordinator.supervisor import Attach
 from tidal.policy.inputs import parse_duration
-from tidal.protocol import CheckpointView, JobState, JobStatus, WorkerState
+
+if TYPE_CHECKING:
+    from tidal.client import CoordinatorClient
+    from tidal.coordinator.records import Resume
+    from tidal.protocol import JobStatus
+
+# The client, the wire messages and the records (httpx, pydantic: ~0.25 s) are imported
+# where used, not here: ``tidal run`` starts the workers' zygote before it imports them, so
+# the zygote's own imports (the critical path of a cold start) begin that much earlier.
 
 
 class CliError(Exception):
@@ -49,6 +56,8 @@ def _database(home: Path):
 
 def _client(home: Path, name: str) -> CoordinatorClient | None:
     """A client of the job's coordinator if one answers, else None."""
+    from tidal.client import CoordinatorClient
+
     info = job_dir(home, name).read_coordinator()
     if not info:
         return None
@@ -63,6 +72,7 @@ def _client(home: Path, name: str) -> CoordinatorClient | None:
 
 def get_status(home: Path, name: str) -> JobStatus:
     from tidal.coordinator.db import UnknownJob
+    from tidal.protocol import JobState
 
     check_home(home)
     client = _client(home, name)
@@ -99,6 +109,8 @@ def _mark_lost_workers(status: JobStatus) -> None:
     gone: ``failed`` (their coordinator died before it could record their end). A worker
     recorded on another machine (a Ray node) keeps its recorded state: its process cannot
     be checked from here, and it may be training on (``tidal attach`` adopts it)."""
+    from tidal.protocol import WorkerState
+
     here = socket.gethostname()
     for w in status.workers:
         if w.state in (WorkerState.EXITED, WorkerState.FAILED):
@@ -113,6 +125,7 @@ def _add_checkpoints_on_disk(home: Path, status: JobStatus) -> None:
     """The checkpoints on disk, whether or not their report reached the records (a report
     lost with its coordinator); records whose folder is gone are left out."""
     from tidal.checkpoint.layout import found_on_disk
+    from tidal.protocol import CheckpointView
 
     listed = {c.step: c for c in status.checkpoints if Path(c.path).is_dir()}
     for step, path, size in found_on_disk(job_dir(home, status.name).path / "checkpoints"):
@@ -318,6 +331,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
             raise
     finally:
         db.close()
+    from tidal.coordinator.records import Resume
+    from tidal.protocol import JobState
+
     try:
         if state == JobState.SUCCEEDED:
             raise CliError(f"job {args.job!r} already succeeded; nothing to resume")
@@ -422,6 +438,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _mutate(args: argparse.Namespace, call: Callable[[CoordinatorClient], JobStatus]) -> JobStatus:
     """Run a mutating call on the job's running coordinator; its refusal is one CLI line."""
+    from tidal.client import CoordinatorError
+
     client = _running_client(resolve_home(args.home), args.job)
     try:
         return call(client)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import replace
 
-from tidal.sim.exact import exact
 from tidal.sim.job import JobModel
-from tidal.sim.oracle import auto_grid, lagrangian, make_slots
 from tidal.sim.simulate import SimConfig, SimResult, run, simulate
 from tidal.sim.trace import Trace
 
@@ -57,6 +55,11 @@ def oracle(
 ) -> SimResult | None:
     """The oracle's row: its schedule replayed by the simulator (None if no schedule
     finishes by ``config.params.deadline_s``). Needs a deadline."""
+    # numpy (~0.1 s) only here: the package's import is on every CLI command's path
+    # (``tidal`` builds the simulate parser from its names).
+    from tidal.sim.exact import exact
+    from tidal.sim.oracle import auto_grid, lagrangian, make_slots
+
     deadline = config.params.deadline_s
     if deadline is None:
         raise ValueError("the oracle needs a deadline: give --deadline (e.g. 3h)")
