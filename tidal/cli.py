@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from tidal.protocol import JobStatus
 
 # The client, the wire messages and the records (httpx, pydantic: ~0.25 s) are imported
-# where used, not here: ``tidal run`` starts the workers' zygote before it imports them, so
-# the zygote's own imports (the critical path of a cold start) begin that much earlier.
+# where used, not here: building the parser (every command) needs none of them, and
+# ``tidal run`` reaches the workers' zygote, whose imports are a cold start's critical path,
+# that much sooner (its claim's database check still imports the wire messages first).
 
 
 class CliError(Exception):
