@@ -1,15 +1,39 @@
 """The store's change counter (``protocol.notice_key``, ``worker.notice``): a real
-coordinator (never ticking) and its real TCPStore; rank 0's ``Notices`` reads what a
-worker would. A change members must act on at a step boundary moves the count once, after
-the answer that tells it is published; a change they need not act on does not."""
+coordinator (never ticking) and its real TCPStore; rank 0's ``Notices`` and its waiting
+thread see what a worker would. A change members must act on at a step boundary moves the
+count once, after the answer that tells it is published; a change they need not act on
+does not. The thread learns of a change asynchronously, so a True is awaited (``_seen``)
+and a False is checked after the thread had time to wake (``_quiet``)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tidal.coordinator.records import WorkerRecord
 from tidal.protocol import WorkerConfig, WorkerState
 from tidal.worker.notice import Notices
+
+#: Long enough for the thread to wake on a key the coordinator set (it wakes in well under
+#: a millisecond on an idle machine): a False checked after it means nothing woke it.
+SETTLE_S = 0.3
+
+
+def _seen(notices: Notices, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if notices.changed():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def _quiet(notices: Notices) -> bool:
+    time.sleep(SETTLE_S)
+    return not notices.changed()
 
 
 @pytest.fixture
@@ -28,28 +52,30 @@ def coord_and_notices(served_coordinator):
     notices = Notices()
     notices.follow(cfg)
     notices.mark()
-    return coord, notices, cfg
+    notices.changed()  # starts the thread, as rank 0's first step does
+    yield coord, notices, cfg
+    notices.close()
 
 
 def test_a_new_generation_and_a_stop_are_noticed_once_each(coord_and_notices):
     coord, notices, _ = coord_and_notices
-    assert not notices.changed()
+    assert _quiet(notices)
     with coord.lock:
         coord._open([0, 1], "test")
         coord._publish()
         # The answer is published before the count moves: a reader that sees the count
         # fetches an answer naming the new generation.
         assert coord.answers.generation is not None and coord.answers.generation.id == 1
-    assert notices.changed()
-    assert not notices.changed()  # once
+    assert _seen(notices)
+    assert _quiet(notices)  # once
     with coord.lock:
         coord.job.settled_step = 7  # told to holding members in the answer; no switch
         coord._publish()
-    assert not notices.changed()
+    assert _quiet(notices)
     coord.on_stop()
     with coord.lock:
         coord._publish()
-    assert notices.changed()
+    assert _seen(notices)
     assert not notices.broken
 
 
@@ -58,12 +84,13 @@ def test_mark_before_a_fetch_hides_only_what_that_fetch_saw(coord_and_notices):
     with coord.lock:
         coord._open([0], "first")
         coord._publish()
+    time.sleep(SETTLE_S)  # the thread saw generation 1's count before the mark
     notices.mark()  # a worker marks, then fetches the answer naming generation 1
-    assert not notices.changed()
+    assert _quiet(notices)
     with coord.lock:
         coord._open([0, 1], "second")
         coord._publish()
-    assert notices.changed()
+    assert _seen(notices)
 
 
 def test_a_store_that_goes_away_stops_the_notices_until_a_new_one_is_followed(
@@ -72,14 +99,17 @@ def test_a_store_that_goes_away_stops_the_notices_until_a_new_one_is_followed(
     coord, notices, cfg = coord_and_notices
     dead = cfg.model_copy(update={"store_port": _closed_port()})
     notices.follow(dead)
-    assert not notices.changed()
+    notices.mark()
     assert notices.broken  # heartbeats tell meanwhile
+    assert not notices.changed()
     notices.follow(cfg)  # the next registration names a live store
     assert not notices.broken
+    notices.mark()
+    notices.changed()
     with coord.lock:
         coord._open([0, 1], "after")
         coord._publish()
-    assert notices.changed()
+    assert _seen(notices)
 
 
 def _closed_port() -> int:
@@ -88,3 +118,72 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_thread_learns_of_a_store_that_went_away():
+    """The coordinator died: the thread's connection closes, ``changed`` says broken."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = _config(server.port)
+    notices = Notices()
+    notices.follow(cfg)
+    notices.mark()
+    notices.changed()
+    time.sleep(SETTLE_S)
+    assert not notices.changed() and not notices.broken
+    del server  # the store's server stops, its connections close
+    deadline = time.monotonic() + 10
+    while not notices.broken and time.monotonic() < deadline:
+        notices.changed()
+        time.sleep(0.01)
+    assert notices.broken
+
+
+EXITS = """
+import sys, time
+from tidal.protocol import WorkerConfig
+from tidal.worker.notice import Notices
+n = Notices()
+n.follow(WorkerConfig.model_validate_json(sys.argv[1]))
+n.mark()
+n.changed()
+time.sleep(0.05)
+thread = n._waiter._thread
+assert thread.is_alive()
+if sys.argv[2] == "close":
+    n.close()
+    assert not thread.is_alive()
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_process_whose_thread_waits_in_the_store_exits_cleanly(how):
+    """The thread blocks in C++; one whose ``wait`` returns while the interpreter finalises
+    aborts the process ("terminate called without an active exception", exit -6). So
+    ``close``, and the exit hook when nobody called it, wake and join it first: the count
+    moves once per exit (the wake), and every exit is clean."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = _config(server.port)
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", EXITS, cfg.model_dump_json(), how],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
+    # each exit moved the count once (its wake), and left nothing waiting
+    assert server.add("tidal-test/notice", 0) == 3
+
+
+def _config(port: int) -> WorkerConfig:
+    from tidal.config import JobSpec
+
+    spec = JobSpec(name="notice-test", script="train.py", workers=1)
+    return WorkerConfig.from_spec(
+        spec, store_host="127.0.0.1", store_port=port, store_namespace="tidal-test"
+    )

@@ -131,6 +131,13 @@ def notice_key(namespace: str) -> str:
     return f"{namespace}/notice"
 
 
+def notice_wake_key(namespace: str, count: int) -> str:
+    """Set by whoever moves ``notice_key`` to ``count``, right after: rank 0's notice
+    thread waits on the next count's key in the store (``worker.notice``), so it learns of
+    a change without reading the counter every step."""
+    return f"{namespace}/notice/{count}"
+
+
 def state_key(prefix: str) -> str:
     """``open`` (the coordinator opened it), ``go`` (every member arrived) or ``abandoned``."""
     return f"{prefix}/state"

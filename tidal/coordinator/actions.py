@@ -84,8 +84,9 @@ class AbandonGeneration:
 
 @dataclass(frozen=True, kw_only=True)
 class Notify:
-    """Bump the job's notice counter: rank 0 fetches the new answer at its next step
-    instead of at its next heartbeat."""
+    """Bump the job's notice counter and set the new count's wake key: rank 0's notice
+    thread wakes, and rank 0 fetches the new answer at its next step instead of at its
+    next heartbeat."""
 
 
 # -- the records --------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from tidal.coordinator.actions import (
     SignalWorker,
     StartWorker,
 )
-from tidal.protocol import GEN_ABANDONED, GEN_OPEN, notice_key, state_key
+from tidal.protocol import GEN_ABANDONED, GEN_OPEN, notice_key, notice_wake_key, state_key
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -97,7 +97,8 @@ class Executor:
             case AbandonGeneration(prefix=prefix):
                 self.store.compare_set(state_key(prefix), GEN_OPEN, GEN_ABANDONED)
             case Notify():
-                self.store.add(notice_key(self.namespace), 1)
+                count = self.store.add(notice_key(self.namespace), 1)
+                self.store.set(notice_wake_key(self.namespace, count), b"")
             case RecordEvent(event=e):
                 self.journal.add_event(e)
             case RecordJob(values=values):

@@ -209,7 +209,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
-        self._notices = Notices()  # rank 0 reads the coordinator's change counter each step
+        self._notices = Notices()  # rank 0's view of the coordinator's change counter
         self._stopping = False
         self._last_rank: int | None = None  # rank in the last generation this worker formed
         self._durable: Durable | None = None
@@ -367,6 +367,7 @@ class Trainer(Membership, ShardedSteps, Reports):
             self._durable.wait()
             if self._watch is not None:
                 self._watch.stop()
+            self._notices.close()
             try:
                 self._agent.report_done(step=self.step, completed=self.completed)
             finally:
