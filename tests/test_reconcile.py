@@ -2,7 +2,7 @@
 
 import pytest
 
-from tidal.policy.reconcile import Pool, reconcile
+from tidal.policy.reconcile import START_DEFER_S, Pool, reconcile
 from tidal.policy.schedule import future_peak
 
 
@@ -33,6 +33,31 @@ def test_a_joiner_waits_while_the_latest_generation_forms_and_starts_nothing_mor
     assert plan.members is None and plan.start == 0 and plan.retire == []
     plan = reconcile(Pool(**pool, settling=False))  # formed: the join is the next switch
     assert plan.members == [0, 1, 7] and "7 joined" in plan.reason
+
+
+@pytest.mark.parametrize(
+    ("settling", "settling_s", "start"),
+    [
+        (True, 0.0, 0),  # a failure's survivors re-form: the replacement waits
+        (True, START_DEFER_S - 0.01, 0),
+        (True, START_DEFER_S, 1),  # a first step that long (a compile): wait no more
+        (False, 0.0, 1),  # formed: start at once
+    ],
+)
+def test_a_start_waits_for_the_settling_generations_first_step_within_a_bound(
+    settling, settling_s, start
+):
+    plan = reconcile(
+        Pool(
+            members=[0],
+            standby=[],
+            starting=[],
+            target=2,
+            settling=settling,
+            settling_s=settling_s,
+        )
+    )
+    assert plan.start == start and plan.members is None
 
 
 def test_a_scale_down_does_not_wait_for_the_forming_generation():

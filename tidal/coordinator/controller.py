@@ -314,6 +314,8 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
         outside = [
             w for w in self.job.workers.values() if w.live and not w.retired and w.id not in inside
         ]
+        # an empty generation (every member lost) never forms: its successor is open
+        settling = bool(self.job.members) and not self.job.latest.formed
         plan = reconcile(
             Pool(
                 members=members,
@@ -326,8 +328,8 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                     future_peak(self.spec.schedule, self.job.step) - self.job.target,
                 ),
                 forming=not self.job.generations,
-                # an empty generation (every member lost) never forms: its successor is open
-                settling=bool(self.job.members) and not self.job.latest.formed,
+                settling=settling,
+                settling_s=time.time() - self.job.latest.opened_at if settling else 0.0,
                 ending=any(self.job.workers[m].state == WorkerState.STOPPING for m in members),
             )
         )
