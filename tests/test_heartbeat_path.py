@@ -6,6 +6,7 @@ server's event loop. A real coordinator and server (``served_coordinator``: it n
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -301,3 +302,52 @@ def test_an_answer_from_a_new_coordinator_waits_for_the_registration_that_made_i
         beat.join(10)
         agent._client.close()
         agent._beat_client.close()
+
+
+def test_an_answer_read_late_does_not_replace_a_newer_one(served_coordinator) -> None:
+    """The slow suite, 2026-12-04: a job hung 138 s after its first step. A heartbeat was
+    answered before generation 1 opened (standby), and its thread read that answer after
+    the trainer's fetch had brought generation 1 (member): the stale answer replaced the
+    newer one, the member saw itself a standby, switched out of its group at the next step
+    and waited for a generation that never came. The answer to the request sent last is
+    kept (``Agent._set_latest``)."""
+    from tidal.protocol import WorkerEnv
+    from tidal.worker.agent import Agent
+
+    coord, url = served_coordinator
+    with coord.lock:
+        coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY, adopted=False)
+        coord._publish()
+    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
+    answered, release = threading.Event(), threading.Event()
+    real = agent._beat_client.heartbeat
+
+    def heartbeat_then_pause(*args, **kwargs):
+        resp = real(*args, **kwargs)  # the coordinator answered: a standby, no generation
+        answered.set()
+        release.wait(10)  # ...and the heartbeat thread has not read it yet
+        return resp
+
+    agent._beat_client.heartbeat = heartbeat_then_pause
+    kept = agent._set_latest
+    offered: list[int] = []  # the numbers of the answers offered to ``_set_latest``
+    agent._set_latest = lambda resp, asked: (kept(resp, asked), offered.append(asked))
+    try:
+        agent.register()  # starts the heartbeat thread; its first beat pauses
+        assert answered.wait(10)
+        with coord.lock:
+            coord._open([0], "test")
+            coord._publish()
+        fetched = agent.fetch()
+        assert fetched.role == Role.MEMBER and fetched.generation.id == 1
+        agent._beat_client.heartbeat = real
+        release.set()
+        deadline = time.monotonic() + 10
+        while 0 not in offered and time.monotonic() < deadline:
+            time.sleep(0.01)  # the heartbeat thread reads its late answer meanwhile
+        assert 0 in offered  # the first heartbeat's answer, read after the fetch's
+        latest = agent.latest()
+        assert latest.role == Role.MEMBER and latest.generation.id == 1
+    finally:
+        release.set()
+        agent.close()

@@ -8,6 +8,7 @@ switch, report a failure, report completion) are blocking round trips.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -75,6 +76,10 @@ class Agent:
         self._wake = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._latest: HeartbeatResponse | None = None
+        # Each request that returns an answer is numbered as it is sent; ``_latest`` is the
+        # answer to the highest number answered so far (``_set_latest``).
+        self._asked = itertools.count()
+        self._latest_asked = -1
         self._metrics: dict[str, float] = {}
         self._reports: list[StepReport] = []
         self._checkpoints: list[CheckpointView] = []
@@ -190,9 +195,10 @@ class Agent:
             req = self._drain()
             epoch = self.epoch
             try:
+                asked = next(self._asked)
                 resp = self._beat_client.heartbeat(self.worker_id, req)
                 self._last_ok = time.monotonic()
-                self._set_latest(resp)
+                self._set_latest(resp, asked)
             except Exception as exc:  # noqa: BLE001 - any failure to reach it counts the same
                 if isinstance(exc, CoordinatorError) and exc.status == 409:
                     self._requeue(req)  # a restarted coordinator: register, then deliver
@@ -229,10 +235,24 @@ class Agent:
             self._step_metrics = req.step_metrics + self._step_metrics
             self._bound_step_metrics()
 
-    def _set_latest(self, resp: HeartbeatResponse) -> None:
+    def _set_latest(self, resp: HeartbeatResponse, asked: int) -> None:
+        """Keep ``resp`` unless a request sent after it (``asked``: its number) was answered
+        first. The heartbeat thread and the training thread ask concurrently: a heartbeat
+        answered before a generation opened, whose thread read its answer after the
+        trainer's fetch had brought that generation, replaced it, and the member, told it
+        was a standby again, switched and waited for a generation that never came (the
+        slow suite, 2026-12-04: a job stuck 138 s after its first step)."""
         with self._changed:
-            self._latest = resp
+            if asked < self._latest_asked:
+                return
+            self._latest, self._latest_asked = resp, asked
             self._changed.notify_all()
+
+    def _asking(
+        self, fn: Callable[[CoordinatorClient], HeartbeatResponse]
+    ) -> Callable[[CoordinatorClient], tuple[int, HeartbeatResponse]]:
+        """``fn`` with each attempt's number taken as it is sent (``_set_latest``)."""
+        return lambda c: (next(self._asked), fn(c))
 
     # -- what the training loop uses ----------------------------------------------------
     def latest(self) -> HeartbeatResponse | None:
@@ -240,8 +260,8 @@ class Agent:
 
     def fetch(self) -> HeartbeatResponse:
         """Ask the coordinator now (a blocking round trip: only between generations)."""
-        resp = self._call(self._client, lambda c: c.generation(self.worker_id))
-        self._set_latest(resp)
+        asked, resp = self._call(self._client, self._asking(lambda c: c.generation(self.worker_id)))
+        self._set_latest(resp, asked)
         return resp
 
     def beat_now(self, *, holding: bool = False) -> HeartbeatResponse:
@@ -249,8 +269,10 @@ class Agent:
         ``holding``: this member waits at a scheduled step, and the coordinator answers
         once it has settled it (``HeartbeatRequest.holding``)."""
         req = HeartbeatRequest(step=self.step, generation=self.generation, holding=holding)
-        resp = self._call(self._client, lambda c: c.heartbeat(self.worker_id, req))
-        self._set_latest(resp)
+        asked, resp = self._call(
+            self._client, self._asking(lambda c: c.heartbeat(self.worker_id, req))
+        )
+        self._set_latest(resp, asked)
         return resp
 
     def wait_change(self, timeout_s: float) -> None:

@@ -65,10 +65,15 @@ class _Waiter:
         key = notice_key(self._namespace)
         try:
             client = _connect(self._host, self._port)
-            while not self._stop:
+            while True:
                 n = client.add(key, 0)
                 if self.latest is None or n > self.latest:
                     self.latest = n
+                # Checked after the read: a ``close`` that sets the flag after this check
+                # moves the count past ``n`` after it, so the key waited on below is (or
+                # will be) set, and the thread returns.
+                if self._stop:
+                    return
                 client.wait([notice_wake_key(self._namespace, n + 1)], _FOREVER)
         except (dist.DistError, RuntimeError):
             self.failed = not self._stop
