@@ -125,9 +125,9 @@ def generation_prefix(namespace: str, gen_id: int) -> str:
 
 def notice_key(namespace: str) -> str:
     """A counter the coordinator adds 1 to whenever it publishes a change members must act
-    on at a step boundary (a new generation, a stop, the job's end): rank 0 reads it every
-    step (``worker.notice``), so a change reaches the group at the next step, not at the
-    next heartbeat."""
+    on at a step boundary (a new generation, a stop, the job's end; a closing rank 0
+    moves it too, to wake its own waiting thread): rank 0 follows it (``worker.notice``),
+    so a change reaches the group at the next step, not at the next heartbeat."""
     return f"{namespace}/notice"
 
 
