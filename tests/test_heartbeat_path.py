@@ -258,13 +258,8 @@ def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
     assert states[7] == WorkerState.EXITED and states[9] == WorkerState.STANDBY
 
 
-def test_an_answer_from_a_new_coordinator_waits_for_the_registration_that_made_it(
-    served_coordinator,
-) -> None:
-    """Seeds 320000039, -49, -114: a restarted coordinator answered the training thread as soon
-    as it had processed the heartbeat thread's registration, before that thread took the new
-    config and bumped ``epoch``; the trainer saw the old epoch and joined the new generation
-    in the dead coordinator's store. ``registered_epoch`` waits for the registration."""
+def _standby_agent(served_coordinator):
+    """A real ``Agent`` of worker 0, a standby of the served coordinator."""
     from tidal.protocol import WorkerEnv
     from tidal.worker.agent import Agent
 
@@ -272,17 +267,33 @@ def test_an_answer_from_a_new_coordinator_waits_for_the_registration_that_made_i
     with coord.lock:
         coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY, adopted=False)
         coord._publish()
-    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
-    processed, release = threading.Event(), threading.Event()
-    real = agent._beat_client.register
+    return coord, Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
 
-    def register_then_pause(*args, **kwargs):
-        resp = real(*args, **kwargs)  # the coordinator has adopted the worker...
-        processed.set()
-        release.wait(10)  # ...and this thread has not taken its answer yet
+
+def _paused_after(call):
+    """``call``, pausing after the coordinator answered, before its caller reads the answer:
+    the wrapper, the event set when it answered, and the event that releases it."""
+    answered, release = threading.Event(), threading.Event()
+
+    def then_pause(*args, **kwargs):
+        resp = call(*args, **kwargs)
+        answered.set()
+        release.wait(10)
         return resp
 
-    agent._beat_client.register = register_then_pause
+    return then_pause, answered, release
+
+
+def test_an_answer_from_a_new_coordinator_waits_for_the_registration_that_made_it(
+    served_coordinator,
+) -> None:
+    """Seeds 320000039, -49, -114: a restarted coordinator answered the training thread as soon
+    as it had processed the heartbeat thread's registration, before that thread took the new
+    config and bumped ``epoch``; the trainer saw the old epoch and joined the new generation
+    in the dead coordinator's store. ``registered_epoch`` waits for the registration."""
+    coord, agent = _standby_agent(served_coordinator)
+    # the coordinator has adopted the worker, and this thread has not taken its answer yet
+    agent._beat_client.register, processed, release = _paused_after(agent._beat_client.register)
     try:
         beat = threading.Thread(target=agent._register, args=(agent._beat_client, 0))
         beat.start()
@@ -311,24 +322,10 @@ def test_an_answer_read_late_does_not_replace_a_newer_one(served_coordinator) ->
     newer one, the member saw itself a standby, switched out of its group at the next step
     and waited for a generation that never came. The answer to the request sent last is
     kept (``Agent._set_latest``)."""
-    from tidal.protocol import WorkerEnv
-    from tidal.worker.agent import Agent
-
-    coord, url = served_coordinator
-    with coord.lock:
-        coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY, adopted=False)
-        coord._publish()
-    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
-    answered, release = threading.Event(), threading.Event()
+    coord, agent = _standby_agent(served_coordinator)
     real = agent._beat_client.heartbeat
-
-    def heartbeat_then_pause(*args, **kwargs):
-        resp = real(*args, **kwargs)  # the coordinator answered: a standby, no generation
-        answered.set()
-        release.wait(10)  # ...and the heartbeat thread has not read it yet
-        return resp
-
-    agent._beat_client.heartbeat = heartbeat_then_pause
+    # answered (a standby, no generation), and the heartbeat thread has not read it yet
+    agent._beat_client.heartbeat, answered, release = _paused_after(real)
     kept = agent._set_latest
     offered: list[int] = []  # the numbers of the answers offered to ``_set_latest``
     agent._set_latest = lambda resp, asked: (kept(resp, asked), offered.append(asked))
