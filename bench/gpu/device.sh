@@ -8,7 +8,8 @@
 # prometheus_client and pytest, and no registry; the packages below travel as Python 3.12
 # wheels (fastapi 0.165 imports opentelemetry). `run` writes gpu.json, gpu.err, pytest.log
 # and logs.tgz (the jobs' logs and status) under $OUT. Settings: BENCH_TIMEOUT (s, 440),
-# GPU_ARGS (extra bench.gpu flags, e.g. --quick), PYTESTS=0 to skip `pytest -m gpu`.
+# GPU_ARGS (extra bench.gpu flags, e.g. --quick), PYTESTS=0 to skip `pytest -m gpu`, LEAVE=0
+# to skip the NCCL leave probe (leave.json).
 set -u
 WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0 pydantic==2.13.4
 pydantic_core==2.46.4 typing-inspection==0.4.2 annotated-types annotated-doc==0.0.7
@@ -35,6 +36,11 @@ run)
     python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__,
 torch.version.cuda, torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"
     python3 -c "import tidal.cli" || exit 8
+    if [ "${LEAVE:-1}" != 0 ]; then  # where an NCCL leave's time goes (bench/gpu/leave.py)
+        timeout 90 python3 -m bench.gpu.leave --json "$OUT/leave.json" 2>"$OUT/leave.err"
+        echo "bench.gpu.leave exit $? at $(($(date +%s) - t0)) s"
+        tail -1 "$OUT/leave.err"
+    fi
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-440}" python3 -m bench.gpu ${GPU_ARGS:-} --json "$OUT/gpu.json" \
         --workdir /tmp/gpu-run 2> >(tee "$OUT/gpu.err" >&2) >/dev/null
