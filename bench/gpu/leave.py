@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "every result right": all(r["ok"] for r in rows),
         "every detached abort ended": all(not th.is_alive() for th in behind)
         and all(r.get("previous_abort_done", True) for r in rows),
-        "no abort past the limit": all(
-            r.get("pg_abort_ms", 0) <= args.limit_s * 1e3 for r in rows
-        ),
+        "no abort past the limit": all(r.get("pg_abort_ms", 0) <= args.limit_s * 1e3 for r in rows),
     }
     cuda = BACKEND[1] == "cuda"
     out = {
