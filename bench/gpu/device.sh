@@ -8,14 +8,15 @@
 # prometheus_client and pytest, and no registry; the packages below travel as Python 3.12
 # wheels (fastapi 0.165 imports opentelemetry). `run` writes gpu.json, gpu.err, pytest.log
 # and logs.tgz (the jobs' logs and status) under $OUT. Settings: BENCH_TIMEOUT (s, 440),
-# GPU_ARGS (extra bench.gpu flags, e.g. --quick), PYTESTS=0 to skip `pytest -m gpu`, LEAVE=0
+# GPU_ARGS (extra bench.gpu flags, e.g. --quick), PYTESTS=0 to skip `pytest -m gpu` (GPU_TESTS: its files), LEAVE=0
 # to skip the NCCL leave probe (leave.json).
 set -u
 WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0 pydantic==2.13.4
 pydantic_core==2.46.4 typing-inspection==0.4.2 annotated-types annotated-doc==0.0.7
 typing_extensions==4.16.0 plotly==7.1.0 opentelemetry-api==1.45.2"
-GPU_TESTS="tests/test_checkpoint_store.py tests/test_control_word.py tests/test_devices.py
-tests/test_heal.py tests/test_e2e_runtime.py tests/test_landing.py"
+GPU_TESTS="${GPU_TESTS:-tests/test_checkpoint_store.py tests/test_control_word.py
+tests/test_devices.py tests/test_group_abort.py tests/test_heal.py tests/test_e2e_runtime.py
+tests/test_landing.py}"
 
 case "${1:-}" in
 wheels)

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -334,9 +335,55 @@ def _hold(group: dist.ProcessGroup) -> None:
 
 
 def abort_group() -> None:
-    """Abort the current group's communicators (NCCL: a blocked collective returns) and
-    unregister it; a no-op when there is none."""
-    if dist.is_initialized():
-        c10d._abort_process_group()
+    """Unregister the current group at once and abort its communicators on a thread (NCCL:
+    a collective blocked in them returns); a no-op when there is none.
+
+    The abort need not hold anyone up: ``ProcessGroup.abort`` on NCCL returned after 0.5 to
+    1 s, most of it waiting on the group's own threads (``python -m bench.gpu.leave``: torch
+    2.11, NCCL 2.28, an H200; docs/gpu.md), and the next generation's group, formed and
+    connected beside it, ran its first all-reduce in the same ~18 ms. The old group is out
+    of c10d's registry before this returns, so nothing reaches it but the thread. Not a
+    daemon: the interpreter joins it before exiting, as it does ``destroy_group``'s."""
     _stores.pop("default", None)
-    c10d._world.group_count = 0
+    if not dist.is_initialized():
+        return
+    groups = _unregister()
+    threading.Thread(target=_abort_all, args=(groups,), name="tidal-abort-group").start()
+
+
+def _unregister() -> list[dist.ProcessGroup]:
+    """Take every group out of c10d's registry, as ``c10d._abort_process_group`` does after
+    its abort, without aborting any; returns them in the order c10d aborts them (newest
+    first), and the caller owns them from here."""
+    w = c10d._world
+    groups = sorted(w.pg_names, key=lambda pg: w.pg_names[pg], reverse=True)
+    c10d._update_default_pg(None)
+    for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag):
+        table.clear()
+    w.tags_to_pg.clear()
+    w.pg_coalesce_state.clear()
+    c10d._unregister_all_process_groups()
+    w.group_count = 0
+    return groups
+
+
+def _abort_all(groups: list[dist.ProcessGroup]) -> None:
+    """Abort ``groups`` (``_unregister``'s order) inside one NCCL group call, as c10d does
+    (aborts of several communicators could otherwise wait on each other), then drop them:
+    their destructors join their threads here, not on the training thread."""
+    nccl = next((b for b in map(_nccl_backend, groups) if b is not None), None)
+    if nccl is not None:
+        nccl._group_start()
+    for pg in groups:
+        pg.abort()
+    if nccl is not None:
+        nccl._group_end()
+    groups.clear()
+
+
+def _nccl_backend(pg: dist.ProcessGroup) -> object | None:
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return None
+    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
