@@ -127,3 +127,36 @@ def test_the_gpu_check_passes(tmp_path: Path) -> None:
     assert result["device"] == "cuda" and result["passed"] is True, proc.stderr[-6000:]
     for key in "abce":
         assert result["parts"][key]["passed"] is True, result["parts"][key]
+
+
+@pytest.mark.timeout(120)
+def test_the_nccl_leave_probe_runs_its_logic_on_cpu(tmp_path: Path) -> None:
+    """``python -m bench.gpu.leave --cpu``: the probe's three ways of leaving, on gloo."""
+    out = tmp_path / "leave.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.leave", "--cpu", "--cycles", "2", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["passed"] and all(result["checks"].values()), result["checks"]
+    assert [r["way"] for r in result["rows"]] == [w for w in ("abort", "destroy", "detached")
+                                                 for _ in range(2)]
+    for way in ("abort", "detached"):  # both timed the abort apart from the wait
+        assert finite(result["summary_median"][way]["pg_abort_ms"]), result["summary_median"]
+    # the second detached cycle formed while the first's abort ran, and waited for it after
+    assert result["rows"][-1]["previous_abort_done"] is True, result["rows"][-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.timeout(60)
+def test_without_cuda_the_leave_probe_says_so_in_one_line_and_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.leave"], cwd=ROOT, capture_output=True, text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == ["no CUDA device: the NCCL leave probe needs one"]
