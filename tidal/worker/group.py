@@ -43,7 +43,7 @@ import datetime
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ from tidal.protocol import (
 from tidal.worker.conns import Conns, open_sockets
 
 POLL_S = 0.002  # store polls while waiting (check() never blocks, so c10d logs nothing)
+FIRST_POLL_S = 0.0001  # ... the first of them; each next one 1.25x longer, up to POLL_S
 #: The first connect window (gloo waits about 5x this for a peer lost after publishing its
 #: address: ~1.5 s, within the ~2 s a lost member may cost the others).
 CONNECT_S = 0.3
@@ -110,15 +111,27 @@ class RendezvousTimeout(RuntimeError):
         )
 
 
+def pauses(cap_s: float = POLL_S) -> Iterator[float]:
+    """The sleeps between a wait's polls: short first (what a member waits for while a
+    generation re-forms, its peers' arrival or address, comes within a few milliseconds, and
+    a fixed 2 ms poll added half of that to each of a re-form's waits), growing by a quarter
+    each to ``cap_s``, where a long wait polls as before."""
+    pause = FIRST_POLL_S
+    while True:
+        yield pause
+        pause = min(cap_s, pause * 1.25)
+
+
 def rendezvous(
     store: dist.Store, info: GenerationInfo, *, timeout_s: float, poll_s: float = 0.001
 ) -> Arrival:
-    """Arrive at generation ``info`` and wait until it formed, was abandoned, or timed out."""
+    """Arrive at generation ``info`` and wait until it formed, was abandoned, or timed out
+    (polling at most every ``poll_s``: ``pauses``)."""
     key = state_key(info.store_prefix)
     if store.add(arrived_key(info.store_prefix), 1) == len(info.members):
         store.compare_set(key, GEN_OPEN, GEN_GO)
     deadline = time.monotonic() + timeout_s
-    while True:
+    for pause in pauses(poll_s):
         state = store.get(key)
         if state == GEN_GO:
             return Arrival.FORMED
@@ -126,7 +139,8 @@ def rendezvous(
             return Arrival.ABANDONED
         if time.monotonic() > deadline:
             return Arrival.TIMED_OUT
-        time.sleep(poll_s)
+        time.sleep(pause)
+    raise AssertionError("unreachable: pauses() never ends")
 
 
 def wait_for_generation(
@@ -138,8 +152,10 @@ def wait_for_generation(
     warning lines, hundreds per second-long wait."""
     keys = [state_key(generation_prefix(namespace, gen_id))]
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    for pause in pauses():
+        if store.check(keys) or time.monotonic() >= deadline:
+            return
+        time.sleep(pause)
 
 
 class _Superseded(dist.Store):
@@ -191,12 +207,14 @@ class _Superseded(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         limit = self._wait_s
         deadline = time.monotonic() + limit
-        while not self._inner.check(keys):
+        for pause in pauses():
+            if self._inner.check(keys):
+                return
             if self._outer.check(self._abort):
                 raise Superseded("a newer generation was opened while this one formed")
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"wait timed out after {limit:.0f} s for {keys}")
-            time.sleep(POLL_S)
+            time.sleep(pause)
 
 
 def side_group(
