@@ -15,7 +15,7 @@ import torch
 from tests.ranks import run_ranks
 
 SCRIPT = r"""
-import datetime, json, sys, threading, time
+import datetime, gc, json, sys, threading, time, weakref
 import torch, torch.distributed as dist
 from tidal.protocol import GenerationInfo, generation_prefix
 from tidal.worker import group as grp
@@ -45,10 +45,13 @@ def generation(i):
     return x.sum().item()
 out["first"] = generation(1)
 first = dist.group.WORLD.group_name
+store_of_first = weakref.ref(grp._stores["default"])
 t = time.monotonic()
 grp.abort_group()
 out["returned_s"] = time.monotonic() - t
 out["registered_after"] = dist.is_initialized()
+gc.collect()  # c10d holds only the C++ half of the group's store (written in Python)
+out["store_kept_while_aborting"] = store_of_first() is not None
 out["second"] = generation(2)
 out["aborted_before_second"] = list(aborted)
 formed.set()
@@ -59,6 +62,8 @@ for th in threading.enumerate():
         th.join(30)
         out["thread_left"] = th.is_alive()
 out["aborted"] = list(aborted)
+gc.collect()
+out["store_freed_after"] = store_of_first() is None
 out["first_name"] = first
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -74,7 +79,10 @@ def _check(outs: list[dict], n: int, slow: bool) -> None:
         # same name (and store keys) on every member, whichever leaves first
         assert out["same_name"], out
         assert out.get("thread_left") is False, out
+        assert out["store_freed_after"], out
         if slow:
+            # the group's store lives until its abort is over
+            assert out["store_kept_while_aborting"], out
             # the training thread went on at once; the abort ran beside the next formation
             assert out["returned_s"] < 0.5, out
             assert out["aborted_before_second"] == [], out

@@ -317,10 +317,10 @@ def destroy_group(backend: str = "gloo", *, failed: bool = False, park: bool = F
     joins, an abort frees the communicators at once (and is a no-op after the watch aborted
     them)."""
     global _conns
-    _stores.pop("default", None)
     if backend == "nccl":
         abort_group()
         return
+    _stores.pop("default", None)
     conns, _conns = _conns, Conns([])
     if failed or park:
         conns.cut()
@@ -360,13 +360,15 @@ def abort_group() -> None:
     1 s, most of it waiting on the group's own threads (``python -m bench.gpu.leave``: torch
     2.11, NCCL 2.28, an H200; docs/gpu.md), and the next generation's group, formed and
     connected beside it, ran its first all-reduce in the same ~18 ms. The old group is out
-    of c10d's registry before this returns, so nothing reaches it but the thread. Not a
-    daemon: the interpreter joins it before exiting, as it does ``destroy_group``'s."""
-    _stores.pop("default", None)
+    of c10d's registry before this returns, so nothing reaches it but the thread, which also
+    keeps the group's store alive until the abort is over (``_stores``). Not a daemon: the
+    interpreter joins it before exiting, as it does ``destroy_group``'s."""
+    store = _stores.pop("default", None)
     if not dist.is_initialized():
+        c10d._world.group_count = 0
         return
     groups = _unregister()
-    threading.Thread(target=_abort_all, args=(groups,), name="tidal-abort-group").start()
+    threading.Thread(target=_abort_all, args=(groups, [store]), name="tidal-abort-group").start()
 
 
 def _unregister() -> list[dist.ProcessGroup]:
@@ -385,10 +387,11 @@ def _unregister() -> list[dist.ProcessGroup]:
     return groups
 
 
-def _abort_all(groups: list[dist.ProcessGroup]) -> None:
+def _abort_all(groups: list[dist.ProcessGroup], keep: list[object]) -> None:
     """Abort ``groups`` (``_unregister``'s order) inside one NCCL group call, as c10d does
-    (aborts of several communicators could otherwise wait on each other), then drop them:
-    their destructors join their threads here, not on the training thread."""
+    (aborts of several communicators could otherwise wait on each other), then drop them
+    and ``keep`` (their store): their destructors join their threads here, not on the
+    training thread."""
     nccl = next((b for b in map(_nccl_backend, groups) if b is not None), None)
     if nccl is not None:
         nccl._group_start()
@@ -397,6 +400,7 @@ def _abort_all(groups: list[dist.ProcessGroup]) -> None:
     if nccl is not None:
         nccl._group_end()
     groups.clear()
+    keep.clear()
 
 
 def _nccl_backend(pg: dist.ProcessGroup) -> object | None:
