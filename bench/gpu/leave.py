@@ -1,5 +1,5 @@
 """Where the time of leaving an NCCL generation goes, and whether the abort can run beside
-the next generation (docs/gpu.md, "The NCCL leave").
+the next generation (docs/gpu.md, Record: "On an H200, the second task").
 
 ``python -m bench.gpu.leave [--cycles N] [--json FILE]``: one process, its GPU, world size
 1 (a machine with one GPU has no other NCCL shape: NCCL refuses two ranks on one device).
@@ -7,10 +7,12 @@ Each cycle forms a default NCCL group as a generation does (``init_process_group
 prefix of one store), runs its first all-reduce (NCCL connects there) and a few more, and
 leaves it one of three ways, timed apart:
 
-- ``abort``: ``c10d._abort_process_group()``, what a worker's leave does now;
+- ``abort``: the group's ``abort()``, then its unregistering: what
+  ``c10d._abort_process_group()`` does, and a worker's leave did until 20f001d;
 - ``destroy``: ``dist.destroy_process_group()`` (a shutdown, which waits for pending work);
 - ``detached``: the group unregistered from c10d at once, its ``abort()`` and its release
-  on a thread while the next cycle forms its group and runs its first all-reduce.
+  on a thread while the next cycle forms its group and runs its first all-reduce (a
+  worker's leave since 20f001d: ``group.abort_group``).
 
 Each cycle also reports ``pg.abort()`` and the release of the last reference (the
 destructor joins the group's threads) separately. Checks (exit 1 on any failure): every
@@ -32,7 +34,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+
+from tidal.worker import group as grp
 
 WAYS = ("abort", "destroy", "detached")
 BACKEND = ["nccl", "cuda"]  # ``--cpu``: gloo on the CPU, to run the probe's own logic
@@ -68,16 +71,8 @@ def form(store: dist.Store, name: str, numel: int) -> tuple[torch.Tensor, float]
 
 def unregister() -> dist.ProcessGroup:
     """Take the default group out of c10d's registry without touching its communicators
-    (``_abort_process_group``'s bookkeeping, without its abort); returns the group."""
-    pg = dist.group.WORLD
-    c10d._update_default_pg(None)
-    w = c10d._world
-    for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag):
-        table.clear()
-    w.tags_to_pg.clear()
-    w.pg_coalesce_state.clear()
-    c10d._unregister_all_process_groups()
-    w.group_count = 0
+    (what a worker's leave does: ``group.unregister``); returns the group."""
+    (pg,) = grp.unregister()  # world size 1: the default group is the only one
     return pg
 
 

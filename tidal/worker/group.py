@@ -367,11 +367,11 @@ def abort_group() -> None:
     if not dist.is_initialized():
         c10d._world.group_count = 0
         return
-    groups = _unregister()
+    groups = unregister()
     threading.Thread(target=_abort_all, args=(groups, [store]), name="tidal-abort-group").start()
 
 
-def _unregister() -> list[dist.ProcessGroup]:
+def unregister() -> list[dist.ProcessGroup]:
     """Take every group out of c10d's registry, as ``c10d._abort_process_group`` does after
     its abort, without aborting any; returns them in the order c10d aborts them (newest
     first), and the caller owns them from here."""
@@ -388,7 +388,7 @@ def _unregister() -> list[dist.ProcessGroup]:
 
 
 def _abort_all(groups: list[dist.ProcessGroup], keep: list[object]) -> None:
-    """Abort ``groups`` (``_unregister``'s order) inside one NCCL group call, as c10d does
+    """Abort ``groups`` (``unregister``'s order) inside one NCCL group call, as c10d does
     (aborts of several communicators could otherwise wait on each other), then drop them
     and ``keep`` (their store): their destructors join their threads here, not on the
     training thread."""
