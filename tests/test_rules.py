@@ -400,12 +400,25 @@ def test_schedule_settled(held_at, settled, members, target, waited, go) -> None
 
 
 @pytest.mark.parametrize(
-    ("age", "reported", "latest", "due"),
-    [(0.05, 4, 4, False), (0.15, 4, 4, True), (0.2, 3, 4, None), (0.05, 3, 4, False)],
+    ("age", "reported", "latest", "unreported", "due"),
+    [
+        (0.05, 4, 4, 1, False),  # a member has not reported: its exit may be on its way
+        (0.15, 4, 4, 1, True),  # the grace is over: re-form with the same members
+        (0.2, 3, 4, 1, None),  # a newer generation answers it
+        (0.05, 3, 4, 1, False),
+        (0.0, 4, 4, 0, True),  # every member reported: nobody's exit to wait for
+        (0.05, 3, 4, 0, False),  # ... of an older generation: not a reason to re-form
+        (0.2, 3, 4, 0, None),
+    ],
 )
-def test_reform_due(age, reported, latest, due) -> None:
+def test_reform_due(age, reported, latest, unreported, due) -> None:
     got = reform_due(
-        requested_at=10.0, now=10.0 + age, grace_s=0.1, reported_gen=reported, latest_gen=latest
+        requested_at=10.0,
+        now=10.0 + age,
+        grace_s=0.1,
+        reported_gen=reported,
+        latest_gen=latest,
+        unreported=unreported,
     )
     assert got is due
 

@@ -286,12 +286,14 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
         req = self.job.reform_requested
         if req is None:
             return
+        latest = self.job.latest
         due = reform_due(
             requested_at=req.at,
             now=now,
             grace_s=REFORM_GRACE_S,
             reported_gen=req.generation,
-            latest_gen=self.job.latest.id if self.job.latest else 0,
+            latest_gen=latest.id if latest else 0,
+            unreported=len(set(latest.members) - req.reporters) if latest else 0,
         )
         if due is not False:
             self.job.reform_requested = None

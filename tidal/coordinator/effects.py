@@ -10,6 +10,7 @@ done report may complete the job (``rules.completion_refused``, ``rules.final_ch
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -194,16 +195,24 @@ class Effects:
         self.event(
             "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
         )
-        if self.job.reform_requested is None:
-            self.job.reform_requested = ReformRequest(
-                at=time.monotonic(),
-                generation=latest.id,
-                why=f"worker {wid} reported a failed collective",
-                worker_id=wid,
-                step=r.step,
-                error=r.error,
-            )
-            self.wake.set()  # a dead peer's exit may be waiting to be polled
+        req = self.job.reform_requested
+        if req is not None and req.generation == latest.id:  # another member's report of it
+            if wid not in req.reporters:
+                self.job.reform_requested = replace(req, reporters=req.reporters | {wid})
+                self.wake.set()  # it may be the last member's: re-form at once
+            return
+        # none pending, or one for an older generation (dropped once its grace is over):
+        # this one must not be lost with it, or its members wait for a re-form forever
+        self.job.reform_requested = ReformRequest(
+            at=time.monotonic(),
+            generation=latest.id,
+            why=f"worker {wid} reported a failed collective",
+            worker_id=wid,
+            step=r.step,
+            error=r.error,
+            reporters=frozenset({wid}),
+        )
+        self.wake.set()  # a dead peer's exit may be waiting to be polled
 
     def _apply_done(self, wid: int, r: DoneReport) -> None:
         w = self._caller(wid)

@@ -144,7 +144,8 @@ class GenerationRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class ReformRequest:
-    """A member reported a failed collective in ``generation`` (the first report of it)."""
+    """A member reported a failed collective in ``generation`` (the first report of it);
+    ``reporters``: the members that have reported one in it since (the first included)."""
 
     at: float  # monotonic time of the report
     generation: int
@@ -152,6 +153,7 @@ class ReformRequest:
     worker_id: int
     step: int  # the step the worker reported (its committed step count)
     error: str  # its error as reported (``repeated_failure`` quotes its first line)
+    reporters: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -324,12 +324,23 @@ def schedule_settled(
 
 # -- a failed collective ---------------------------------------------------------------------
 def reform_due(
-    *, requested_at: float, now: float, grace_s: float, reported_gen: int, latest_gen: int
+    *,
+    requested_at: float,
+    now: float,
+    grace_s: float,
+    reported_gen: int,
+    latest_gen: int,
+    unreported: int,
 ) -> bool | None:
     """A member reported a failed collective in ``reported_gen`` at ``requested_at``: True
     to re-form the latest generation now, False to wait (a dead peer's exit may be seen
     within the grace period, and then the generation re-forms without it), None to drop the
-    request (a newer generation already answers it)."""
+    request (a newer generation already answers it). ``unreported``: the members of the
+    latest generation that have not reported a failure in it; when none is left, no exit is
+    pending (a dead member reports nothing) and waiting out the grace would only add it to
+    the pause (a raise in a one-member job's collective re-formed after 0.1 s of it)."""
+    if reported_gen == latest_gen and unreported == 0:
+        return True
     if now - requested_at < grace_s:
         return False
     return True if reported_gen == latest_gen else None
