@@ -393,14 +393,18 @@ def _abort_all(groups: list[dist.ProcessGroup], keep: list[object]) -> None:
     and ``keep`` (their store): their destructors join their threads here, not on the
     training thread."""
     nccl = next((b for b in map(_nccl_backend, groups) if b is not None), None)
-    if nccl is not None:
-        nccl._group_start()
-    for pg in groups:
-        pg.abort()
-    if nccl is not None:
-        nccl._group_end()
-    groups.clear()
-    keep.clear()
+    try:
+        if nccl is not None:
+            nccl._group_start()
+        try:
+            for pg in groups:
+                pg.abort()
+        finally:
+            if nccl is not None:
+                nccl._group_end()
+    finally:  # an abort that raised leaves its error on this thread, not the training's
+        groups.clear()
+        keep.clear()
 
 
 def _nccl_backend(pg: dist.ProcessGroup) -> object | None:
