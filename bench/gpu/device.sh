@@ -8,8 +8,8 @@
 # prometheus_client and pytest, and no registry; the packages below travel as Python 3.12
 # wheels (fastapi 0.165 imports opentelemetry). `run` writes gpu.json, gpu.err, pytest.log
 # and logs.tgz (the jobs' logs and status) under $OUT. Settings: BENCH_TIMEOUT (s, 440),
-# GPU_ARGS (extra bench.gpu flags, e.g. --quick), PYTESTS=0 to skip `pytest -m gpu` (GPU_TESTS: its files), LEAVE=0
-# to skip the NCCL leave probe (leave.json).
+# GPU_ARGS (extra bench.gpu flags, e.g. --quick), PYTESTS=0 to skip `pytest -m gpu`
+# (GPU_TESTS: its files), LEAVE=0 to skip the NCCL leave probe (leave.json).
 set -u
 WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0 pydantic==2.13.4
 pydantic_core==2.46.4 typing-inspection==0.4.2 annotated-types annotated-doc==0.0.7
