@@ -83,8 +83,9 @@ def _check(outs: list[dict], n: int, slow: bool) -> None:
         if slow:
             # the group's store lives until its abort is over
             assert out["store_kept_while_aborting"], out
-            # the training thread went on at once; the abort ran beside the next formation
-            assert out["returned_s"] < 0.5, out
+            # the training thread went on: the held abort (20 s at most) ran beside the next
+            # formation, and ended after it
+            assert out["returned_s"] < 10, out
             assert out["aborted_before_second"] == [], out
             assert out["aborted"] == [out["first_name"]], out
 
