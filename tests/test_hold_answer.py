@@ -1,0 +1,74 @@
+"""A scheduled change costs its members one round trip to the coordinator, not two: the
+answer that releases a hold is the one ``Membership._join`` forms the next generation from
+(``_join(answer=...)``), with no ``fetch`` after it.
+
+A real job (``examples/digits.py`` under ``tidal run --schedule``); a ``sitecustomize`` of
+this test's own, on the workers' ``PYTHONPATH``, wraps ``Agent.fetch`` and
+``Agent.beat_now`` to append one line per call to a file (the library reads nothing of it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from e2e_helpers import Home, summarize
+
+SITE = """
+import os
+if os.environ.get("HOLD_ANSWER_LOG"):
+    from tidal.worker import agent as _agent
+
+    def _logged(name, fn):
+        def call(self, *args, **kwargs):
+            resp = fn(self, *args, **kwargs)
+            holding = kwargs.get("holding", False)
+            with open(os.environ["HOLD_ANSWER_LOG"], "a") as f:
+                f.write(f"{name} {self.worker_id} {self.generation} {self.step} {holding:d}\\n")
+            return resp
+        return call
+
+    _agent.Agent.fetch = _logged("fetch", _agent.Agent.fetch)
+    _agent.Agent.beat_now = _logged("beat", _agent.Agent.beat_now)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
+    tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITE)
+    log = tmp_path / "calls.txt"
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    monkeypatch.setenv("HOLD_ANSWER_LOG", str(log))
+    proc, job = tidal_home.run(
+        "held",
+        *("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
+        script_args=["--max-steps", "90"],
+        timeout=140,
+    )
+    status = job.status()
+    assert proc.returncode == 0, summarize(status)
+    gens = status["generations"]
+    assert [(g["world_size"], g["start_step"]) for g in gens] == [(2, 0), (3, 30), (2, 60)], (
+        summarize(status)
+    )
+    calls = [line.split() for line in log.read_text().splitlines()]
+    for before, after in zip(gens, gens[1:], strict=False):
+        at, gen = after["start_step"], before["id"]
+        held = {int(c[1]) for c in calls if c[0] == "beat" and c[3:] == [str(at), "1"]}
+        # Every member of the generation before the change held at its step ...
+        assert held == set(before["members"]), (at, held, calls)
+        # ... and those that stay asked nothing more before forming the next generation
+        # (a fetch while still in the old one at that step is the round trip saved; a
+        # leaver, told to stand by, waits asking).
+        stay = set(before["members"]) & set(after["members"])
+        again = [
+            c
+            for c in calls
+            if c[0] == "fetch" and int(c[1]) in stay and c[2:4] == [str(gen), str(at)]
+        ]
+        assert not again, (at, again)
