@@ -28,14 +28,14 @@ for case, width in (("small", 8), ("huge", 2600)):  # 8x8 or 2600x2600: 27 MB, t
         m.zero_grad()
         calls, earlier[:] = [], []
         control.before_allreduce = lambda: calls.append(control.comm_started)
-        control.set(switch=rank == 0, stop=rank == 1)
+        control.set(switch=rank == 0, stop=rank == 1, every=5 if rank == 0 else 0)
         control.start()
         ddp(x).sum().backward()
         control.settle()
     mine = torch.autograd.grad(m(x).sum(), list(m.parameters()))
     out[case] = {
         "switch": control.switch, "stop": control.stop,
-        "flags": control.recv.tolist(),
+        "flags": list(control.sums), "every": control.every,
         "on": [str(control.recv.device), str(next(m.parameters()).grad.device)],
         "grads": [p.grad.flatten()[:50].tolist() for p in m.parameters()],
         "mine": [g.flatten()[:50].tolist() for g in mine],
@@ -53,8 +53,10 @@ def test_flags_and_gradients_are_summed_on_every_member(device):
     assert outs[0]["small"]["buckets"] == 1 and outs[0]["huge"]["buckets"] > 1
     for case in ("small", "huge"):
         a, b = outs[0][case], outs[1][case]
-        # rank 0 asked to switch, rank 1 to stop: both see both, with the same sums.
-        assert a["flags"] == b["flags"] == [1.0, 1.0]
+        # rank 0 asked to switch, rank 1 to stop: both see both, with the same sums, and
+        # rank 0's cadence (the others put 0).
+        assert a["flags"] == b["flags"] == [1.0, 1.0, 5.0]
+        assert a["every"] == b["every"] == 5
         assert {x.split(":")[0] for x in a["on"] + b["on"]} == {device}  # gloo, on the device
         assert a["switch"] and a["stop"] and b["switch"] and b["stop"]
         assert a["before_allreduce"] == b["before_allreduce"] == 1  # the last bucket only
@@ -62,3 +64,26 @@ def test_flags_and_gradients_are_summed_on_every_member(device):
         assert a["grads"] == b["grads"]
         for ga, ma, mb in zip(a["grads"], a["mine"], b["mine"], strict=True):
             assert ga == pytest.approx([x + y for x, y in zip(ma, mb, strict=True)], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("step_s", "every"),
+    [
+        (None, 1),  # no step timed yet: every step
+        (0.0, 1),
+        (-1.0, 1),
+        (float("nan"), 1),
+        (0.5, 1),  # a step longer than the period: every step
+        (0.2, 1),
+        (0.05, 4),
+        (0.043, 4),  # the bench's two-worker step: one word in four steps
+        (0.01, 20),
+        (0.001, 32),  # capped: a change waits at most MAX_EVERY steps
+    ],
+)
+def test_a_word_rides_once_per_period_of_training(step_s, every):
+    from tidal.worker.ddp import CONTROL_PERIOD_S, MAX_EVERY, control_every
+
+    assert control_every(step_s) == every
+    if step_s is not None and step_s > 0:  # noticed within a period and a step, or the cap
+        assert (every - 1) * step_s <= CONTROL_PERIOD_S or every == MAX_EVERY

@@ -16,9 +16,10 @@ from e2e_helpers import Home, summarize
 
 SITE = """
 import os
-if os.environ.get("HOLD_ANSWER_LOG"):
-    from tidal.worker import agent as _agent
+from tidal.worker import agent as _agent
 
+# Once per process (the zygote's interpreter may run this again: then it is wrapped already).
+if os.environ.get("HOLD_ANSWER_LOG") and not hasattr(_agent.Agent.fetch, "logged"):
     def _logged(name, fn):
         def call(self, *args, **kwargs):
             resp = fn(self, *args, **kwargs)
@@ -26,6 +27,7 @@ if os.environ.get("HOLD_ANSWER_LOG"):
             with open(os.environ["HOLD_ANSWER_LOG"], "a") as f:
                 f.write(f"{name} {self.worker_id} {self.generation} {self.step} {holding:d}\\n")
             return resp
+        call.logged = True
         return call
 
     _agent.Agent.fetch = _logged("fetch", _agent.Agent.fetch)

@@ -6,14 +6,25 @@ already scaled by each sample's share of the global batch, so the sum is the mea
 global batch, exactly (DDP's own all-reduce divides by the world size, which is inexact
 for three members and breaks elastic invariance in float64).
 
-Agreement on a membership switch rides a collective every step does anyway: each member
-puts ``switch=1`` in its control word when it knows of a newer generation and ``stop=1``
-when the job is being stopped, and the words are summed in a 2-float all-reduce started as
-the last micro-batch begins (``ControlWord.start``), beside the forward and backward, and
-waited for with the gradients (``settle``). Every member reads the same sums, so all switch
-(or stop) after the same step. The gradients' hook is one ``ProcessGroup.allreduce`` per
-bucket with no other Python; ``before_allreduce`` (fault injection) and the exposed-wait
-timing belong to the last bucket, the one the step waits for.
+Agreement on a membership switch: each member puts ``switch=1`` in its control word when
+it knows of a newer generation and ``stop=1`` when the job is being stopped, and the words
+are summed in a small all-reduce started as the last micro-batch begins
+(``ControlWord.start``), beside the forward and backward, and waited for with the gradients
+(``settle``). Every member reads the same sums, so all switch (or stop) after the same step.
+
+Not every step carries the word: that all-reduce cost 4% of the bench's throughput at two
+workers on two cores (six pairs of 300-step runs with and without it, 1.02x to 1.06x in five;
+2026-12-04), where the design asks that the agreement add no collective to each step. The
+word's third float is rank 0's ``every`` (``control_every``: how many steps make
+``CONTROL_PERIOD_S`` at its recent step time), and the next word rides that many steps
+later; a generation's first step always carries one. All members hold the same sums, so all
+agree on which steps carry a word: a planned change or a stop is noticed within about
+``CONTROL_PERIOD_S`` plus a step, and failures are unaffected (a failed all-reduce of the
+gradients is seen at once).
+
+The gradients' hook is one ``ProcessGroup.allreduce`` per bucket with no other Python;
+``before_allreduce`` (fault injection) and the exposed-wait timing belong to the last
+bucket, the one the step waits for.
 
 On gloo every collective the step waits for is behind a future of the worker's ``Waits``
 (``waits``), which the abort watch can fail: gloo itself cannot abort a collective. The
@@ -33,20 +44,37 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tidal.worker.waits import Waits
 
+#: How often a control word rides, in seconds of training (module doc).
+CONTROL_PERIOD_S = 0.2
+#: ... and at most this many steps apart, however short the steps.
+MAX_EVERY = 32
+
+
+def control_every(step_s: float | None) -> int:
+    """How many steps make ``CONTROL_PERIOD_S`` at ``step_s`` seconds a step, from 1 (every
+    step: a step that long, or no step timed yet) to ``MAX_EVERY``."""
+    if step_s is None or not step_s > 0:
+        return 1
+    return max(1, min(MAX_EVERY, int(CONTROL_PERIOD_S / step_s)))
+
 
 class ControlWord:
-    """Flags every member contributes to each step, summed across the group."""
+    """Flags every member contributes to a step, summed across the group (module doc)."""
 
-    SWITCH, STOP = 0, 1
+    SWITCH, STOP, EVERY = 0, 1, 2
 
     def __init__(self, device: torch.device | None = None, waits: Waits | None = None) -> None:
-        """``device``: where the gradients are (NCCL reduces device tensors only; reading a
-        flag on a GPU synchronises with the step's collectives, after the backward).
-        ``waits``: on gloo, the worker's abortable waits (module doc); None on NCCL, whose
-        collectives the watch aborts in the communicator and whose futures keep CUDA's
-        stream order."""
-        self.send = torch.zeros(2, device=device)
-        self.recv = torch.zeros(2, device=device)
+        """``device``: where the gradients are (NCCL reduces device tensors only; the sums
+        are read back once, in ``settle``, after the backward). ``waits``: on gloo, the
+        worker's abortable waits (module doc); None on NCCL, whose collectives the watch
+        aborts in the communicator and whose futures keep CUDA's stream order."""
+        self.device = device
+        self.send = torch.zeros(3, device=device)
+        self.recv = self.send
+        #: This member's flags for the step (``set``), and the group's sums once settled:
+        #: plain floats, read without touching a device.
+        self.flags = (False, False)
+        self.sums = (0.0, 0.0, 0.0)
         self.waits = waits
         self.group: dist.ProcessGroup | None = None  # the generation's (``wrap``)
         self.before_allreduce: Callable[[], None] = lambda: None
@@ -57,14 +85,24 @@ class ControlWord:
         self._work: dist.Work | torch.futures.Future | None = None
         self._failed: Exception | None = None
 
-    def set(self, *, switch: bool, stop: bool) -> None:
-        self.send[self.SWITCH], self.send[self.STOP] = float(switch), float(stop)
-        self.recv.zero_()
+    def set(self, *, switch: bool, stop: bool, every: int = 0) -> None:
+        """This member's word for the step; ``every``: rank 0's ``control_every`` (0 from the
+        others, so the sum is rank 0's)."""
+        self.flags = (switch, stop)
+        self.sums = (0.0, 0.0, 0.0)
+        self.send = torch.tensor([float(switch), float(stop), float(every)], device=self.device)
+
+    def skip(self) -> None:
+        """This step carries no word: nothing to sum, nothing to wait for, no flag set."""
+        self.flags = (False, False)
+        self.sums = (0.0, 0.0, 0.0)
+        self._work = self._failed = None
 
     def start(self) -> None:
-        """Start summing the word (asynchronously) over the generation's group. A failure to
-        start is raised by ``settle``, inside the step's guarded backward."""
-        self.recv = self.send.clone()
+        """Start summing the word (asynchronously) over the generation's group, into a
+        tensor of this step's own. A failure to start is raised by ``settle``, inside the
+        step's guarded backward."""
+        self.recv = self.send
         self._work = self._failed = None  # a step that failed before ``settle`` left them
         try:
             work = self.group.allreduce([self.recv])
@@ -80,8 +118,11 @@ class ControlWord:
             raise failed
         if work is not None:
             work.wait()
-        if self.recv.is_cuda:
-            self.recv.cpu()
+            self.sums = tuple(self.recv.tolist())  # one read back from a device
+        elif self.device is not None and self.device.type == "cuda":
+            # No word this step: the step's collectives are still waited for here, inside
+            # the abort watch's window, as reading the word back would have.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def release(self) -> None:
         """Let go of the generation's group (a member leaving it). Any reference kept here
@@ -92,11 +133,16 @@ class ControlWord:
 
     @property
     def switch(self) -> bool:
-        return bool(self.recv[self.SWITCH] > 0)
+        return self.sums[self.SWITCH] > 0
 
     @property
     def stop(self) -> bool:
-        return bool(self.recv[self.STOP] > 0)
+        return self.sums[self.STOP] > 0
+
+    @property
+    def every(self) -> int:
+        """Steps until the next word: rank 0's proposal as summed (at least 1)."""
+        return max(1, int(self.sums[self.EVERY]))
 
     def _last_done(self, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         self.comm_done = time.perf_counter()

@@ -306,6 +306,7 @@ class Membership:
         self._gen_prev_time = self._last_step_time
         self._gen_prev_gen = self._last_step_gen
         self._gen_first_pending = True
+        self._next_word = self.step  # a generation's first step carries a control word
         self._rate_mark = (time.monotonic(), self.step)
         self._split = [0.0, 0.0]
         self._debug(

@@ -206,6 +206,9 @@ class Trainer(Membership, ShardedSteps, Reports):
         self._waits = Waits()  # gloo: the waits the watch can cut (``waits``)
         self._members: list[int] = []  # the worker ids of the generation this one formed
         self._step_s: float | None = None  # a recent step's time (the watch's grace)
+        #: The index of the next step that carries a control word (``_before_sync``); None
+        #: while a word's sums are awaited. Every generation starts with one (``_form``).
+        self._next_word: int | None = 0
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
@@ -340,6 +343,8 @@ class Trainer(Membership, ShardedSteps, Reports):
                     continue
                 self._time_split(step)
                 self._commit()
+                if self._next_word is None:  # the step carried a word: when the next rides
+                    self._next_word = index + self._control.every
                 if self._fsdp is None and self._durable.due(self.step) and self.rank == 0:
                     self._checkpoint()
                 if not (self._sharded_checkpoint_taken() and self._copies_taken()):
@@ -444,8 +449,15 @@ class Trainer(Membership, ShardedSteps, Reports):
         return {**vars(self.sampler.position(self.step)), "data_order": order}
 
     def _before_sync(self, step: Step) -> None:
-        """Set the control word for this step's all-reduce from the newest heartbeat."""
+        """Set the control word for this step's all-reduce from the newest answer, if the
+        step carries one (``ddp`` module doc: a generation's first step, then every
+        ``ControlWord.every`` steps; a sharded step always carries its flags)."""
         if self._ddp is None and (self._fsdp is None or self._fsdp.module is None):
+            return
+        index, gen = step.index, self.generation
+        self._control.before_allreduce = lambda: probes.point("allreduce", index, gen)
+        if self._ddp is not None and self._next_word is not None and index < self._next_word:
+            self._control.skip()
             return
         latest = self._newest_answer()
         newer = latest is not None and (
@@ -453,14 +465,14 @@ class Trainer(Membership, ShardedSteps, Reports):
             or (latest.generation is not None and latest.generation.id > self.generation)
         )
         stop = latest is not None and latest.stop
-        self._control.set(switch=newer, stop=stop)
+        every = ddp.control_every(self._step_s) if self.rank == 0 else 0
+        self._control.set(switch=newer, stop=stop, every=every)
         if self._ddp is not None:
             self._control.start()  # summed beside the forward and backward
+            self._next_word = None  # known from the sums, once the step is committed
         if self._fsdp is not None:
             members = latest.generation.members if newer and latest.role == Role.MEMBER else None
             self._shrink = newer and self._fsdp.shrinks(members)
-        index, gen = step.index, self.generation
-        self._control.before_allreduce = lambda: probes.point("allreduce", index, gen)
 
     def _commit(self) -> None:
         if self._durable is not None:

@@ -68,14 +68,14 @@ class ShardedSteps:
         c.comm_started = time.perf_counter()
         fsdp = self._fsdp
         fsdp.end_step(
-            switch=bool(c.send[c.SWITCH] > 0),
-            stop=bool(c.send[c.STOP] > 0),
+            switch=c.flags[0],
+            stop=c.flags[1],
             shrink=self._shrink,
             checkpoint=self.rank == 0 and self._durable.due(self.step + 1),
             clip=self._update.clip_grad_norm is not None,
         )
         switch, stop, shrink, checkpoint = fsdp.flags()
-        c.recv[c.SWITCH], c.recv[c.STOP] = float(switch), float(stop)
+        c.sums = (float(switch), float(stop), 0.0)
         self._shrink, self._ckpt_agreed = shrink, checkpoint
         c.comm_done = time.perf_counter()
 
