@@ -53,6 +53,19 @@ def standalone_params(out: Path, *script_args: str) -> Path:
     return out
 
 
+def call_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str, var: str) -> Path:
+    """Arm a test's own ``sitecustomize`` (``site``) in the processes a job starts: it goes
+    on their ``PYTHONPATH`` and appends what it records to the file named in ``$var``,
+    returned here (the library reads neither)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(site)
+    log = tmp_path / f"{var.lower()}.txt"
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    monkeypatch.setenv(var, str(log))
+    return log
+
+
 # -- processes ----------------------------------------------------------------------------
 def pid_alive(pid: int | None) -> bool:
     """True if ``pid`` runs (a zombie counts as gone: it holds no resources but its slot)."""

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from e2e_helpers import Home, summarize
+from e2e_helpers import Home, call_log, summarize
 
 SITE = """
 import os
@@ -39,12 +39,7 @@ if os.environ.get("CADENCE_LOG") and not hasattr(_runtime.Trainer._before_sync, 
 def test_members_carry_the_word_on_the_same_steps_and_a_scale_between_words_lands(
     tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(SITE)
-    log = tmp_path / "words.txt"
-    monkeypatch.setenv("PYTHONPATH", str(hooks))
-    monkeypatch.setenv("CADENCE_LOG", str(log))
+    log = call_log(tmp_path, monkeypatch, SITE, "CADENCE_LOG")
     job = tidal_home.start(
         "cadence", "--workers", "2", "--max-workers", "3", script_args=["--max-steps", "3000"]
     )

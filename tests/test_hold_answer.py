@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_helpers import Home, summarize
+from e2e_helpers import Home, call_log, summarize
 
 SITE = """
 import os
@@ -40,12 +40,7 @@ if os.environ.get("HOLD_ANSWER_LOG") and not hasattr(_agent.Agent.fetch, "logged
 def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
     tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(SITE)
-    log = tmp_path / "calls.txt"
-    monkeypatch.setenv("PYTHONPATH", str(hooks))
-    monkeypatch.setenv("HOLD_ANSWER_LOG", str(log))
+    log = call_log(tmp_path, monkeypatch, SITE, "HOLD_ANSWER_LOG")
     proc, job = tidal_home.run(
         "held",
         *("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
