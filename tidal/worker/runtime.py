@@ -358,10 +358,11 @@ class Trainer(Membership, ShardedSteps, Reports):
                 elif self._control.switch or (
                     self.step in self._cfg.hold_steps and self._hold(self.step)
                 ):
-                    held = self._hold_answer if not self._control.switch else None
+                    # Held at this step (no switch): form from the answer that released it.
+                    answer = None if self._control.switch else self._hold_answer[1]
                     self._gather_for_leavers()
                     self._leave_group()
-                    member = self._join(held[1] if held and held[0] == self.step else None)
+                    member = self._join(answer)
             if member and self._fsdp is not None:  # the job's last step, while the group lives
                 self._sharded_checkpoint_taken(final=True)
                 self._gather_final()
