@@ -5,6 +5,7 @@ server's event loop. A real coordinator and server (``served_coordinator``: it n
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -111,9 +112,45 @@ def test_a_holding_member_is_answered_once_its_step_is_settled(served, monkeypat
     assert done and done[0]["settled_step"] == 10 and done[0]["role"] == "member"
 
 
-def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(
-    served, monkeypatch
-):
+def test_a_holding_heartbeat_at_a_settled_step_is_answered_on_the_event_loop(served):
+    """The last member to reach a scheduled step finds it settled: answered at once from the
+    published answers, while a control-loop pass holds the lock, and applied later."""
+    coord, client = served
+    with coord.lock:
+        coord._open([0], "test")
+        coord.job.settled_step = 10
+        coord._publish()
+    with coord.lock:  # a control-loop pass in progress
+        answer = beat(client, step=10, generation=1, holding=True)
+        assert answer["settled_step"] == 10 and answer["role"] == "member"
+        assert coord.job.workers[0].step == 0  # queued, not applied
+    with coord.lock:
+        coord._drain()
+    assert coord.job.workers[0].step == 10 and not coord.inbox
+
+
+def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(served, monkeypatch):
+    """The generation a scheduled step asked for settles the step as it opens: the held
+    members are answered before the rest of the loop's pass (its records) is done."""
+    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    coord, client = served
+    coord.spec = dataclasses.replace(coord.spec, schedule=((10, 2),))
+    with coord.lock:
+        coord.job.workers[1] = WorkerRecord(id=1, state=WorkerState.STANDBY)
+        coord._open([0], "test")
+    held, done = _hold_in_thread(client, 10)
+    held.join(0.5)
+    assert held.is_alive() and not done
+    with coord.lock:  # the pass that applies the schedule entry
+        coord._apply_schedule()
+        assert coord.job.target == 2 and coord.job.settled_step == -1
+        coord._open([0, 1], "--schedule at step 10")
+        held.join(10)  # answered while the pass still holds the lock
+        assert done and done[0]["settled_step"] == 10
+        assert done[0]["generation"]["members"] == [0, 1]
+
+
+def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(served, monkeypatch):
     monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
     with coord.lock:

@@ -397,6 +397,9 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
                     w.state = WorkerState.STANDBY
                 else:
                     self._stopping(w)
+        # Members held at a scheduled step go on with it: released by this publish, before
+        # the records below (the held members' pause waits on it).
+        self._settle_schedule()
         self._publish()  # the members learn of it at their next heartbeat, not after the pass
         self._save_workers()
         self.executor.do(RecordGeneration(generation=gen.view()))

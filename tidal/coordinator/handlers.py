@@ -142,7 +142,7 @@ class Handlers:
         match fact:
             case Beat(wid, req):
                 w = self._caller(wid)
-                if done_now := not self.heartbeat_is_quick(req):
+                if done_now := req.holding or self._carries_facts(req):
                     w.last_heartbeat = time.time()
                 self._apply_heartbeat(w, req)
                 if done_now:
@@ -168,17 +168,26 @@ class Handlers:
         return self._submit(Registered(wid, req))
 
     @staticmethod
-    def heartbeat_is_quick(req: HeartbeatRequest) -> bool:
-        """True if ``req`` may be answered at once and applied by the next pass (see the
+    def _carries_facts(req: HeartbeatRequest) -> bool:
+        """True if ``req`` carries a fact that is applied before it is answered (see the
         module's docstring)."""
-        return not (
-            req.leaving or req.holding or req.checkpoints or req.checkpoint_failures or req.reports
-        )
+        return bool(req.leaving or req.checkpoints or req.checkpoint_failures or req.reports)
+
+    def heartbeat_is_quick(self, req: HeartbeatRequest) -> bool:
+        """True if ``req`` may be answered at once and applied by the next pass (see the
+        module's docstring). A holding heartbeat is, once the published answers settle its
+        step: nothing is left to wait for, so the last member to reach a scheduled step,
+        the one every other member of the change waits on, skips the thread hop and the
+        loop's pass (part of every scheduled change's pause)."""
+        if self._carries_facts(req):
+            return False
+        answers = self.answers
+        return not req.holding or (answers is not None and answers.settled_step >= req.step)
 
     def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> bytes:
         """The heartbeat's answer, JSON-encoded (a ``HeartbeatResponse``). Lock-free when
         ``heartbeat_is_quick(req)``: a caller on an event loop runs only those inline. A
-        holding one (never quick) is answered once the loop has settled its step
+        holding one whose step is not settled yet is answered once the loop has settled it
         (``_await_hold``)."""
         if not self.heartbeat_is_quick(req):
             body = self._submit(Beat(wid, req))
