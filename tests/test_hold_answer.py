@@ -3,8 +3,9 @@ answer that releases a hold is the one ``Membership._join`` forms the next gener
 (``_join(answer=...)``), with no ``fetch`` after it.
 
 A real job (``examples/digits.py`` under ``tidal run --schedule``); a ``sitecustomize`` of
-this test's own, on the workers' ``PYTHONPATH``, wraps ``Agent.fetch`` and
-``Agent.beat_now`` to append one line per call to a file (the library reads nothing of it).
+this test's own, on the workers' ``PYTHONPATH``, wraps ``Agent.fetch`` and ``Agent._beat``
+(every heartbeat the training loop sends or has sent) to append one line per call to a file,
+naming the thread that sent it (the library reads nothing of it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from e2e_helpers import Home, call_log, summarize
 
 SITE = """
-import os
+import os, threading
 from tidal.worker import agent as _agent
 
 # Once per process (the zygote's interpreter may run this again: then it is wrapped already).
@@ -24,14 +25,18 @@ if os.environ.get("HOLD_ANSWER_LOG") and not hasattr(_agent.Agent.fetch, "logged
         def call(self, *args, **kwargs):
             resp = fn(self, *args, **kwargs)
             holding = kwargs.get("holding", False)
+            step = kwargs.get("step", self.step)
             with open(os.environ["HOLD_ANSWER_LOG"], "a") as f:
-                f.write(f"{name} {self.worker_id} {self.generation} {self.step} {holding:d}\\n")
+                f.write(
+                    f"{name} {self.worker_id} {self.generation} {step} {holding:d} "
+                    f"{threading.current_thread().name}\\n"
+                )
             return resp
         call.logged = True
         return call
 
     _agent.Agent.fetch = _logged("fetch", _agent.Agent.fetch)
-    _agent.Agent.beat_now = _logged("beat", _agent.Agent.beat_now)
+    _agent.Agent._beat = _logged("beat", _agent.Agent._beat)
 """
 
 
@@ -54,11 +59,18 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
         summarize(status)
     )
     calls = [line.split() for line in log.read_text().splitlines()]
+    # fetch/beat, worker, generation, step, holding, thread
     for before, after in zip(gens, gens[1:], strict=False):
         at, gen = after["start_step"], before["id"]
-        held = {int(c[1]) for c in calls if c[0] == "beat" and c[3:] == [str(at), "1"]}
+        holds = [c for c in calls if c[0] == "beat" and c[3:5] == [str(at), "1"]]
+        held = {int(c[1]) for c in holds}
         # Every member of the generation before the change held at its step ...
         assert held == set(before["members"]), (at, held, calls)
+        # ... its first holding heartbeat sent as it committed the step, during the update,
+        # from the thread ``Agent.beat_soon`` starts (not after it, from the training loop)
+        for wid in held:
+            first = next(c for c in holds if int(c[1]) == wid)
+            assert first[5] == "tidal-hold", (at, first, calls)
         # ... and those that stay asked nothing more before forming the next generation
         # (a fetch while still in the old one at that step is the round trip saved; a
         # leaver, told to stand by, waits asking).

@@ -70,6 +70,8 @@ class Agent:
         # Made now, not with the first report: that is on a recovery's path.
         self._report_client = CoordinatorClient(env.url, env.token)
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="tidal-failure-report")
+        # A scheduled step's holding heartbeat, sent during the step's update (``beat_soon``).
+        self._hold_client = CoordinatorClient(env.url, env.token)
         self._failure_reports: list[Future] = []
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
@@ -268,10 +270,28 @@ class Agent:
         """A heartbeat from the calling thread, so the coordinator learns the step now;
         ``holding``: this member waits at a scheduled step, and the coordinator answers
         once it has settled it (``HeartbeatRequest.holding``)."""
-        req = HeartbeatRequest(step=self.step, generation=self.generation, holding=holding)
-        asked, resp = self._call(
-            self._client, self._asking(lambda c: c.heartbeat(self.worker_id, req))
-        )
+        return self._beat(self._client, step=self.step, holding=holding)
+
+    def beat_soon(self, *, step: int) -> Future[HeartbeatResponse]:
+        """The holding heartbeat of scheduled step ``step``, sent now from a thread of its
+        own (its own connection) while the training thread finishes committing that step;
+        the future is its answer (``beat_now(holding=True)``'s). A daemon thread: one whose
+        answer nobody waits for (the member switched or stopped instead) never holds up the
+        process's exit, even retrying against a coordinator that is gone."""
+        answer: Future[HeartbeatResponse] = Future()
+
+        def send() -> None:
+            try:
+                answer.set_result(self._beat(self._hold_client, step=step, holding=True))
+            except BaseException as exc:  # noqa: BLE001 - the caller's ``result`` raises it
+                answer.set_exception(exc)
+
+        threading.Thread(target=send, name="tidal-hold", daemon=True).start()
+        return answer
+
+    def _beat(self, client: CoordinatorClient, *, step: int, holding: bool) -> HeartbeatResponse:
+        req = HeartbeatRequest(step=step, generation=self.generation, holding=holding)
+        asked, resp = self._call(client, self._asking(lambda c: c.heartbeat(self.worker_id, req)))
         self._set_latest(resp, asked)
         return resp
 
@@ -382,3 +402,4 @@ class Agent:
             self._client.close()
             self._beat_client.close()
             self._report_client.close()
+            self._hold_client.close()

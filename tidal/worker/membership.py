@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -109,15 +110,36 @@ class Membership:
             return self._agent.fetch()
         return self._agent.latest()
 
-    def _hold(self, step: int) -> bool:
+    def _hold_soon(self, step: int, max_steps: int) -> Future[HeartbeatResponse] | None:
+        """Send the holding heartbeat of scheduled step ``step`` now, as the step whose
+        commit reaches it is committed (its gradients are reduced, its update not applied
+        yet): the round trip, and the coordinator's pass that settles the step, overlap the
+        update instead of following it. None when ``step`` is not one (or the job ends
+        there, or a switch or stop already decides what follows it)."""
+        if (
+            self._agent is None
+            or step not in self._cfg.hold_steps
+            or step >= max_steps
+            or self._control.switch
+            or self._control.stop
+        ):
+            return None
+        self._notices.mark()  # before the answer, which ``_join`` may take as fetched
+        return self._agent.beat_soon(step=step)
+
+    def _hold(self, step: int, sent: Future[HeartbeatResponse] | None = None) -> bool:
         """Wait at a scheduled step until the coordinator has settled its membership;
         True if this member must switch generation (every member holds at the same step,
-        so all see the same answer without a control word)."""
+        so all see the same answer without a control word). ``sent``: the holding
+        heartbeat ``_hold_soon`` sent for this step, answered first."""
         assert self._agent is not None
         self._debug(f"hold at {step}")
         while True:  # the coordinator keeps each answer back until it settles the step
-            self._notices.mark()  # before the answer, which ``_join`` may take as fetched
-            resp = self._agent.beat_now(holding=True)
+            if sent is not None:
+                resp, sent = sent.result(), None
+            else:
+                self._notices.mark()  # before the answer, which ``_join`` may take as fetched
+                resp = self._agent.beat_now(holding=True)
             if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
                 break
             self._agent.wait_change(0.005)

@@ -343,6 +343,7 @@ class Trainer(Membership, ShardedSteps, Reports):
                     member = self._join()
                     continue
                 self._time_split(step)
+                held = self._hold_soon(index + 1, max_steps)
                 self._commit()
                 if self._next_word is None:  # the step carried a word: when the next rides
                     self._next_word = index + self._control.every
@@ -356,7 +357,7 @@ class Trainer(Membership, ShardedSteps, Reports):
                 elif self.step >= max_steps:
                     break
                 elif self._control.switch or (
-                    self.step in self._cfg.hold_steps and self._hold(self.step)
+                    self.step in self._cfg.hold_steps and self._hold(self.step, held)
                 ):
                     # Held at this step (no switch): form from the answer that released it.
                     answer = None if self._control.switch else self._hold_answer[1]
