@@ -111,6 +111,25 @@ def host_main(home: str, n: int, cpus: str | None) -> int:
     return run_job(spec, Path(home), quiet=True)
 
 
+def load_args(
+    url: str,
+    token: str,
+    n: int,
+    pid: int,
+    out: Path,
+    window_s: float,
+    warmup_s: float,
+    cpus: str | None,
+) -> list[str]:
+    """The load generator's arguments (``control_plane_load.parse_args``): the options
+    first, the positionals after ``--``, since a token may begin with ``-``
+    (``token_urlsafe``), which argparse takes for an option (run Z2, 2026-12-04: the
+    generator exited 2)."""
+    opts = ["--window-s", str(window_s), "--warmup-s", str(warmup_s)]
+    opts += ["--cpus", cpus] if cpus else []
+    return [*opts, "--", url, token, str(n), str(pid), str(out)]
+
+
 def measure(
     n: int,
     tmp: Path,
@@ -142,11 +161,10 @@ def measure(
         )
         if host.poll() is not None:
             raise RuntimeError(f"the coordinator exited {host.returncode}; see {tmp}")
-        cmd = [sys.executable, "-m", "bench.control_plane_load", info["url"], info["token"]]
         pid = info.get("pid") or host.pid  # the coordinator's own (it may host it in a child)
-        cmd += [str(n), str(pid), str(out), "--window-s", str(window_s)]
-        cmd += ["--warmup-s", str(warmup_s)]
-        gen = procs.start(cmd + (["--cpus", gen_cpus] if gen_cpus else []), tmp / f"load-{n}.log")
+        cmd = [sys.executable, "-m", "bench.control_plane_load"]
+        cmd += load_args(info["url"], info["token"], n, pid, out, window_s, warmup_s, gen_cpus)
+        gen = procs.start(cmd, tmp / f"load-{n}.log")
         rc = gen.wait(timeout=300 + window_s)
         if rc != 0:
             tail = (tmp / f"load-{n}.log").read_text()[-2000:]

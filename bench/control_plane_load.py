@@ -293,7 +293,7 @@ def summary(xs: list[float]) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("url")
     p.add_argument("token")
@@ -306,7 +306,11 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.1)
     p.add_argument("--ready-timeout", type=float, default=120.0)
     p.add_argument("--cpus", help="comma-separated CPUs to run on")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     random.seed(0)

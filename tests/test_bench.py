@@ -177,3 +177,21 @@ def test_bench_tiny_fsdp_reshard(tmp_path: Path) -> None:
     assert tidal["copies"]["1"]["snapshots"] == 0, tidal["copies"]["1"]
     assert tidal["copy_errors"] == []
     assert {"copy_snapshot_s", "copy_exchange_s"} <= set(tidal["final_metrics"])
+
+
+def test_the_load_generator_reads_a_token_that_begins_with_a_dash(tmp_path: Path) -> None:
+    """``secrets.token_urlsafe`` may begin with ``-``; passed before the options, argparse
+    took it for one and the generator exited 2 (run Z2, 2026-12-04)."""
+    from bench.control_plane import load_args
+    from bench.control_plane_load import parse_args
+
+    out = tmp_path / "load.json"
+    args = parse_args(load_args("http://h:1", "-x_Y", 256, 42, out, 5.0, 1.0, "1"))
+    assert (args.url, args.token, args.n, args.host_pid, args.out) == (
+        "http://h:1",
+        "-x_Y",
+        256,
+        42,
+        str(out),
+    )
+    assert (args.window_s, args.warmup_s, args.cpus) == (5.0, 1.0, "1")
