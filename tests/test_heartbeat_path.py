@@ -129,18 +129,25 @@ def test_a_holding_heartbeat_at_a_settled_step_is_answered_on_the_event_loop(ser
     assert coord.job.workers[0].step == 10 and not coord.inbox
 
 
-def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(served, monkeypatch):
-    """The generation a scheduled step asked for settles the step as it opens: the held
-    members are answered before the rest of the loop's pass (its records) is done."""
-    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
-    coord, client = served
-    coord.spec = dataclasses.replace(coord.spec, schedule=((10, 2),))
+def _held_beside_a_standby(coord, client: httpx.Client) -> tuple[threading.Thread, list[dict]]:
+    """Worker 0 the one member, worker 1 a standby, and worker 0 held at step 10 (kept
+    back: not settled)."""
     with coord.lock:
         coord.job.workers[1] = WorkerRecord(id=1, state=WorkerState.STANDBY)
         coord._open([0], "test")
     held, done = _hold_in_thread(client, 10)
     held.join(0.5)
     assert held.is_alive() and not done
+    return held, done
+
+
+def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(served, monkeypatch):
+    """The generation a scheduled step asked for settles the step as it opens: the held
+    members are answered before the rest of the loop's pass (its records) is done."""
+    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    coord, client = served
+    coord.spec = dataclasses.replace(coord.spec, schedule=((10, 2),))
+    held, done = _held_beside_a_standby(coord, client)
     with coord.lock:  # the pass that applies the schedule entry
         coord._apply_schedule()
         assert coord.job.target == 2 and coord.job.settled_step == -1
@@ -153,12 +160,7 @@ def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(se
 def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(served, monkeypatch):
     monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
-    with coord.lock:
-        coord.job.workers[1] = WorkerRecord(id=1, state=WorkerState.STANDBY)
-        coord._open([0], "test")
-    held, done = _hold_in_thread(client, 10)
-    held.join(0.5)
-    assert held.is_alive() and not done
+    held, done = _held_beside_a_standby(coord, client)
     with coord.lock:
         coord._open([1], "a scheduled shrink leaves 0 out")  # publishes
     held.join(10)
