@@ -10,7 +10,12 @@ SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
 from tidal.worker.heal import heal, LARGE
 from tidal.worker.landing import prepare
+from tidal.worker import cma
 rank, port, dev = int(sys.argv[1]), int(sys.argv[2]), torch.device(sys.argv[3])
+if sys.argv[4] == "refused":  # the kernel refuses the joiner's direct read
+    def refuse(offer, tensors):
+        raise PermissionError(1, "Operation not permitted (the test's)")
+    cma.read = refuse
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 torch.manual_seed(rank)
@@ -32,6 +37,7 @@ for name in ("adam", "sgd"):
     ptrs = {t.data_ptr() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)}
     out[name] = {
         "step": result.step, "sent": result.sent, "source": result.source,
+        "direct": result.direct,
         "params": [p.detach().flatten()[::97].tolist() for p in m.parameters()],
         "devices": sorted({str(t.device) for t in list(m.parameters()) + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]}),
         "state": {str(k): {kk: (v.flatten()[::97].tolist() if torch.is_tensor(v) else v)
@@ -46,11 +52,17 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(120)
-def test_joiner_adopts_the_source_state_exactly(device):
-    outs = run_ranks(SCRIPT, 2, args=(device,))
+@pytest.mark.parametrize("path", ["direct", "refused"])
+def test_joiner_adopts_the_source_state_exactly(device, path):
+    """On the CPU the joiner reads the source's memory directly (``cma``); when the kernel
+    refuses that read, the same state comes through the group instead. On a GPU the tensors
+    are not in host memory: always through the group."""
+    outs = run_ranks(SCRIPT, 2, args=(device, path))
     source, joiner = outs
     for name in ("adam", "sgd"):
         assert joiner[name]["sent"] and joiner[name]["source"] == 0 and joiner[name]["step"] == 7
+        assert joiner[name]["direct"] == (device == "cpu" and path == "direct")
+        assert not source[name]["direct"]
         assert joiner[name]["params"] == source[name]["params"]
         assert joiner[name]["state"] == source[name]["state"] and joiner[name]["state"]
         assert joiner[name]["groups"] == source[name]["groups"]
@@ -192,6 +204,7 @@ def test_a_receiver_whose_model_differs_refuses_before_receiving():
 SCRIPT_CUT = r"""
 import json, os, sys, torch, torch.distributed as dist
 import tidal.worker.heal as heal_mod
+from tidal.worker import cma
 rank, port, cut = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -207,8 +220,17 @@ def die(*args, **kwargs):  # the source is lost: in the blob, or after the first
     print(json.dumps({"first": m[0].weight.flatten()[:64].tolist()}), flush=True)
     os._exit(0)
 
+real_read = cma.read
+def read_one(offer, tensors):  # the direct read is cut after the first tensor
+    real_read({**offer, "spans": offer["spans"][:1]}, tensors[:1])
+    raise OSError("cut by the test")
+
 if rank == 0:
     setattr(heal_mod, "_send_blob" if cut == "blob" else "_send_tensors", die)
+    if cut == "tensors":  # through the group: no direct read offered
+        cma.offerable = lambda tensors: False
+elif cut == "read":
+    cma.read = read_one
 before = m[0].weight.flatten()[:64].tolist()
 try:
     heal_mod.heal(module=m, optimizer=opt, step=7 if rank == 0 else 6)
@@ -220,15 +242,16 @@ print(json.dumps({"error": error, "before": before, "first": m[0].weight.flatten
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cut", ["blob", "tensors"])
+@pytest.mark.parametrize("cut", ["blob", "tensors", "read"])
 def test_a_heal_cut_while_receiving_says_the_state_is_a_mix(cut):
     """A laggard (step 6) heals from the source (step 7), which dies mid-heal. Cut in the
-    tensors, the laggard's first parameter is already the source's: it holds a mix of two
+    tensors (through the group), or in a direct read whose fallback then finds the source
+    gone, the laggard's first parameter is already the source's: it holds a mix of two
     steps, and the heal says so (``HealInterrupted``, which makes the member forget its
     state). Cut before any tensor, its state is untouched and stays its own."""
     source, laggard = run_ranks(SCRIPT_CUT, 2, args=(cut,))
     assert laggard["error"] is not None  # the heal failed either way
-    if cut == "tensors":
+    if cut in ("tensors", "read"):
         assert laggard["error"] == "HealInterrupted"
         assert laggard["first"] == source["first"] != laggard["before"]
     else:

@@ -13,7 +13,9 @@ and lands back in place. The optimizer's structure travels as a ``torch.save`` b
 tracked objects' as JSON text inside it; their tensors travel raw, into tensors the
 receivers allocate from that structure. On gloo the heal waits for its messages through the
 worker's ``Waits`` (``waits``), so the abort watch can cut a heal that a lost peer left
-blocked.
+blocked. A receiver on the source's host reads the tensors straight from the source's
+memory instead (``cma``: one copy, not two through loopback sockets), and says so; the
+source waits for that word from each receiver and sends through gloo to those that could not.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.tracked import Captured, TrackedState
+from tidal.worker import cma
 from tidal.worker.landing import Landing, state_tensors
 from tidal.worker.waits import Waits
 
@@ -91,9 +95,13 @@ class StateLost(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class HealResult:
+    """``sent``: state moved to or from this member; ``direct``: this receiver read it from
+    the source's memory (``cma``), not through the group."""
+
     source: int
     step: int
     sent: bool
+    direct: bool = False
 
 
 def _wait(works: list[dist.Work], waits: Waits | None) -> None:
@@ -231,11 +239,12 @@ def heal(
     # allocate its tensors; then every tensor (model, optimizer, tracked) streams in one
     # transfer: the model's in place, the rest straight into the allocated tensors.
     model = list(module.parameters()) + list(module.buffers())
-    blob = None
     if rank == source:
         layout, tensors = _split_state(optimizer.state_dict())
         captured = tracked.capture() if tracked else Captured(skeleton={}, tensors=[])
         extra = captured.tensors
+        sending = model + tensors + extra
+        direct = cma.offer(sending) if wire.type == "cpu" and cma.offerable(sending) else None
         buf = io.BytesIO()
         torch.save(
             {
@@ -245,24 +254,32 @@ def heal(
                 "cuda_rng": devices.cuda_rng_state(),
                 "tracked": captured.to_json(),  # JSON text: no pickle of user objects
                 "model": model_layout(module),
+                "cma": direct,
             },
             buf,
         )
-        blob = buf.getvalue()
+        with cma.allow():  # readable by the receivers until each said it is done
+            _send_blob(buf.getvalue(), source, receivers, wire, waits)
+            readers = _hear_reads(source, receivers, wire, waits) if direct else set()
+        rest = [r for r in receivers if r not in readers]
+        if rest:
+            _send_tensors(sending, source, rest, wire, waits)
+        return HealResult(source=source, step=best, sent=True)
     meta = torch.load(
-        io.BytesIO(_send_blob(blob, source, receivers, wire, waits)), weights_only=True
+        io.BytesIO(_send_blob(None, source, receivers, wire, waits)), weights_only=True
     )
     shipped = json.loads(meta["tracked"])
-    if rank != source:  # into its own optimizer's tensors and the landing, where they fit
-        check_model(model_layout(module), meta["model"])
-        land = Landing(state_tensors(optimizer.state_dict()) + list(landing))
-        tensors = [land.take(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
-        extra = [land.take(shape, dtype) for shape, dtype in shipped["tensors"]]
-    if rank == source:
-        _send_tensors(model + tensors + extra, source, receivers, wire, waits)
-        return HealResult(source=source, step=best, sent=True)
+    # Into its own optimizer's tensors and the landing, where they fit.
+    check_model(model_layout(module), meta["model"])
+    land = Landing(state_tensors(optimizer.state_dict()) + list(landing))
+    tensors = [land.take(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
+    extra = [land.take(shape, dtype) for shape, dtype in shipped["tensors"]]
+    direct = False
     try:  # from here on this member's own state is being overwritten
-        _send_tensors(model + tensors + extra, source, receivers, wire, waits)
+        if meta.get("cma") is not None:
+            direct = _read_direct(meta["cma"], model + tensors + extra, source, wire, waits)
+        if not direct:
+            _send_tensors(model + tensors + extra, source, [rank], wire, waits)
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
         torch.set_rng_state(meta["torch_rng"])
         random.setstate(meta["python_rng"])
@@ -271,7 +288,45 @@ def heal(
             (tracked or TrackedState({})).restore(shipped["skeleton"], extra)
     except Exception as exc:  # noqa: BLE001 - whatever cut it, the state is now a mix
         raise HealInterrupted(source, best, exc) from exc
-    return HealResult(source=source, step=best, sent=True)
+    return HealResult(source=source, step=best, sent=True, direct=direct)
+
+
+def _read_direct(
+    offer: dict, tensors: list[torch.Tensor], source: int, wire: torch.device, waits: Waits | None
+) -> bool:
+    """Read the source's offer into ``tensors`` if this receiver can (``cma.usable``) and
+    tell the source whether it did (1 or 0): it sends through the group otherwise."""
+    why = cma.usable(offer, cma.Host.here(), tensors)
+    if why is None:
+        try:
+            cma.read(offer, tensors)
+        except OSError as exc:
+            why = f"the kernel refused the read: {exc}"
+    if why is not None:
+        _say_once(why)
+    word = torch.tensor([0 if why else 1], dtype=torch.int64, device=wire)
+    _wait([dist.isend(word, source)], waits)
+    return why is None
+
+
+def _hear_reads(
+    source: int, receivers: list[int], wire: torch.device, waits: Waits | None
+) -> set[int]:
+    """The receivers that read the source's offer themselves (each sends 1 or 0). Until
+    each has answered, the source's tensors stay as they are: the source waits here."""
+    words = {r: torch.empty(1, dtype=torch.int64, device=wire) for r in receivers}
+    _wait([dist.irecv(w, r) for r, w in words.items()], waits)
+    return {r for r, w in words.items() if int(w.item()) == 1}
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(why: str) -> None:
+    """A receiver that falls back to the group says why, once per reason and process."""
+    if why not in _SAID:
+        _SAID.add(why)
+        logging.getLogger(__name__).info("heal through the group: %s", why)
 
 
 def model_layout(module: torch.nn.Module) -> list[list[str]]:
