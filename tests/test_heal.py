@@ -7,7 +7,7 @@ import pytest
 from ranks import run_ranks
 
 SCRIPT = r"""
-import json, sys, torch, torch.distributed as dist
+import json, random, sys, torch, torch.distributed as dist
 from tidal.worker.heal import heal, LARGE
 from tidal.worker.landing import prepare
 from tidal.worker import cma
@@ -23,6 +23,8 @@ if dev.type == "cuda":
     torch.cuda.manual_seed(rank)
 out = {}
 for name in ("adam", "sgd"):
+    random.seed(rank)
+    random.gauss(0, 1)  # leaves the second of the pair in the state: it travels too
     m = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)).to(dev)
     assert max(p.numel() for p in m.parameters()) >= LARGE  # one travels alone
     opt = (torch.optim.Adam(m.parameters(), 1e-3) if name == "adam"
@@ -45,6 +47,7 @@ for name in ("adam", "sgd"):
         "groups": repr(sd["param_groups"]),
         "landed": bool(land) and ptrs == {t.data_ptr() for t in land},
         "draw": torch.rand(2).tolist(),
+        "py_draw": [random.gauss(0, 1), random.random()],
         "cuda_draw": torch.rand(2, device=dev).tolist() if dev.type == "cuda" else None,
     }
 print(json.dumps(out))
@@ -67,6 +70,7 @@ def test_joiner_adopts_the_source_state_exactly(device, path):
         assert joiner[name]["state"] == source[name]["state"] and joiner[name]["state"]
         assert joiner[name]["groups"] == source[name]["groups"]
         assert joiner[name]["draw"] == source[name]["draw"]  # the RNG came along
+        assert joiner[name]["py_draw"] == source[name]["py_draw"]  # Python's, with its gauss
         assert joiner[name]["cuda_draw"] == source[name]["cuda_draw"]
         assert {d.split(":")[0] for d in joiner[name]["devices"]} == {device}  # stayed there
         # On the CPU the state landed in the memory the joiner prepared, every tensor of it.
