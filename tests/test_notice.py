@@ -112,6 +112,39 @@ def test_a_store_that_goes_away_stops_the_notices_until_a_new_one_is_followed(
     assert _seen(notices)
 
 
+def test_a_standby_waits_for_its_admission_without_polling(coord_and_notices):
+    """``wait`` (a standby between fetches) blocks until a change is published, woken by
+    the thread (not a poll): it returns within milliseconds of the new generation, and
+    after its timeout when nothing moved; with no counter to follow it says so at once."""
+    import threading
+
+    coord, notices, cfg = coord_and_notices
+    notices.mark()
+    t0 = time.monotonic()
+    assert notices.wait(0.3)  # nothing published: the whole timeout
+    assert time.monotonic() - t0 >= 0.29
+
+    def admit() -> None:
+        time.sleep(0.2)
+        with coord.lock:
+            coord._open([0, 1], "admitted")
+            coord._publish()
+
+    opener = threading.Thread(target=admit)
+    t0 = time.monotonic()
+    opener.start()
+    assert notices.wait(30)
+    waited = time.monotonic() - t0
+    opener.join()
+    assert 0.19 <= waited < 10  # woken by the change, long before its timeout
+    assert notices.changed()  # and ``wait`` did not consume it
+    nowhere = Notices()
+    assert not nowhere.wait(5)  # never followed a store: the caller polls
+    notices.follow(cfg.model_copy(update={"store_port": _closed_port()}))
+    notices.mark()
+    assert not notices.wait(5)  # the store is gone: the caller polls
+
+
 def _closed_port() -> int:
     import socket
 

@@ -43,6 +43,10 @@ RECOVERY_OF = {
     ShardPath.COPY: RecoveryPath.NEIGHBOUR_COPY,
 }
 
+#: How often a worker waiting outside the group asks for its answer when no change is
+#: published (``Notices.wait``): what a retire, which moves no counter, waits at most.
+STANDBY_FETCH_S = 0.25
+
 
 class Membership:
     def _report_failure(
@@ -181,10 +185,13 @@ class Membership:
             info = resp.generation
             try:
                 if resp.role != Role.MEMBER or info is None or info.id <= tried:
-                    newest = max(tried, info.id if info else 0)
-                    grp.wait_for_generation(
-                        self._store, self._cfg.store_namespace, newest + 1, timeout_s=0.05
-                    )
+                    # Until the coordinator publishes a change (``Notices.wait``); a retire
+                    # moves no counter: it is heard at the next answer, STANDBY_FETCH_S on.
+                    if not self._notices.wait(STANDBY_FETCH_S):
+                        newest = max(tried, info.id if info else 0)
+                        grp.wait_for_generation(
+                            self._store, self._cfg.store_namespace, newest + 1, timeout_s=0.05
+                        )
                     continue
                 tried = info.id
                 self._debug(f"join gen {info.id}")
