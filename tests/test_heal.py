@@ -261,3 +261,29 @@ def test_a_heal_cut_while_receiving_says_the_state_is_a_mix(cut):
     else:
         assert laggard["error"] != "HealInterrupted"
         assert laggard["first"] == laggard["before"] != source["first"]
+
+
+SCRIPT_BLOB = r"""
+import json, sys, torch, torch.distributed as dist
+from tidal.worker.heal import BLOB_FIRST, _send_blob
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+sizes = [0, 1, BLOB_FIRST - 8, BLOB_FIRST - 7, 3 * BLOB_FIRST + 5]
+got = []
+for n in sizes:
+    blob = bytes((i * 7 + n) % 251 for i in range(n)) if rank == 1 else None
+    back = _send_blob(blob, 1, [0, 2])
+    got.append([len(back), back == bytes((i * 7 + n) % 251 for i in range(n))])
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_blob_of_any_size_arrives_whole():
+    """A blob that fits the first message travels in it; one a byte longer, or much longer,
+    in two; the empty blob too. Every receiver gets the source's bytes, exactly."""
+    outs = run_ranks(SCRIPT_BLOB, 3)
+    for out in outs:
+        assert all(same for _, same in out), out
+        assert [n for n, _ in out] == [0, 1, 128 * 1024 - 8, 128 * 1024 - 7, 3 * 128 * 1024 + 5]
