@@ -287,3 +287,44 @@ def test_a_blob_of_any_size_arrives_whole():
     for out in outs:
         assert all(same for _, same in out), out
         assert [n for n, _ in out] == [0, 1, 128 * 1024 - 8, 128 * 1024 - 7, 3 * 128 * 1024 + 5]
+
+
+SCRIPT_STEPS = r"""
+import json, sys, torch, torch.distributed as dist
+from tidal.protocol import GenerationInfo
+from tidal.worker import group as grp
+from tidal.worker.heal import NO_STATE, heal
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+info = GenerationInfo(id=4, members=[10, 11, 12], store_prefix="ns/gen4", reason="test")
+step = {0: 7, 1: 7, 2: None}[rank]
+torch.manual_seed(0 if step else 5)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
+if step:
+    m(torch.randn(5, 16)).sum().backward(); opt.step(); opt.zero_grad()
+grp.publish_step(store, info, rank, step)  # then the group forms on the same connection
+dist.init_process_group("gloo", store=dist.PrefixStore("ns/gen4/pg", store), rank=rank, world_size=3)
+steps = grp.member_steps(store, info, none=NO_STATE)
+result = heal(module=m, optimizer=opt, step=step, steps=steps)
+try:
+    heal(module=m, optimizer=opt, step=step, steps=[7, 7, 7, 7])
+    wrong = None
+except ValueError as exc:
+    wrong = str(exc)
+print(json.dumps({"steps": steps, "sent": result.sent, "step": result.step, "wrong": wrong,
+                  "params": [p.detach().flatten().tolist() for p in m.parameters()]}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_steps_read_from_the_store_decide_the_heal_as_the_gather_would():
+    """Each member publishes its step before the group forms; once formed, every member
+    reads all of them (``group.member_steps``) and the heal sends to the joiner alone. A
+    list that does not name this member is refused before anything moves."""
+    outs = run_ranks(SCRIPT_STEPS, 3)
+    assert [o["steps"] for o in outs] == [[7, 7, -1]] * 3
+    assert [o["sent"] for o in outs] == [True, False, True]
+    assert {o["step"] for o in outs} == {7}
+    assert outs[2]["params"] == outs[0]["params"] == outs[1]["params"]
+    assert all("do not name this member" in o["wrong"] for o in outs)

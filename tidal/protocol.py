@@ -147,6 +147,13 @@ def arrived_key(prefix: str) -> str:
     return f"{prefix}/arrived"
 
 
+def step_key(prefix: str, rank: int) -> str:
+    """The committed step of the generation's member of ``rank`` (``none`` without state),
+    set before it forms the group: its peers read every member's once the group formed,
+    instead of an all-gather over it (``group.member_steps``)."""
+    return f"{prefix}/step/{rank}"
+
+
 def group_prefix(prefix: str) -> str:
     """Where the generation's process group (gloo) keeps its keys: each member's address."""
     return f"{prefix}/pg"

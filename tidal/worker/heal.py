@@ -227,6 +227,7 @@ def heal(
     wire: torch.device = CPU,
     waits: Waits | None = None,
     landing: Sequence[torch.Tensor] = (),
+    steps: Sequence[int] | None = None,
 ) -> HealResult:
     """Make this member's state equal to the most advanced member's: model, optimizer, RNG
     and ``tracked`` objects. ``step`` is this member's committed step, or None if it holds
@@ -237,12 +238,14 @@ def heal(
     gloo, the worker's abortable waits (module doc). A receiver whose transfer fails raises
     ``HealInterrupted``: its state is then a mix and must be forgotten. A receiver receives
     the optimizer's state into its own optimizer's tensors and into ``landing``
-    (``landing.prepare``) where shapes and dtypes match: memory already touched."""
+    (``landing.prepare``) where shapes and dtypes match: memory already touched.
+    ``steps``: every member's committed step by rank (``NO_STATE`` for none) when the caller
+    already has them (``group.member_steps``, exchanged through the store as the group
+    formed); None: gathered here, over the group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
-    steps = [torch.empty_like(mine) for _ in range(world)]
-    _wait([dist.all_gather(steps, mine, async_op=True)], waits)
-    values = [int(t.item()) for t in steps]
+    values = _gather_steps(step, world, wire, waits) if steps is None else list(steps)
+    if len(values) != world or values[rank] != (NO_STATE if step is None else step):
+        raise ValueError(f"steps {values} do not name this member (rank {rank}) at {step}")
     best = max(values)
     if best < committed_step - 1:
         raise StateLost(best, committed_step)
@@ -310,6 +313,15 @@ def heal(
     except Exception as exc:  # noqa: BLE001 - whatever cut it, the state is now a mix
         raise HealInterrupted(source, best, exc) from exc
     return HealResult(source=source, step=best, sent=True, direct=direct)
+
+
+def _gather_steps(
+    step: int | None, world: int, wire: torch.device, waits: Waits | None
+) -> list[int]:
+    mine = torch.tensor([NO_STATE if step is None else step], dtype=torch.int64, device=wire)
+    steps = [torch.empty_like(mine) for _ in range(world)]
+    _wait([dist.all_gather(steps, mine, async_op=True)], waits)
+    return [int(t.item()) for t in steps]
 
 
 def _read_direct(

@@ -32,7 +32,14 @@ from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
 from tidal.worker import ddp, identity, probes
 from tidal.worker import group as grp
-from tidal.worker.heal import HealInterrupted, HealResult, ModelMismatch, StateLost, heal
+from tidal.worker.heal import (
+    NO_STATE,
+    HealInterrupted,
+    HealResult,
+    ModelMismatch,
+    StateLost,
+    heal,
+)
 from tidal.worker.shard_plan import Path as ShardPath
 from tidal.worker.step import _one_line
 
@@ -267,6 +274,8 @@ class Membership:
                 self._roll_back(info)
             rolled_back = max(0, before - self.step)
         timeout_s = self._cfg.collective_timeout_s
+        if self._fsdp is None:  # the heal reads every member's from the store
+            grp.publish_step(self._store, info, rank, self.step if self._has_state else None)
         grp.form_group(
             self._store,
             info,
@@ -307,7 +316,9 @@ class Membership:
         else:
             if self._watch is not None:
                 self._watch.open()
+            steps = grp.member_steps(self._store, info, none=NO_STATE)
             result = heal(
+                steps=steps,
                 module=self.module,
                 optimizer=self.optimizer,
                 step=self.step if self._has_state else None,
