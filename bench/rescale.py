@@ -103,8 +103,9 @@ def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12)
 
 def up_floor(tmp: Path, *, reps: int = 5) -> dict:
     """The floor of a scale-up's pause net of its first step: a joiner's state (the bench
-    model's parameters and SGD momentum) moved at raw loopback speed (``state_transfer``'s
-    ``raw``: the faster of a gloo broadcast and a plain socket, into touched memory); its
+    model's parameters and SGD momentum) moved at the floor's speed (``state_transfer``'s
+    ``floor``: the fastest of a gloo broadcast, a plain socket and one copy between the
+    processes' memories, into touched memory); its
     ``heal`` is Tidal's own heal of the same bytes, for comparison."""
     from bench import state_transfer
 

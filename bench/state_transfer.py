@@ -8,8 +8,10 @@ optimizer state and RNG (what a joiner gets in a real scale-up). The joiner prep
 landing memory first (``landing.prepare``), as a worker does in its warm-up before it is
 ready; each repetition also heals a joiner without it (``heal_cold``: the optimizer state
 lands in fresh memory, faulted in during the transfer). The peer is the floor for
-moving those bytes: one gloo broadcast of a single flat tensor of the same size, and a
-plain TCP socket over loopback; the faster of the two is reported. Timed on rank 0 between
+moving those bytes: one gloo broadcast of a single flat tensor of the same size, a plain
+TCP socket over loopback (``raw``: the faster of the two, the wire's speed), and one copy
+from the first process's memory into the second's (``copy``: ``process_vm_readv``, as the
+heal's own path on one host, ``tidal.worker.cma``; ``floor``: the fastest of all). Timed on rank 0 between
 barriers, median of ``--reps``.
 
 ``python -m bench.state_transfer [--reps N] [--mb M]`` (runs both ranks itself).
@@ -110,6 +112,7 @@ def worker(rank: int, port: int, sock_port: int, width: int, reps: int, out: Pat
             _recv_exact(conn, buf)
             conn.sendall(b"k")
         conn.close()
+    copy_s = _one_copy(rank, flat, reps)
     if rank == 0:
         result = {
             "bytes": nbytes,
@@ -117,10 +120,38 @@ def worker(rank: int, port: int, sock_port: int, width: int, reps: int, out: Pat
             "heal_cold_s": cold_s,
             "gloo_s": raw_s,
             "socket_s": sock_s,
+            "copy_s": copy_s,
         }
         out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _one_copy(rank: int, flat: torch.Tensor, reps: int) -> list[float]:
+    """Rank 1 copies rank 0's ``flat`` into its own (touched) one with ``process_vm_readv``,
+    on as many threads as a heal's read of that many bytes: one copy, the floor of moving
+    bytes between two processes on one host. Empty where the kernel refuses the call."""
+    import torch.distributed as dist
+
+    from tidal.worker import cma
+
+    offers = [cma.offer([flat]) if rank == 0 and cma.offerable([flat]) else None]
+    dist.broadcast_object_list(offers, 0)
+    offer = offers[0]
+    ok = torch.tensor([0 if offer is None else 1])
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 1 and int(ok.item()):
+            try:
+                cma.read(offer, [flat])
+            except OSError:
+                ok.zero_()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return times if int(ok.item()) else []
 
 
 def measure(tmp: Path, *, mb: float = 100, reps: int = 5, timeout: float = 300) -> dict:
@@ -148,7 +179,9 @@ def measure(tmp: Path, *, mb: float = 100, reps: int = 5, timeout: float = 300) 
     res["heal_cold"] = statistics.median(res["heal_cold_s"])
     res["gloo"] = statistics.median(res["gloo_s"])
     res["socket"] = statistics.median(res["socket_s"])
-    res["raw"] = min(res["gloo"], res["socket"])
+    res["copy"] = statistics.median(res["copy_s"]) if res["copy_s"] else None
+    res["raw"] = min(res["gloo"], res["socket"])  # over the wire (loopback)
+    res["floor"] = min(res["raw"], res["copy"] or res["raw"])  # any way between processes
     return res
 
 
@@ -172,8 +205,9 @@ def main() -> None:
     print(
         f"{res['bytes'] / 1e6:.0f} MB: heal {res['heal'] * 1000:.0f} ms (into fresh memory "
         f"{res['heal_cold'] * 1000:.0f} ms), gloo broadcast "
-        f"{res['gloo'] * 1000:.0f} ms, socket {res['socket'] * 1000:.0f} ms: "
-        f"{res['heal'] / res['raw']:.2f}x the raw transfer"
+        f"{res['gloo'] * 1000:.0f} ms, socket {res['socket'] * 1000:.0f} ms, one copy "
+        f"{res['copy'] * 1000 if res['copy'] is not None else float('nan'):.0f} ms: "
+        f"{res['heal'] / res['raw']:.2f}x the raw transfer, {res['heal'] / res['floor']:.2f}x the floor"
     )
 
 

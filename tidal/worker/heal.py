@@ -1,6 +1,8 @@
 """Healing: every member of a new generation adopts the state of the most advanced one.
 
-The members all-gather their committed step; the lowest rank among those with the highest
+The members learn each other's committed step (each publishes its own in the store before
+the group forms and reads the others' once it formed: ``group.member_steps``; or an
+all-gather over the group, without them); the lowest rank among those with the highest
 step is the source and sends model, optimizer, RNG and step to the members behind it, and
 only to them: members already at that step hold the same state (synchronous training
 keeps them equal), so a scale-up sends to the joiners alone and a scale-down sends nothing.
