@@ -135,7 +135,8 @@ def _one_copy(rank: int, flat: torch.Tensor, reps: int) -> list[float]:
 
     from tidal.worker import cma
 
-    offers = [cma.offer([flat]) if rank == 0 and cma.offerable([flat]) else None]
+    hold = cma.Hold()  # held for the whole measurement
+    offers = [cma.offer([flat], hold) if rank == 0 and cma.offerable([flat]) else None]
     dist.broadcast_object_list(offers, 0)
     offer = offers[0]
     ok = torch.tensor([0 if offer is None else 1])

@@ -90,8 +90,8 @@ def served_coordinator(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
 _PROBE = r"""
 import json, sys, torch
 from tidal.worker import cma
-t = torch.arange(8, dtype=torch.float64)
-print(json.dumps(cma.offer([t]) if cma.offerable([t]) else None), flush=True)
+t, hold = torch.arange(8, dtype=torch.float64), cma.Hold()
+print(json.dumps(cma.offer([t], hold) if cma.offerable([t]) else None), flush=True)
 sys.stdin.readline()
 """
 

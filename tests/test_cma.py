@@ -53,8 +53,10 @@ def test_usable(offer, host, tensors, why):
 def test_a_source_offers_contiguous_host_tensors_only(tmp_path, monkeypatch):
     assert cma.offerable(T)
     assert not cma.offerable([T[0], torch.zeros(3, 4).t()])
-    offer = cma.offer(T)
+    hold = cma.Hold()
+    offer = cma.offer(T, hold)
     assert offer["spans"] == [[T[0].data_ptr(), 48], [T[1].data_ptr(), 40]]
+    assert offer["hold"] == [hold.mark.data_ptr(), int(hold.mark.item())] and offer["hold"][1]
     assert offer["boot_id"] == cma.Host.here().boot_id
     # Yama's scope 2 (admin only) or 3 (none): siblings can never read, so nothing is offered.
     yama = tmp_path / "ptrace_scope"
@@ -69,8 +71,12 @@ import json, sys, torch
 from tidal.worker import cma
 torch.manual_seed(3)
 ts = [torch.randn(700, 300), torch.randn(5, dtype=torch.float64), torch.arange(9)]
-print(json.dumps({"offer": cma.offer(ts), "values": [t.flatten().tolist() for t in ts]}), flush=True)
-sys.stdin.readline()  # holds its tensors until told to go
+hold = cma.Hold()
+print(json.dumps({"offer": cma.offer(ts, hold), "values": [t.flatten().tolist() for t in ts]}), flush=True)
+sys.stdin.readline()  # holds its tensors until told to release them
+hold.release()
+print("released", flush=True)
+sys.stdin.readline()  # and lives on until told to go
 """
 
 
@@ -95,9 +101,15 @@ def test_a_read_copies_the_source_bytes_and_fails_loudly_once_it_is_gone(cross_m
                 t.zero_()
             cma.read(offer, mine, threads=threads)
             assert [t.flatten().tolist() for t in mine] == got["values"], threads
+        assert cma.held(offer)  # the source still holds them: the copy stands
+        src.stdin.write("release\n")
+        src.stdin.flush()
+        assert src.stdout.readline().strip() == "released"
+        assert not cma.held(offer)  # alive, but no longer holding: a copy would be refused
         src.stdin.write("go\n")
         src.stdin.flush()
         src.wait(timeout=30)
+        assert not cma.held(offer)  # gone
         with pytest.raises(OSError, match="process_vm_readv"):
             cma.read(offer, mine)
     finally:

@@ -16,6 +16,13 @@ if sys.argv[4] == "refused":  # the kernel refuses the joiner's direct read
     def refuse(offer, tensors):
         raise PermissionError(1, "Operation not permitted (the test's)")
     cma.read = refuse
+if sys.argv[4] == "released" and rank == 0:  # the source stops holding before the read ends
+    real_offer = cma.offer
+    def offer_then_release(tensors, hold):
+        offer = real_offer(tensors, hold)
+        hold.release()
+        return offer
+    cma.offer = offer_then_release
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 torch.manual_seed(rank)
@@ -55,12 +62,13 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["direct", "refused"])
+@pytest.mark.parametrize("path", ["direct", "refused", "released"])
 def test_joiner_adopts_the_source_state_exactly(device, path, cross_memory):
     """On the CPU the joiner reads the source's memory directly (``cma``); when the kernel
-    refuses that read, the same state comes through the group instead. On a GPU the tensors
-    are not in host memory: always through the group."""
-    if path == "direct" and device == "cpu" and not cross_memory:
+    refuses that read, or the source no longer holds its state when the read ends
+    (``cma.Hold``: its wait was cut, it may change it), the same state comes through the
+    group instead. On a GPU the tensors are not in host memory: always through the group."""
+    if path in ("direct", "released") and device == "cpu" and not cross_memory:
         pytest.skip("this machine refuses process_vm_readv: the 'refused' case tests the rest")
     outs = run_ranks(SCRIPT, 2, args=(device, path))
     source, joiner = outs

@@ -90,7 +90,25 @@ def offerable(tensors: list[torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
-def offer(tensors: list[torch.Tensor]) -> dict:
+class Hold:
+    """A mark in the source's memory saying its offered tensors are as offered: a random
+    token while the source waits for its receivers' words, zero from the moment it stops
+    waiting (``release``), however it stops (every word heard, or its wait cut by the abort
+    watch, after which it may go on to change them). A receiver reads the mark after its
+    copy (``held``): the token still there means the source had not stopped when the copy
+    ended, so nothing copied changed under it; anything else, and the copy is refused as if
+    the kernel had refused it. The token comes from ``os.urandom``: Python's ``random`` is
+    part of the state the heal ships."""
+
+    def __init__(self) -> None:
+        token = (int.from_bytes(os.urandom(8), "little") >> 2) | 1
+        self.mark = torch.tensor([token], dtype=torch.int64)
+
+    def release(self) -> None:
+        self.mark.zero_()
+
+
+def offer(tensors: list[torch.Tensor], hold: Hold) -> dict:
     """What the heal's blob carries for a reader: plain values only (it is loaded with
     ``weights_only=True``)."""
     host = Host.here()
@@ -100,7 +118,20 @@ def offer(tensors: list[torch.Tensor]) -> dict:
         "pid_ns": host.pid_ns,
         "pid": os.getpid(),
         "spans": [[t.data_ptr(), t.numel() * t.element_size()] for t in tensors],
+        "hold": [hold.mark.data_ptr(), int(hold.mark.item())],
     }
+
+
+def held(offer: dict) -> bool:
+    """Whether the source still holds what it offered (``Hold``); False when it cannot be
+    read (the source is gone)."""
+    addr, token = offer["hold"]
+    mark = torch.zeros(1, dtype=torch.int64)
+    try:
+        _read_part(offer["pid"], [(mark.data_ptr(), addr, 8)])
+    except OSError:
+        return False
+    return int(mark.item()) == token
 
 
 def usable(offer: dict | None, host: Host | None, tensors: list[torch.Tensor]) -> str | None:

@@ -269,7 +269,8 @@ def heal(
         captured = tracked.capture() if tracked else Captured(skeleton={}, tensors=[])
         extra = captured.tensors
         sending = model + tensors + extra
-        direct = cma.offer(sending) if wire.type == "cpu" and cma.offerable(sending) else None
+        hold = cma.Hold()
+        direct = cma.offer(sending, hold) if wire.type == "cpu" and cma.offerable(sending) else None
         buf = io.BytesIO()
         torch.save(
             {
@@ -284,8 +285,11 @@ def heal(
             buf,
         )
         with cma.allow():  # readable by the receivers until each said it is done
-            _send_blob(buf.getvalue(), source, receivers, wire, waits)
-            readers = _hear_reads(source, receivers, wire, waits) if direct else set()
+            try:
+                _send_blob(buf.getvalue(), source, receivers, wire, waits)
+                readers = _hear_reads(source, receivers, wire, waits) if direct else set()
+            finally:  # from here on the tensors may change: a read not done is refused
+                hold.release()
         rest = [r for r in receivers if r not in readers]
         if rest:
             _send_tensors(sending, source, rest, wire, waits)
@@ -337,6 +341,8 @@ def _read_direct(
             cma.read(offer, tensors)
         except OSError as exc:
             why = f"the kernel refused the read: {exc}"
+        if why is None and not cma.held(offer):  # it may have changed under the read
+            why = "the source stopped holding its state before the read ended"
     if why is not None:
         _say_once(why)
     word = torch.tensor([0 if why else 1], dtype=torch.int64, device=wire)
