@@ -7,12 +7,13 @@ steps: 42 MB took 20 ms between two idle processes and 20 to 30 ms inside a scal
 ``process_vm_readv(2)`` (what MPI libraries use for large messages within a node) moves the
 same bytes with one copy on the receiver's core, ~5.6 GB/s here (``docs/architecture.md``).
 
-The source describes its tensors in the heal's blob (``Offer``: its host, pid namespace,
-pid and each tensor's address and length); a receiver that finds itself on the same host,
-in the same pid namespace, with tensors of the same lengths in its own memory, reads them
-all (``read``) and tells the source whether it did; the source waits for every receiver's
-word before it returns, so its tensors do not change under a read, and sends through gloo
-to those that could not. A read the kernel refuses (no permission to attach, a seccomp
+The source describes its tensors in the heal's blob (``offer``: its host, pid namespace,
+pid, each tensor's address and length, and its ``Hold`` mark); a receiver that finds itself
+on the same host, in the same pid namespace, with tensors of the same lengths in its own
+memory, reads them all (``read``), checks that the source still held them when the read
+ended (``held``), and tells the source whether it did; the source waits for every
+receiver's word before it returns, so its tensors do not change under a read, and sends
+through gloo to those that could not. A read the kernel refuses (no permission to attach, a seccomp
 profile without the call, a source gone) is such a case: the heal falls back, it never
 fails for it. The choice is ``usable``'s, a pure function with a reason.
 
@@ -49,6 +50,8 @@ def _libc() -> ctypes.CDLL | None:
         fn = libc.process_vm_readv
     except (OSError, AttributeError):
         return None
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # full-width arguments
+    libc.prctl.restype = ctypes.c_int
     fn.restype = ctypes.c_ssize_t
     fn.argtypes = [
         ctypes.c_int,
@@ -235,15 +238,16 @@ def _yama_scope() -> int:
 
 
 class allow:
-    """For the ``with`` block, let any process of this user read this one (Yama scope 1
-    only; nothing otherwise), and withdraw it after."""
+    """For the ``with`` block, let any process of this user read this one (when ``offered``
+    and Yama's scope is 1; nothing otherwise), and withdraw it after."""
+
+    def __init__(self, offered: bool) -> None:
+        self.offered = offered
 
     def __enter__(self) -> allow:
-        self.set = _LIBC is not None and _yama_scope() == 1
+        self.set = self.offered and _LIBC is not None and _yama_scope() == 1
         if self.set:
-            _LIBC.prctl(
-                PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY & 0xFFFFFFFFFFFFFFFF), 0, 0, 0
-            )
+            _LIBC.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY & 0xFFFFFFFFFFFFFFFF, 0, 0, 0)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -284,7 +284,7 @@ def heal(
             },
             buf,
         )
-        with cma.allow():  # readable by the receivers until each said it is done
+        with cma.allow(direct is not None):  # readable until each receiver said it is done
             try:
                 _send_blob(buf.getvalue(), source, receivers, wire, waits)
                 readers = _hear_reads(source, receivers, wire, waits) if direct else set()
