@@ -11,8 +11,8 @@ lands in fresh memory, faulted in during the transfer). The peer is the floor fo
 moving those bytes: one gloo broadcast of a single flat tensor of the same size, a plain
 TCP socket over loopback (``raw``: the faster of the two, the wire's speed), and one copy
 from the first process's memory into the second's (``copy``: ``process_vm_readv``, as the
-heal's own path on one host, ``tidal.worker.cma``; ``floor``: the fastest of all). Timed on rank 0 between
-barriers, median of ``--reps``.
+heal's own path on one host, ``tidal.worker.cma``; ``floor``: the fastest of all). Timed on
+rank 0 between barriers, median of ``--reps``.
 
 ``python -m bench.state_transfer [--reps N] [--mb M]`` (runs both ranks itself).
 """
@@ -208,7 +208,8 @@ def main() -> None:
         f"{res['heal_cold'] * 1000:.0f} ms), gloo broadcast "
         f"{res['gloo'] * 1000:.0f} ms, socket {res['socket'] * 1000:.0f} ms, one copy "
         f"{res['copy'] * 1000 if res['copy'] is not None else float('nan'):.0f} ms: "
-        f"{res['heal'] / res['raw']:.2f}x the raw transfer, {res['heal'] / res['floor']:.2f}x the floor"
+        f"{res['heal'] / res['raw']:.2f}x the raw transfer, "
+        f"{res['heal'] / res['floor']:.2f}x the floor"
     )
 
 

@@ -72,7 +72,8 @@ from tidal.worker import cma
 torch.manual_seed(3)
 ts = [torch.randn(700, 300), torch.randn(5, dtype=torch.float64), torch.arange(9)]
 hold = cma.Hold()
-print(json.dumps({"offer": cma.offer(ts, hold), "values": [t.flatten().tolist() for t in ts]}), flush=True)
+values = [t.flatten().tolist() for t in ts]
+print(json.dumps({"offer": cma.offer(ts, hold), "values": values}), flush=True)
 sys.stdin.readline()  # holds its tensors until told to release them
 hold.release()
 print("released", flush=True)
