@@ -5,6 +5,7 @@ server's event loop. A real coordinator and server (``served_coordinator``: it n
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from tidal.coordinator.answers import Answers
 from tidal.coordinator.pacing import heartbeat_interval
 from tidal.coordinator.records import WorkerRecord, changed_rows
+from tidal.host.hot_path import HeartbeatHotPath
 from tidal.protocol import (
     API_PREFIX,
     GenerationInfo,
@@ -70,6 +72,33 @@ def test_a_heartbeat_with_a_fact_applies_the_queue_first_and_never_blocks_the_se
     with coord.lock:
         coord._drain()  # the quick step-8 beat sent while the slow one waited
     assert coord.job.workers[0].step == 8 and not coord.inbox
+
+
+def test_facts_holds_and_role_reads_are_answered_without_fastapi(served):
+    """Every member's holding heartbeat, step report and role read come at a scheduled
+    change, on busy cores: the hot path answers them itself (the fact applied on a worker
+    thread, as the endpoint would), and only what it does not answer reaches FastAPI."""
+    coord, client = served
+
+    async def fastapi(scope, receive, send):
+        raise AssertionError(f"reached FastAPI: {scope['method']} {scope['path']}")
+
+    async def calls(headers: dict) -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=HeartbeatHotPath(fastapi, coord))
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://t" + API_PREFIX, headers=headers
+        ) as c:
+            return [
+                await c.post("/workers/0/heartbeat", json={"step": 8, "leaving": True}),
+                await c.get("/workers/0/role"),
+            ]
+
+    left, role = asyncio.run(calls(dict(client.headers)))
+    assert left.status_code == role.status_code == 200
+    assert left.json()["role"] == role.json()["role"] == "standby"
+    assert coord.job.leaving == [0] and coord.job.workers[0].step == 8  # applied first
+    with pytest.raises(AssertionError, match="reached FastAPI"):  # no credential: FastAPI says 401
+        asyncio.run(calls({"Authorization": "Bearer wrong"}))
 
 
 def test_a_new_generation_is_answered_as_soon_as_it_is_opened(served):
