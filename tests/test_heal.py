@@ -29,13 +29,16 @@ torch.manual_seed(rank)
 if dev.type == "cuda":
     torch.cuda.manual_seed(rank)
 out = {}
-for name in ("adam", "sgd"):
+for name in ("adam", "sgd", "sgd_tensor_lr"):
     random.seed(rank)
     random.gauss(0, 1)  # leaves the second of the pair in the state: it travels too
     m = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)).to(dev)
     assert max(p.numel() for p in m.parameters()) >= LARGE  # one travels alone
-    opt = (torch.optim.Adam(m.parameters(), 1e-3) if name == "adam"
-           else torch.optim.SGD(m.parameters(), 0.1, momentum=0.9))
+    if name == "adam":  # plain values: its blob is tagged JSON (``blob``)
+        opt = torch.optim.Adam(m.parameters(), 1e-3)
+    else:  # a tensor in the param groups: its blob is torch.save bytes
+        opt = torch.optim.SGD(m.parameters(), torch.tensor(0.1) if name == "sgd_tensor_lr" else 0.1,
+                              momentum=0.9)
     if rank == 0:
         for _ in range(3):
             m(torch.randn(5, 16).to(dev)).sum().backward(); opt.step(); opt.zero_grad()
@@ -72,7 +75,7 @@ def test_joiner_adopts_the_source_state_exactly(device, path, cross_memory):
         pytest.skip("this machine refuses process_vm_readv: the 'refused' case tests the rest")
     outs = run_ranks(SCRIPT, 2, args=(device, path))
     source, joiner = outs
-    for name in ("adam", "sgd"):
+    for name in ("adam", "sgd", "sgd_tensor_lr"):
         assert joiner[name]["sent"] and joiner[name]["source"] == 0 and joiner[name]["step"] == 7
         assert joiner[name]["direct"] == (device == "cpu" and path == "direct")
         assert not source[name]["direct"]

@@ -10,9 +10,9 @@ Joiners (no state yet) and laggards (a peer died mid all-reduce, leaving one sur
 the step and another before it) take the same path, so a join and a failure share one code
 path. Messages live on the group's wire device (``devices.wire_device``: the CPU for gloo,
 whatever the tensors' device; the GPU for NCCL): a tensor elsewhere travels as a copy there
-and lands back in place. The optimizer's structure travels as a ``torch.save`` blob loaded with
-``weights_only=True`` (tensors and plain containers only, never arbitrary pickles), the
-tracked objects' as JSON text inside it; their tensors travel raw, into tensors the
+and lands back in place. The optimizer's structure travels as a small blob (``blob``:
+tagged JSON, or ``torch.save`` bytes loaded with ``weights_only=True``, never arbitrary
+pickles), the tracked objects' as JSON text inside it; their tensors travel raw, into tensors the
 receivers allocate from that structure. On gloo the heal waits for its messages through the
 worker's ``Waits`` (``waits``), so the abort watch can cut a heal that a lost peer left
 blocked. A receiver on the source's host reads the tensors straight from the source's
@@ -22,7 +22,6 @@ source waits for that word from each receiver and sends through gloo to those th
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import logging
@@ -35,7 +34,7 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.tracked import Captured, TrackedState
-from tidal.worker import cma
+from tidal.worker import blob, cma
 from tidal.worker.landing import Landing, state_tensors
 from tidal.worker.waits import Waits
 
@@ -271,8 +270,7 @@ def heal(
         sending = model + tensors + extra
         hold = cma.Hold()
         direct = cma.offer(sending, hold) if wire.type == "cpu" and cma.offerable(sending) else None
-        buf = io.BytesIO()
-        torch.save(
+        meta = blob.encode(
             {
                 "layout": layout,
                 "torch_rng": torch.get_rng_state(),
@@ -281,12 +279,11 @@ def heal(
                 "tracked": captured.to_json(),  # JSON text: no pickle of user objects
                 "model": model_layout(module),
                 "cma": direct,
-            },
-            buf,
+            }
         )
         with cma.allow(direct is not None):  # readable until each receiver said it is done
             try:
-                _send_blob(buf.getvalue(), source, receivers, wire, waits)
+                _send_blob(meta, source, receivers, wire, waits)
                 readers = _hear_reads(source, receivers, wire, waits) if direct else set()
             finally:  # from here on the tensors may change: a read not done is refused
                 hold.release()
@@ -294,9 +291,7 @@ def heal(
         if rest:
             _send_tensors(sending, source, rest, wire, waits)
         return HealResult(source=source, step=best, sent=True)
-    meta = torch.load(
-        io.BytesIO(_send_blob(None, source, receivers, wire, waits)), weights_only=True
-    )
+    meta = blob.decode(_send_blob(None, source, receivers, wire, waits))
     shipped = json.loads(meta["tracked"])
     # Into its own optimizer's tensors and the landing, where they fit.
     check_model(model_layout(module), meta["model"])
