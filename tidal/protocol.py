@@ -147,6 +147,14 @@ def arrived_key(prefix: str) -> str:
     return f"{prefix}/arrived"
 
 
+def settled_key(prefix: str) -> str:
+    """Set by whoever moves ``state_key`` from ``open`` (the last member to arrive, or the
+    coordinator abandoning it), right after: members waiting at the rendezvous block on it
+    in the store instead of polling the state (``group.rendezvous``). Set again by a
+    coordinator whose abandon found the state moved already: harmless, it only wakes."""
+    return f"{prefix}/settled"
+
+
 def step_key(prefix: str, rank: int) -> str:
     """The committed step of the generation's member of ``rank`` (``none`` without state),
     set before it forms the group: its peers read every member's once the group formed,

@@ -38,7 +38,14 @@ from tidal.coordinator.actions import (
     SignalWorker,
     StartWorker,
 )
-from tidal.protocol import GEN_ABANDONED, GEN_OPEN, notice_key, notice_wake_key, state_key
+from tidal.protocol import (
+    GEN_ABANDONED,
+    GEN_OPEN,
+    notice_key,
+    notice_wake_key,
+    settled_key,
+    state_key,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -93,9 +100,9 @@ class Executor:
             case OpenGeneration(prefix=prefix, previous=previous):
                 self.store.set(state_key(prefix), GEN_OPEN)
                 if previous is not None:
-                    self.store.compare_set(state_key(previous), GEN_OPEN, GEN_ABANDONED)
+                    self._abandon(previous)
             case AbandonGeneration(prefix=prefix):
-                self.store.compare_set(state_key(prefix), GEN_OPEN, GEN_ABANDONED)
+                self._abandon(prefix)
             case Notify():
                 count = self.store.add(notice_key(self.namespace), 1)
                 self.store.set(notice_wake_key(self.namespace, count), b"")
@@ -118,6 +125,12 @@ class Executor:
             case _:
                 raise TypeError(f"not an action: {action!r}")
         return None
+
+    def _abandon(self, prefix: str) -> None:
+        """Abandon generation ``prefix`` unless it formed, and wake its waiting members
+        (``protocol.settled_key``)."""
+        self.store.compare_set(state_key(prefix), GEN_OPEN, GEN_ABANDONED)
+        self.store.set(settled_key(prefix), b"")
 
     def prepare(self, zygote: Zygote | None) -> None:
         """Get the backend ready to start workers fast (``Backend.prepare``)."""
