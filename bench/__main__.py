@@ -42,7 +42,7 @@ SIZES = {
     # within the neighbour-copy interval), the DCP peer's restarts, and the steps at 2
     # members between the changes and the kills (copies' cost to the steps)
     "full": dict(
-        tput_steps=300, tput_reps=4, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
+        tput_steps=300, tput_reps=8, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
         fsdp_steady=60,
@@ -68,6 +68,7 @@ GOALS = {
     "rescale_pause_net_p50": "Tidal <= 0.015 s",
     "rescale_down_net_p50": "Tidal <= 0.015 s",
     "rescale_up_net_p50": "peer: the joiner's state moved at the floor (one copy)",
+    "rescale_pause_stat_floor": "peer: what the net pause reads at an ordinary step",
     "recovery_p50": "Tidal <= 0.1 s, <= 1 step lost",
     "state_transfer": "Tidal <= 1.5x raw (ratio >= 0.667)",
     "state_transfer_copy": "peer: one copy between the processes, the host's floor",
@@ -162,7 +163,19 @@ def run_rescale(size: dict, tmp: Path) -> tuple[list[dict], dict]:
         f"(heal {floor['heal'] * 1000:.1f} ms)"
     )
     peer_down = [x - p["step_s"][1] for x in p["down_s"]]
+    # What the net pause reads at a change that cost nothing (``rescale.stat_floor``): each
+    # change's kind at its own floor, their median as the net's.
+    kinds = [t["stat_floor_s"]["up"]] * len(t["excess_up_s"]) + [t["stat_floor_s"]["down"]] * len(
+        t["excess_down_s"]
+    )
     rows += [
+        row(
+            "rescale_pause_stat_floor",
+            percentile(t["excess_s"], 50),
+            percentile(kinds, 50) if kinds and None not in kinds else float("nan"),
+            "s",
+            higher_is_better=False,
+        ),
         row(
             "rescale_up_net_p50",
             percentile(t["excess_up_s"], 50),

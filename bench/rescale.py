@@ -77,8 +77,14 @@ def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12)
                 f"tidal{what} pause phases, median (ms): "
                 + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in p50.items())
             )
+    floor = stat_floor(recs)
+    log(
+        "tidal pause statistic at ordinary steps, over one step (ms): "
+        + ", ".join(f"{k} {v * 1000:.1f}" for k, v in floor.items() if v is not None)
+    )
     return {
         "pauses_s": pauses,
+        "stat_floor_s": floor,
         "phases_p50_s": phase_p50,
         "phases_up_p50_s": by_size[3],
         "phases_down_p50_s": by_size[2],
@@ -113,6 +119,35 @@ def up_floor(tmp: Path, *, reps: int = 5) -> dict:
     mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     tmp.mkdir(parents=True, exist_ok=True)
     return state_transfer.measure(tmp, mb=mb, reps=reps)
+
+
+def max_gap_floor(recs: list, world: int, pids: set[int] | None = None) -> float | None:
+    """What the pause statistic reads where nothing changed: at ordinary steps of ``world``
+    members, the median of the largest interval between consecutive step starts (each
+    member's start follows its commit of the step before: the moments ``pause_s`` is taken
+    between) among ``pids`` (all the members when None), less the median step. A change's
+    ``pause_s`` is the largest of its members' gaps, and the members' commits of one step
+    land milliseconds apart on busy cores, so even a change that cost nothing reads this
+    much above one ordinary step. None without two consecutive ordinary steps."""
+    starts: dict[int, dict[int, float]] = {}
+    for r in recs:
+        if r.kind == "B" and r.world == world and (pids is None or r.pid in pids):
+            starts.setdefault(r.pid, {})[r.index] = r.time
+    if len(starts) < 2:
+        return None
+    common = set.intersection(*(set(s) for s in starts.values()))
+    gaps = [
+        max(s[i + 1] - s[i] for s in starts.values()) for i in sorted(common) if i + 1 in common
+    ]
+    return statistics.median(gaps) - median_step(recs, world) if gaps else None
+
+
+def stat_floor(recs: list) -> dict[str, float | None]:
+    """``max_gap_floor`` for each kind of change of ``tidal_pauses``: a scale-up's pause is
+    the largest gap of the two members that continue (the joiner has no step before it),
+    at three; a scale-down's, of the two that remain, at two."""
+    stay = {r.pid for r in recs if r.world == 2}
+    return {"up": max_gap_floor(recs, 3, stay), "down": max_gap_floor(recs, 2, stay)}
 
 
 def _phases_p50(gens: list[dict]) -> dict[str, float]:

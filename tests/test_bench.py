@@ -199,3 +199,36 @@ def test_the_load_generator_reads_a_token_that_begins_with_a_dash(tmp_path: Path
         str(out),
     )
     assert (args.window_s, args.warmup_s, args.cpus) == (5.0, 1.0, "1")
+
+
+def _records(starts: dict[int, list[float]], world: int) -> list:
+    """Step records of members (pid -> each step's start, ms): every step ends 5 ms after it
+    starts, at ``world`` members."""
+    from bench.common import Rec
+
+    recs = []
+    for pid, ts in starts.items():
+        for i, t in enumerate(ts):
+            recs.append(Rec("B", t / 1000, i, world, 0, pid))
+            recs.append(Rec("E", (t + 5) / 1000, i, world, 0, pid))
+    return recs
+
+
+@pytest.mark.parametrize(
+    "starts, pids, floor_ms",
+    [
+        # in step: the largest member's interval is the median step, nothing more
+        ({1: [0, 10, 20, 30, 40], 2: [0, 10, 20, 30, 40]}, None, 0.0),
+        # member 2 commits 2 ms late every other step: its intervals 12, 8, 12, 8; the
+        # largest of the two members' is 12, 10, 12, 10 (median 11), one step 10
+        ({1: [0, 10, 20, 30, 40], 2: [0, 12, 20, 32, 40]}, None, 1.0),
+        # ... unless only member 1 is asked about
+        ({1: [0, 10, 20, 30, 40], 2: [0, 12, 20, 32, 40]}, {1}, None),
+        ({1: [0, 10, 20, 30, 40], 2: [0, 12, 20, 32, 40], 3: [0, 10, 20, 30, 40]}, {1, 3}, 0.0),
+    ],
+)
+def test_the_pause_statistic_at_ordinary_steps(starts, pids, floor_ms) -> None:
+    from bench.rescale import max_gap_floor
+
+    got = max_gap_floor(_records(starts, 2), 2, pids)
+    assert got == (None if floor_ms is None else pytest.approx(floor_ms / 1000))
