@@ -37,8 +37,8 @@ for name in ("adam", "sgd", "sgd_tensor_lr"):
     if name == "adam":  # plain values: its blob is tagged JSON (``blob``)
         opt = torch.optim.Adam(m.parameters(), 1e-3)
     else:  # a tensor in the param groups: its blob is torch.save bytes
-        opt = torch.optim.SGD(m.parameters(), torch.tensor(0.1) if name == "sgd_tensor_lr" else 0.1,
-                              momentum=0.9)
+        lr = torch.tensor(0.1) if name == "sgd_tensor_lr" else 0.1
+        opt = torch.optim.SGD(m.parameters(), lr, momentum=0.9)
     if rank == 0:
         for _ in range(3):
             m(torch.randn(5, 16).to(dev)).sum().backward(); opt.step(); opt.zero_grad()

@@ -14,9 +14,9 @@ coordinator's CPU each through FastAPI's stack, measured on the rescale bench).
 
 Everything else goes to the FastAPI app unchanged, the request body replayed: a missing or
 wrong credential (401), a body that does not validate (422 naming the field, and the
-``refused`` event), any other route. So FastAPI remains the one definition of the API's answers; this layer
-only answers, faster, the requests whose answer it would give the same way (tested in
-``tests/test_heartbeat_path.py``; the API fuzzing runs through it).
+``refused`` event), any other route. So FastAPI remains the one definition of the API's
+answers; this layer only answers, faster, the requests whose answer it would give the same
+way (tested in ``tests/test_heartbeat_path.py``; the API fuzzing runs through it).
 """
 
 from __future__ import annotations

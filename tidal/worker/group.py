@@ -143,8 +143,8 @@ def rendezvous(
     elif store.get(key) == GEN_OPEN:
         try:
             store.wait([settled_key(info.store_prefix)], datetime.timedelta(seconds=timeout_s))
-        except dist.DistStoreError:  # the wait's own timeout; a lost store raises on
-            if time.monotonic() < deadline:
+        except dist.DistStoreError:  # its own timeout: the polls below say TIMED_OUT
+            if time.monotonic() < deadline:  # not the timeout: the caller handles it
                 raise
     for pause in pauses(poll_s):
         state = store.get(key)
