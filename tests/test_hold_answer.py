@@ -81,3 +81,53 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
             if c[0] == "fetch" and int(c[1]) in stay and c[2:4] == [str(gen), str(at)]
         ]
         assert not again, (at, again)
+
+
+SLOW_BEATS = """
+import os
+from tidal.worker import agent as _agent
+
+# The heartbeat thread's own beats a minute apart (the test's fault: nothing but an explicit
+# send then carries the outbox); once per process, as above.
+if os.environ.get("SLOW_BEATS") and not hasattr(_agent.Agent._register, "slowed"):
+    _register = _agent.Agent._register
+
+    def _slow(self, *args, **kwargs):
+        resp = _register(self, *args, **kwargs)
+        self._interval = 60.0
+        return resp
+
+    _slow.slowed = True
+    _agent.Agent._register = _slow
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
+    tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation's first step's report waits in the outbox for the next commit
+    (``Reports._send_report``), but the coordinator admits a joiner only once that report
+    says the generation formed: a member holding at the very next step sends it first.
+    With the heartbeat thread's own beats a minute apart (this test's ``sitecustomize``), a
+    report left for the next beat would hold the change at step 11 back by up to a minute
+    (the hold at 11 cannot be settled before generation (2, 10) formed)."""
+    call_log(tmp_path, monkeypatch, SLOW_BEATS, "SLOW_BEATS")
+    proc, job = tidal_home.run(
+        "consecutive",
+        *("--workers", "1", "--max-workers", "3", "--schedule", "10:2,11:3"),
+        *("--heartbeat-timeout", "100", "--collective-timeout", "200"),
+        *("--orphan-timeout", "300"),
+        script_args=["--max-steps", "20"],
+        timeout=140,
+    )
+    status = job.status()
+    assert proc.returncode == 0, summarize(status)
+    gens = status["generations"]
+    assert [(g["world_size"], g["start_step"]) for g in gens] == [(1, 0), (2, 10), (3, 11)], (
+        summarize(status)
+    )
+    # The pause of the change at 11 (its members' gap between steps 10 and 11): a hang
+    # detector, a sixth of the beats' interval; such a change takes milliseconds.
+    assert gens[2]["pause_s"] is not None and gens[2]["pause_s"] < 10.0, summarize(status)

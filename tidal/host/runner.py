@@ -178,7 +178,6 @@ def _host(
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress(coord, enabled=not quiet)
     stopping_for_db = ended = False
-    woken = time.monotonic()  # the last time something woke the loop
     try:
         while True:
             coord.wake.clear()  # before the tick: a call during it wakes the next one
@@ -194,9 +193,8 @@ def _host(
             progress.update()
             if not coord.executor.db.broken:
                 recorder.tick()
-            wait_s, _ = loop_wait(settled=coord.settled(), since_wake_s=time.monotonic() - woken)
-            if coord.wake.wait(wait_s, coord.executor.wake_fds()):
-                woken = time.monotonic()
+            wait_s, _ = loop_wait(settled=coord.settled())
+            coord.wake.wait(wait_s, coord.executor.wake_fds())
         try:
             progress.update(final=True)
         except HomeError:

@@ -333,8 +333,12 @@ class Agent:
         self._step_metrics_dropped += excess
 
     def post_report(self, report: StepReport) -> None:
+        """Put ``report`` in the outbox: it goes with the next heartbeat (``send_soon``)."""
         with self._lock:
             self._reports.append(report)
+
+    def send_soon(self) -> None:
+        """Send the next heartbeat now, with whatever waits in the outbox."""
         self._wake.set()
 
     def post_checkpoint(self, checkpoint: CheckpointView) -> None:

@@ -298,10 +298,10 @@ def heal(
     land = Landing(state_tensors(optimizer.state_dict()) + list(landing))
     tensors = [land.take(shape, dtype) for shape, dtype in meta["layout"]["tensors"]]
     extra = [land.take(shape, dtype) for shape, dtype in shipped["tensors"]]
-    direct = False
+    direct, said = False, []
     try:  # from here on this member's own state is being overwritten
         if meta.get("cma") is not None:
-            direct = _read_direct(meta["cma"], model + tensors + extra, source, wire, waits)
+            direct, said = _read_direct(meta["cma"], model + tensors + extra, source, wire, waits)
         if not direct:
             _send_tensors(model + tensors + extra, source, [rank], wire, waits)
         optimizer.load_state_dict(_join_state(meta["layout"], tensors))
@@ -311,6 +311,7 @@ def heal(
         devices.set_cuda_rng_state(meta.get("cuda_rng"))
         if tracked is not None or shipped["skeleton"]:
             (tracked or TrackedState({})).restore(shipped["skeleton"], extra)
+        _wait(said, waits)  # the word to the source, sent while the state above loaded
     except Exception as exc:  # noqa: BLE001 - whatever cut it, the state is now a mix
         raise HealInterrupted(source, best, exc) from exc
     return HealResult(source=source, step=best, sent=True, direct=direct)
@@ -327,9 +328,13 @@ def _gather_steps(
 
 def _read_direct(
     offer: dict, tensors: list[torch.Tensor], source: int, wire: torch.device, waits: Waits | None
-) -> bool:
+) -> tuple[bool, list[dist.Work]]:
     """Read the source's offer into ``tensors`` if this receiver can (``cma.usable``) and
-    tell the source whether it did (1 or 0): it sends through the group otherwise."""
+    tell the source whether it did (1 or 0): it sends through the group otherwise. Returns
+    whether it read, and the word's send, for the caller to wait for once it has loaded
+    what it read (a wait here held the receiver up by a hand-off between processes, 0.5 to
+    3 ms on busy cores, while the source already had its word; a read that failed waits at
+    once, before the tensors travel through the group)."""
     why = cma.usable(offer, cma.Host.here(), tensors)
     if why is None:
         try:
@@ -341,8 +346,11 @@ def _read_direct(
     if why is not None:
         _say_once(why)
     word = torch.tensor([0 if why else 1], dtype=torch.int64, device=wire)
-    _wait([dist.isend(word, source)], waits)
-    return why is None
+    said = [dist.isend(word, source)]
+    if why is not None:
+        _wait(said, waits)
+        return False, []
+    return True, said
 
 
 def _hear_reads(

@@ -145,6 +145,7 @@ class Membership:
         heartbeat ``_hold_soon`` sent for this step, answered first."""
         assert self._agent is not None
         self._debug(f"hold at {step}")
+        self._send_report()  # the coordinator settles the step once its generation formed
         while True:  # the coordinator keeps each answer back until it settles the step
             if sent is not None:
                 resp, sent = sent.result(), None
@@ -170,6 +171,7 @@ class Membership:
         Returns False when the coordinator wants this worker to exit or the job to stop.
         """
         assert self._agent is not None and self._store is not None
+        self._send_report()  # the next generation opens once this one formed
         tried = self.generation  # the newest generation tried
         self._t_join = time.time()
         while True:

@@ -30,6 +30,20 @@ class Reports:
         ]
         return {name: marks[i + 1] - marks[i] for i, name in enumerate(PAUSE_PHASES)}
 
+    def _send_report(self) -> None:
+        """Send the generation's first step's report (``StepReport``), if it waits.
+
+        It waits in the outbox from that step's commit until the next commit, or until this
+        member holds or joins again, whichever comes first: sent at once, the coordinator
+        applied it (a thread hop and a pass under its lock) while the other members were
+        still finishing the same first step, on cores they need, at the end of every
+        change's pause. Nothing waits on it for that step: the coordinator admits joiners
+        and opens the next generation only once the report says the generation formed, so a
+        member about to hold or join sends it first (``_hold``, ``_join``)."""
+        if self._report_pending and self._agent is not None:
+            self._report_pending = False
+            self._agent.send_soon()
+
     def _time_split(self, step: Step) -> None:
         """Accumulate this step's compute time and exposed communication wait."""
         c = self._control

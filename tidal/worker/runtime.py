@@ -232,6 +232,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         # When this worker began joining, met its peers, formed the group, and healed: the
         # phases of its pause, reported with its first step in the generation.
         self._t_join = self._t_rendezvous = self._t_formed = self._t_healed = 0.0
+        self._report_pending = False
         self._rate_mark = (time.monotonic(), 0)
         self._pipeline = Pipeline(data, self.sampler, loading)
         self._non_blocking = loading.pin_memory and self.device.type == "cuda"
@@ -370,6 +371,7 @@ class Trainer(Membership, ShardedSteps, Reports):
             self.completed = self.step >= max_steps
             finished = member or self._stopping
         finally:
+            self._send_report()  # before the done report, as a later step would have sent it
             self._leave_group()
             if finished and self._last_rank == 0 and self._fsdp is None:  # completion or stop
                 self._checkpoint()
@@ -491,6 +493,7 @@ class Trainer(Membership, ShardedSteps, Reports):
         now = time.time()
         if self._last_step_gen == self.generation and self._last_step_time is not None:
             self._step_s = now - self._last_step_time
+        self._send_report()  # the generation's first step's, one step on
         if self._gen_first_pending and self._agent is not None:
             self._debug(f"first step {self.step} in gen {self.generation}")
             self._gen_first_pending = False
@@ -508,6 +511,7 @@ class Trainer(Membership, ShardedSteps, Reports):
                     redone_steps=self._recovery[1],
                 )
             )
+            self._report_pending = True
         self._last_step_time = now
         self._last_step_gen = self.generation
         if self._agent is not None:
