@@ -238,3 +238,35 @@ def test_text_with_square_brackets_is_printed_as_text(capsys, monkeypatch) -> No
     progress._last = time.monotonic() - 0.3  # events are due, the progress line is not
     progress.update()
     assert "[/__w/pytorch" in capsys.readouterr().out
+
+
+def test_a_generation_that_forms_wakes_the_loop_and_is_flushed_at_once(
+    served_coordinator,
+) -> None:
+    """The first report of a generation's first step forms it: the loop is woken (a joiner
+    or start held back while it settled may go now) and its next pass flushes, whatever the
+    time since the last flush, so readers see the new world size."""
+    import time
+
+    from tidal.coordinator.records import WorkerRecord
+    from tidal.protocol import WorkerState
+
+    coord, _ = served_coordinator
+    with coord.lock:
+        for wid in range(2):
+            coord.job.workers[wid] = WorkerRecord(
+                id=wid, state=WorkerState.STANDBY, pid=1, host="h"
+            )
+        coord._open([0, 1], "two members")
+        gen = coord.job.latest.id
+        coord.flush()
+    coord.wake.clear()
+    assert coord.view.world_size == 0 and not coord._flush_due()
+    report = StepReport(generation=gen, start_step=0, first_step_time=1.0)
+    coord.on_heartbeat(0, HeartbeatRequest(step=1, generation=gen, reports=[report]))
+    assert coord.wake.is_set()
+    coord._last_flush = time.monotonic()
+    assert coord._flush_due()
+    coord.wake.clear()  # a second member's report of the same step wakes nothing
+    coord.on_heartbeat(1, HeartbeatRequest(step=1, generation=gen, reports=[report]))
+    assert not coord.wake.is_set()

@@ -256,9 +256,16 @@ class Coordinator(Handlers, Effects, Views, Scaling, Lifecycle):
             self._check_start_timeout()
         if self.job.outcome is not None:
             return self._wind_down(now)
-        if time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+        if self._flush_due():
             self.flush()
         return True
+
+    def _flush_due(self) -> bool:
+        """Whether this pass flushes: every ``FLUSH_EVERY_S``, and at once when readers
+        would see another world size than the job's (a generation formed, or the job
+        ended): a short job's history and status must not miss its size."""
+        stale = self.view.world_size != self.job.world_size()
+        return stale or time.monotonic() - self._last_flush > FLUSH_EVERY_S
 
     def _finish(self) -> None:
         """Decide a completed job's outcome by its final checkpoint (``rules``)."""

@@ -155,8 +155,9 @@ class Effects:
         if index is None:
             return
         gen = gens[index]
-        if gen.start_step is None:
+        if gen.start_step is None:  # formed: joiners and starts held back for it may go
             gen.start_step = r.start_step
+            self.wake.set()
         prev_formed = [g.id for g in gens[:index] if g.formed]
         if (
             r.prev_last_step_time is not None
