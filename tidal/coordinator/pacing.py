@@ -42,7 +42,7 @@ def loop_wait(*, settled: bool) -> tuple[float, str]:
     A wake's pass applies what woke it, and leaves the job unsettled if anything follows
     within tenths of a second, so a settled job sleeps ``LOOP_SETTLED_S`` even right after
     a wake. (Half a second of ``LOOP_BUSY_S`` after every wake, as before, ran ~25 more
-    passes around each planned change, ~7 ms of the coordinator's CPU per change, taken
+    passes around each planned change, ~8 ms of the coordinator's CPU per change, taken
     from the members' first step on two busy cores: ``docs/benchmarks.md``.)"""
     if not settled:
         return LOOP_BUSY_S, "a change is in motion"
