@@ -2,7 +2,7 @@
 lock.
 
 A mixin of ``Coordinator``. The loop publishes a ``LiveView`` at every flush (``flush``:
-at least every ``controller.FLUSH_EVERY_S``, and after a change a caller asked to see); the
+at least every ``loop.FLUSH_EVERY_S``, and after a change a caller asked to see); the
 status is built from the journal's copy of the job's records in memory (``journal``), which
 the same flush brings up to date. So a dashboard, ``tidal status`` or Prometheus, however
 many poll, never waits for a pass and never makes one wait: what they read is at most one

@@ -22,12 +22,9 @@ Contracts:
 
 from __future__ import annotations
 
-import atexit
-import datetime
 import os
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -37,11 +34,11 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
-from tidal.worker import ddp, identity, landing, norms, probes
-from tidal.worker import group as grp
+from tidal.worker import ddp, identity, norms, probes
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
+from tidal.worker.elastic import ElasticLoop
 from tidal.worker.membership import Membership
 from tidal.worker.notice import Notices
 from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
@@ -50,7 +47,7 @@ from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
 from tidal.worker.update import Update
 from tidal.worker.waits import Waits
-from tidal.worker.watch import AbortWatch, Facts
+from tidal.worker.watch import AbortWatch
 
 _current: Trainer | None = None
 
@@ -78,7 +75,7 @@ def log(*, reduce: str | None = None, **metrics: float) -> None:
         _current._log(values, reduce)
 
 
-class Trainer(Membership, ShardedSteps, Reports):
+class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
     """Elastic data-parallel training of ``model`` with ``optimizer`` over ``dataset``.
 
     Under ``tidal run`` it joins the job's coordinator; run as a plain script it trains
@@ -297,145 +294,6 @@ class Trainer(Membership, ShardedSteps, Reports):
             yield step
             self._commit()
         self.completed = True
-
-    # -- elastic ---------------------------------------------------------------------
-    def _run_elastic(self, max_steps: int) -> Iterator[Step]:
-        assert self._env is not None
-        ddp.warm_up(self.module)
-        if self._sharding == "ddp":  # memory a heal's optimizer state lands in, touched now
-            self._landing = landing.prepare(self.optimizer)
-        self._agent = Agent(self._env)
-        self._agent.install_preemption_handler()
-        cfg = self._agent.register(max_steps=max_steps).config
-        self._cfg = cfg
-        self._start_comm(cfg.comm)
-        self._durable = Durable(cfg, self._agent)
-        self._agent.post_metrics(  # the coordinator's cost projection and policy need these
-            {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
-        )
-        resumed = self._durable.resume(
-            self.module, self.optimizer, self._tracked, data_order=identity.data_order(self.sampler)
-        )
-        if resumed is not None:
-            self.step, self._has_state = resumed, True
-            self._landing = []  # its own state, loaded, is the landing now: not twice
-            self._agent.step = resumed
-        if self._sharding == "fsdp":  # the module becomes the template: after any resume
-            self._start_sharded(cfg)
-        self._connect_store()
-        finished = False
-        try:
-            member = self._join()
-            while member and self.step < max_steps and not self._stopping:
-                if self._buckets_pending and not self._settle_buckets():
-                    member = self._join()
-                    continue
-                index = self.step
-                probes.point("step", index, self.generation)
-                step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
-                mark = self._tracked.mark() if self._tracked else None
-                self._update.begin()
-                yield step
-                if step._failed is not None:
-                    if mark is not None:  # the step is redone: what it moved moves back
-                        self._tracked.rewind(mark)
-                    self._leave_group(failed=True)
-                    self._report_failure(self.generation, step._failed)
-                    member = self._join()
-                    continue
-                self._time_split(step)
-                held = self._hold_soon(index + 1, max_steps)
-                self._commit()
-                if self._next_word is None:  # the step carried a word: when the next rides
-                    self._next_word = index + self._control.every
-                if self._fsdp is None and self._durable.due(self.step) and self.rank == 0:
-                    self._checkpoint()
-                if not (self._sharded_checkpoint_taken() and self._copies_taken()):
-                    member = self._join()
-                    continue
-                if self._control.stop:
-                    self._stopping = True
-                elif self.step >= max_steps:
-                    break
-                elif self._control.switch or (
-                    self.step in self._cfg.hold_steps and self._hold(self.step, held)
-                ):
-                    # Held at this step (no switch): form from the answer that released it.
-                    answer = None if self._control.switch else self._hold_answer[1]
-                    self._gather_for_leavers()
-                    self._leave_group()
-                    member = self._join(answer)
-            if member and self._fsdp is not None:  # the job's last step, while the group lives
-                self._sharded_checkpoint_taken(final=True)
-                self._gather_final()
-            self.completed = self.step >= max_steps
-            finished = member or self._stopping
-        finally:
-            self._send_report()  # before the done report, as a later step would have sent it
-            self._leave_group()
-            if finished and self._last_rank == 0 and self._fsdp is None:  # completion or stop
-                self._checkpoint()
-            self._durable.wait()
-            if self._watch is not None:
-                self._watch.stop()
-            self._notices.close()
-            try:
-                self._agent.report_done(step=self.step, completed=self.completed)
-            finally:
-                atexit.register(self._agent.close)
-
-    def _start_comm(self, comm: str) -> None:
-        """Choose the process groups' backend (``devices.resolve_comm``) and start the abort
-        watch (``watch``). On gloo the watch fails the waits it gives up on and cuts the
-        group's connections (``waits``); on NCCL it aborts the communicators, and the worker
-        takes its device, torch's watchdog told to do nothing."""
-        self._backend = devices.resolve_comm(comm, self.device)
-        if self._backend != "nccl":
-            self._control.waits = self._waits
-            self._watch = AbortWatch(self._watch_facts, self._cut_group)
-            return
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # the watch handles errors
-        torch.cuda.set_device(self.device)
-        self._watch = AbortWatch(self._watch_facts, grp.abort_group)
-
-    def _cut_group(self) -> None:
-        """The gloo watch's abort: the training thread's wait fails, the peers' see the
-        connections close."""
-        self._waits.abort("the abort watch cut a collective a peer left")
-        grp.cut_group()
-
-    def _other_ports(self) -> tuple[int, ...]:
-        """The ports of this worker's connections besides its group's: the coordinator's
-        API (the store's is known to ``form_group``)."""
-        port = urllib.parse.urlsplit(self._env.url).port
-        return (port,) if port is not None else ()
-
-    def _watch_facts(self, open_s: float | None) -> Facts:
-        latest = self._agent.latest() if self._agent else None
-        dropped = False
-        if latest is not None and latest.generation is not None:
-            gen = latest.generation
-            dropped = gen.id > self.generation and not set(self._members) <= set(gen.members)
-        return Facts(
-            open_s=open_s,
-            step_s=self._step_s,
-            dropped=dropped,
-            timeout_s=self._cfg.collective_timeout_s,
-        )
-
-    def _connect_store(self) -> None:
-        """A client of the store named by the newest registration (a restarted coordinator
-        serves a new one: ``Agent.epoch`` tells)."""
-        cfg = self._agent.config
-        self._store_epoch = self._agent.epoch
-        self._cfg = cfg
-        self._agreed = False  # a new store holds no settings yet: agree again (``identity``)
-        self._store = dist.TCPStore(
-            cfg.store_host,
-            cfg.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
-        )
 
     def _checkpoint(self) -> None:
         self._durable.save(
