@@ -19,6 +19,10 @@ from e2e_helpers import (
 )
 
 STEPS = "300"
+#: float64 runs against one worker's: equal up to the micro-batch split (DESIGN.md section 4).
+#: In float32 the rounding of another history of world sizes (a replacement training alone
+#: for a few steps before its peer joined) reached 3.5e-4 once, above the 1e-4 allowed then.
+EXACT = 1e-12
 
 
 def kill_everything(job) -> None:
@@ -48,7 +52,7 @@ def start_stalled_at(home: Home, name: str, step: int, save: Path):
         "100",
         "--collective-timeout",
         "200",
-        script_args=["--max-steps", STEPS, "--save", str(save)],
+        script_args=["--max-steps", STEPS, "--save", str(save), "--double"],
         faults=f"sigstop@worker=1,step={step}",
     )
     job.wait_for(
@@ -82,8 +86,8 @@ def test_kill_everything_then_resume_on_three_workers(tidal_home: Home, referenc
     resumed = [g for g in status["generations"] if g["start_step"] is not None][-1]
     assert resumed["world_size"] == 3 and resumed["start_step"] == 100, summarize(status)
     assert max(c["step"] for c in status["checkpoints"]) == 300  # the end is checkpointed
-    rel = relative_l2(reference_params(300), save)
-    assert rel <= 1e-4, f"resumed parameters differ by {rel:.2e}"
+    rel = relative_l2(reference_params(300, double=True), save)
+    assert rel <= EXACT, f"resumed parameters differ by {rel:.2e}"
     tidal_home.assert_no_processes()
 
 
@@ -108,8 +112,8 @@ def test_losing_every_worker_at_once_goes_on_from_the_checkpoint(
     assert any("every worker was lost at step" in m and "step 100" in m for m in said), said
     assert any("rolling back to the checkpoint of step 100" in m for m in said), said
     assert not any(w["pid"] in pids for w in running_workers(status))
-    rel = relative_l2(reference_params(300), save)
-    assert rel <= 1e-4, f"parameters differ by {rel:.2e}"
+    rel = relative_l2(reference_params(300, double=True), save)
+    assert rel <= EXACT, f"parameters differ by {rel:.2e}"
     tidal_home.assert_no_processes()
 
 
@@ -134,7 +138,7 @@ def test_damaged_newest_checkpoint_is_refused_on_resume(
     status = job.status()
     assert status["state"] == "succeeded", summarize(status)
     assert any("step-00000100" in m for m in event_messages(status, "checkpoint"))
-    assert relative_l2(reference_params(300), save) <= 1e-4
+    assert relative_l2(reference_params(300, double=True), save) <= EXACT
     tidal_home.assert_no_processes()
 
 
