@@ -41,8 +41,11 @@ SIZES = {
     # run and its repetitions; sharded: planned changes, kills (the step offset of each
     # within the neighbour-copy interval), the DCP peer's restarts, and the steps at 2
     # members between the changes and the kills (copies' cost to the steps)
+    # events: 48 planned changes in one job (24 before 2026-12-05: each change's net pause
+    # spreads 2 to 40 ms, and the median of 24 moved by 2 ms between runs of the same code;
+    # docs/benchmarks.md, "Runs Z7 and Z8").
     "full": dict(
-        tput_steps=300, tput_reps=8, events=24, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
+        tput_steps=300, tput_reps=8, events=48, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
         fsdp_steady=60,

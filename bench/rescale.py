@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -244,12 +243,47 @@ def peer_pauses(joins: int, tmp: Path, timeout: float = 120) -> dict:
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.rescale [--runs N] [--events E] [--peer]``: Tidal's planned changes,
+    ``runs`` jobs of ``events`` changes each, one line a run (the median net pause, by kind,
+    each change's net pause sorted) and the phases of each kind; the 96 changes of
+    docs/benchmarks.md ("The rescale pause at 6599e29") are ``--runs 4 --events 24``.
+    ``--peer``: torchrun's join and leave instead."""
+    import argparse
     import tempfile
 
-    with tempfile.TemporaryDirectory() as t:
-        which = sys.argv[1] if len(sys.argv) > 1 else "tidal"
-        if which == "tidal":
-            print(tidal_pauses(4, Path(t)))
-        else:
-            print(peer_pauses(1, Path(t)))
+    parser = argparse.ArgumentParser(prog="python -m bench.rescale", description=main.__doc__)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--events", type=int, default=24)
+    parser.add_argument("--peer", action="store_true")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.events < 2:
+        parser.error("--runs must be at least 1 and --events at least 2")
+    pooled: list[float] = []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory() as t:
+            if args.peer:
+                print(peer_pauses(1, Path(t)))
+                continue
+            res = tidal_pauses(args.events, Path(t))
+        ms = sorted(x * 1000 for x in res["excess_s"])
+        pooled += ms
+        up, down = (statistics.median(res[k]) * 1000 for k in ("excess_up_s", "excess_down_s"))
+        print(
+            f"run {run + 1}: net median {statistics.median(ms):.1f} ms (ups {up:.1f}, downs "
+            f"{down:.1f}); each: {' '.join(f'{x:.0f}' for x in ms)}"
+        )
+        for kind, world in (("up", 3), ("down", 2)):
+            ph = res[f"phases_{kind}_p50_s"]
+            step = res["step_s"][world] * 1000
+            print(
+                f"  {kind}: step {step:.1f} ms; phases (ms) "
+                + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" for k, v in ph.items())
+                + (f"; first step - step {ph['first_step_s'] * 1000 - step:.1f}" if ph else "")
+            )
+    if args.runs > 1 and pooled:
+        print(f"pooled: {len(pooled)} changes, net median {statistics.median(pooled):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
