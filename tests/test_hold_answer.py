@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_helpers import Home, call_log, summarize
+from e2e_helpers import Home, call_log, relative_l2, summarize
 
 SITE = """
 import os, threading
@@ -25,11 +25,12 @@ if os.environ.get("HOLD_ANSWER_LOG") and not hasattr(_agent.Agent.fetch, "logged
         def call(self, *args, **kwargs):
             resp = fn(self, *args, **kwargs)
             holding = kwargs.get("holding", False)
+            approaching = kwargs.get("approaching", False)
             step = kwargs.get("step", self.step)
             with open(os.environ["HOLD_ANSWER_LOG"], "a") as f:
                 f.write(
                     f"{name} {self.worker_id} {self.generation} {step} {holding:d} "
-                    f"{threading.current_thread().name}\\n"
+                    f"{threading.current_thread().name} {approaching:d}\\n"
                 )
             return resp
         call.logged = True
@@ -59,13 +60,22 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
         summarize(status)
     )
     calls = [line.split() for line in log.read_text().splitlines()]
-    # fetch/beat, worker, generation, step, holding, thread
+    # fetch/beat, worker, generation, step, holding, thread, approaching
     for before, after in zip(gens, gens[1:], strict=False):
         at, gen = after["start_step"], before["id"]
+        # Every member told the coordinator as it reached the step before the change (an
+        # approaching heartbeat, from the same thread), so the change was applied a step
+        # ahead (``rules.schedule_ahead``) ...
+        approached = {
+            int(c[1]) for c in calls if c[0] == "beat" and c[3] == str(at - 1) and c[6] == "1"
+        }
+        assert approached == set(before["members"]), (at, approached, calls)
         holds = [c for c in calls if c[0] == "beat" and c[3:5] == [str(at), "1"]]
         held = {int(c[1]) for c in holds}
-        # Every member of the generation before the change held at its step ...
-        assert held == set(before["members"]), (at, held, calls)
+        stay = set(before["members"]) & set(after["members"])
+        # ... every member of the generation before the change that stays in the next held at
+        # its step (a leaver that knew it leaves went before its update, ``leaving``) ...
+        assert stay <= held <= set(before["members"]), (at, held, calls)
         # ... its first holding heartbeat sent as it committed the step, during the update,
         # from the thread ``Agent.beat_soon`` starts (not after it, from the training loop)
         for wid in held:
@@ -74,7 +84,6 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
         # ... and those that stay asked nothing more before forming the next generation
         # (a fetch while still in the old one at that step is the round trip saved; a
         # leaver, told to stand by, waits asking).
-        stay = set(before["members"]) & set(after["members"])
         again = [
             c
             for c in calls
@@ -131,3 +140,76 @@ def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
     # The pause of the change at 11 (its members' gap between steps 10 and 11): a hang
     # detector, a sixth of the beats' interval; such a change takes milliseconds.
     assert gens[2]["pause_s"] is not None and gens[2]["pause_s"] < 10.0, summarize(status)
+
+
+LEAVER_WAITS = """
+import os, time
+from tidal.worker import membership as _membership
+
+# A member at the step before a scheduled one first waits (up to 10 s) for an answer naming
+# a newer generation than its own, as it would on a machine whose steps are longer than a
+# round trip (a digits step takes a millisecond); then the library decides, logged. Once
+# per process, as above.
+if os.environ.get("LEAVER_LOG") and not hasattr(_membership.Membership._leaves_uncommitted, "w"):
+    _decide = _membership.Membership._leaves_uncommitted
+
+    def _waited(self, step, max_steps):
+        seen = "-"
+        if step in self._cfg.hold_steps and step < max_steps:
+            seen, deadline = "timeout", time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                latest = self._agent.latest()
+                if latest is not None and (
+                    latest.generation is None or latest.generation.id > self.generation
+                ):
+                    seen = "seen"
+                    break
+                time.sleep(0.001)
+        why = _decide(self, step, max_steps)
+        if step in self._cfg.hold_steps:
+            with open(os.environ["LEAVER_LOG"], "a") as f:
+                f.write(f"{self.worker_id} {step} {'leave' if why else 'commit'} {seen}\\n")
+        return why
+
+    _waited.w = True
+    _membership.Membership._leaves_uncommitted = _waited
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_leaver_that_knows_it_leaves_skips_its_last_update(
+    tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference_params
+) -> None:
+    """At a scheduled scale-down the member that leaves learns it while it runs the step
+    before (the change applied a step ahead), and leaves with that step uncommitted
+    (``worker.leaving``): the members that stay commit it and train on, equal in float64
+    to one worker; the leaver's update was never needed."""
+    log = call_log(tmp_path, monkeypatch, LEAVER_WAITS, "LEAVER_LOG")
+    out = tmp_path / "final.safetensors"
+    proc, job = tidal_home.run(
+        "leaver",
+        *("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
+        script_args=["--max-steps", "90", "--double", "--save", str(out)],
+        timeout=140,
+    )
+    status = job.status()
+    assert proc.returncode == 0, summarize(status)
+    gens = status["generations"]
+    assert [(g["world_size"], g["start_step"]) for g in gens] == [(2, 0), (3, 30), (2, 60)], (
+        summarize(status)
+    )
+    said = {
+        (int(w), int(step), what, seen)
+        for w, step, what, seen in map(str.split, log.read_text().splitlines())
+    }
+    leaver = set(gens[1]["members"]) - set(gens[2]["members"])
+    # Every member saw the next generation before its update of the step before the change,
+    # without holding there first (no heartbeat said the step itself yet): the change was
+    # applied a step ahead. The leaver then left without that update; the others made it.
+    expect = {(w, 30, "commit", "seen") for w in gens[0]["members"]}
+    expect |= {(w, 60, "leave", "seen") for w in leaver}
+    expect |= {(w, 60, "commit", "seen") for w in gens[2]["members"]}
+    assert said == expect, said
+    rel = relative_l2(out, reference_params(90, 0, double=True))
+    assert rel <= 1e-12, f"parameters differ from the 1-worker run: relative L2 {rel:.3e}"

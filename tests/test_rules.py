@@ -27,7 +27,9 @@ from tidal.coordinator.rules import (
     reform_due,
     repeated_failure,
     roll_back,
+    schedule_ahead,
     schedule_due,
+    schedule_near,
     schedule_settled,
     start_timed_out,
     to_kill,
@@ -374,6 +376,34 @@ SCHEDULE = ((20, 3), (40, 1), (60, 2))
 )
 def test_schedule_due(done, step, due) -> None:
     assert schedule_due(SCHEDULE, done, step) == due
+
+
+@pytest.mark.parametrize(
+    ("schedule", "done", "step", "formed", "due"),
+    [
+        (SCHEDULE, 0, 18, True, []),  # two steps before: nothing yet
+        (SCHEDULE, 0, 19, True, [(20, 3)]),  # the step before, formed: one step ahead
+        (SCHEDULE, 0, 19, False, []),  # not before the latest generation formed
+        (SCHEDULE, 0, 20, False, [(20, 3)]),  # ... then at its step, as always
+        (SCHEDULE, 1, 39, True, [(40, 1)]),
+        (SCHEDULE, 3, 99, True, []),  # the schedule is done
+        (((10, 2), (11, 3)), 0, 10, True, [(10, 2)]),  # one due now goes alone ...
+        (((10, 2), (11, 3)), 1, 10, False, []),  # ... the next waits for its generation
+        (((10, 2), (11, 3)), 1, 10, True, [(11, 3)]),  # ... then goes a step ahead
+        (((10, 2), (11, 3)), 0, 9, True, [(10, 2)]),  # never two in one change
+        (SCHEDULE, 0, 45, True, [(20, 3), (40, 1)]),  # a resumed job's passed entries
+    ],
+)
+def test_schedule_ahead(schedule, done, step, formed, due) -> None:
+    assert schedule_ahead(schedule, done, step, formed=formed) == due
+
+
+@pytest.mark.parametrize(
+    ("step", "near"),
+    [(18, False), (19, True), (20, True), (21, False), (39, True), (60, True), (61, False)],
+)
+def test_schedule_near(step, near) -> None:
+    assert schedule_near(SCHEDULE, step) is near
 
 
 @pytest.mark.parametrize(

@@ -348,17 +348,30 @@ class HeartbeatRequest(BaseModel):
     next step boundary, a planned leave rather than a failure. ``holding``: the member has
     committed ``step``, one of ``WorkerConfig.hold_steps``, and waits there; the coordinator
     answers once it has settled that step, or changed the generation, stopped or ended the
-    job, or after at most ``HOLD_ANSWER_S`` (a long poll: no second round trip)."""
+    job, or after at most ``HOLD_ANSWER_S`` (a long poll: no second round trip).
+    ``approaching``: the member is about to commit ``step``, the step before one of
+    ``hold_steps``; answered as a holding heartbeat of the next step is, so the coordinator
+    applies that scheduled change one step early (``rules.schedule_ahead``) and the member
+    learns its place in the next generation while it runs its last step before it."""
 
     step: Step = 0
     generation: Id = 0
     leaving: bool = False
     holding: bool = False
+    approaching: bool = False
     metrics: dict[MetricName, MetricValue] = Field(default_factory=dict, max_length=MAX_METRICS)
     reports: list[StepReport] = Field(default_factory=list, max_length=1000)
     checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)
     checkpoint_failures: list[CheckpointFailure] = Field(default_factory=list, max_length=1000)
     step_metrics: list[StepMetrics] = Field(default_factory=list, max_length=MAX_STEP_RECORDS)
+
+    @property
+    def held_at(self) -> int | None:
+        """The scheduled step whose settling this heartbeat's answer waits for (``holding``:
+        its own step; ``approaching``: the next); None for a plain heartbeat."""
+        if self.holding:
+            return self.step
+        return self.step + 1 if self.approaching else None
 
 
 class HeartbeatResponse(BaseModel):

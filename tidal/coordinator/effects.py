@@ -23,7 +23,12 @@ from tidal.coordinator.actions import (
     RecordJob,
 )
 from tidal.coordinator.records import ReformRequest
-from tidal.coordinator.rules import completion_refused, merge_recovery, neighbour_copy_event
+from tidal.coordinator.rules import (
+    completion_refused,
+    merge_recovery,
+    neighbour_copy_event,
+    schedule_near,
+)
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -125,8 +130,8 @@ class Effects:
             self.job.leaving.append(w.id)
         for report in req.reports:
             self._on_step_report(report)
-        if req.leaving or any(at == req.step for at, _ in self.spec.schedule):
-            self.wake.set()  # a preemption notice, or members holding at a scheduled step
+        if req.leaving or schedule_near(self.spec.schedule, req.step):
+            self.wake.set()  # a preemption notice, or members at or just before a scheduled step
 
     def _on_checkpoint(self, c: CheckpointView) -> None:
         self.executor.do(RecordCheckpoint(checkpoint=c))

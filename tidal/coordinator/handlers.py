@@ -37,6 +37,7 @@ from tidal.coordinator.facts import (
     ScaleRequested,
     StopRequested,
 )
+from tidal.coordinator.rules import schedule_near
 from tidal.protocol import (
     HOLD_ANSWER_S,
     DoneReport,
@@ -142,7 +143,7 @@ class Handlers:
         match fact:
             case Beat(wid, req):
                 w = self._caller(wid)
-                if done_now := req.holding or self._carries_facts(req):
+                if done_now := req.held_at is not None or self._carries_facts(req):
                     w.last_heartbeat = time.time()
                 self._apply_heartbeat(w, req)
                 if done_now:
@@ -182,7 +183,8 @@ class Handlers:
         if self._carries_facts(req):
             return False
         answers = self.answers
-        return not req.holding or (answers is not None and answers.settled_step >= req.step)
+        at = req.held_at
+        return at is None or (answers is not None and answers.settled_step >= at)
 
     def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> bytes:
         """The heartbeat's answer, JSON-encoded (a ``HeartbeatResponse``). Lock-free when
@@ -191,16 +193,16 @@ class Handlers:
         (``_await_hold``)."""
         if not self.heartbeat_is_quick(req):
             body = self._submit(Beat(wid, req))
-            if req.holding:  # applying it woke the loop (a scheduled step)
+            if req.held_at is not None:  # applying it woke the loop (a scheduled step)
                 w = self._caller(wid)
-                self._await_hold(w, req.step, HOLD_ANSWER_S)
+                self._await_hold(w, req.held_at, HOLD_ANSWER_S)
                 body = self._answer(w)
             return body
         w = self._caller(wid)
         w.last_heartbeat = time.time()
         self.inbox.append((Beat(wid, req), None))
-        if any(at == req.step for at, _ in self.spec.schedule):
-            self.wake.set()  # members holding at a scheduled step
+        if schedule_near(self.spec.schedule, req.step):
+            self.wake.set()  # members at or just before a scheduled step
         return self._answer(w)
 
     def on_role(self, wid: int) -> bytes:

@@ -305,6 +305,31 @@ def schedule_due(
     return due
 
 
+def schedule_ahead(
+    schedule: tuple[tuple[int, int], ...], done: int, step: int, *, formed: bool
+) -> list[tuple[int, int]]:
+    """The ``--schedule`` entries to apply now: those the job has reached at ``step``
+    (``schedule_due``); when there are none and the latest generation has formed, the next
+    entry if it is at ``step + 1``: a change at ``s`` is applied while the members run step
+    ``s - 1``, so whoever leaves knows it before committing that step, and nobody waits at
+    ``s`` for the loop's pass. Safe: a member reports ``s - 1`` only once the all-reduce of
+    the step before has returned, so every member has set that step's control word already,
+    and the earliest word that can carry the switch is step ``s - 1``'s: the switch comes
+    after it, at ``s``, as does every hold there. Never two changes in one: an entry due now
+    goes alone (``10:2,11:3``: the change at 11 waits for the generation of 10 to form), and
+    nothing goes ahead before the first generation formed (a start, a resume)."""
+    due = schedule_due(schedule, done, step)
+    if due or not formed:
+        return due
+    return [e for e in schedule_due(schedule, done, step + 1) if e[0] == step + 1][:1]
+
+
+def schedule_near(schedule: tuple[tuple[int, int], ...], step: int) -> bool:
+    """Whether a heartbeat reporting ``step`` may make a ``--schedule`` entry due: the
+    entry's own step, or the one before it (``schedule_ahead``)."""
+    return any(at - 1 <= step <= at for at, _ in schedule)
+
+
 def schedule_settled(
     *,
     held_at: int | None,

@@ -16,7 +16,11 @@ import signal
 import time
 
 from tidal.coordinator.actions import SignalWorker
-from tidal.coordinator.rules import capacity_victims, leaver_target, schedule_due
+from tidal.coordinator.rules import (
+    capacity_victims,
+    leaver_target,
+    schedule_ahead,
+)
 from tidal.protocol import WorkerState
 
 
@@ -43,7 +47,11 @@ class Scaling:
         )
 
     def _apply_schedule(self) -> None:
-        for at, count in schedule_due(self.spec.schedule, self.job.schedule_done, self.job.step):
+        latest = self.job.latest
+        formed = latest is not None and latest.formed
+        for at, count in schedule_ahead(
+            self.spec.schedule, self.job.schedule_done, self.job.step, formed=formed
+        ):
             self.job.schedule_done += 1
             self.job.schedule_applied_at = time.monotonic()
             self._set_target(count, f"--schedule at step {at}")

@@ -272,25 +272,36 @@ class Agent:
         once it has settled it (``HeartbeatRequest.holding``)."""
         return self._beat(self._client, step=self.step, holding=holding)
 
-    def beat_soon(self, *, step: int) -> Future[HeartbeatResponse]:
+    def beat_soon(self, *, step: int, approaching: bool = False) -> Future[HeartbeatResponse]:
         """The holding heartbeat of scheduled step ``step``, sent now from a thread of its
         own (its own connection) while the training thread finishes committing that step;
-        the future is its answer (``beat_now(holding=True)``'s). A daemon thread: one whose
-        answer nobody waits for (the member switched or stopped instead) never holds up the
-        process's exit, even retrying against a coordinator that is gone."""
+        the future is its answer (``beat_now(holding=True)``'s). ``approaching``: the step
+        before a scheduled one instead (``HeartbeatRequest.approaching``), whose answer only
+        updates ``latest``. A daemon thread: one whose answer nobody waits for (the member
+        switched or stopped instead) never holds up the process's exit, even retrying
+        against a coordinator that is gone."""
         answer: Future[HeartbeatResponse] = Future()
+        holding = not approaching
 
         def send() -> None:
             try:
-                answer.set_result(self._beat(self._hold_client, step=step, holding=True))
+                answer.set_result(
+                    self._beat(
+                        self._hold_client, step=step, holding=holding, approaching=approaching
+                    )
+                )
             except BaseException as exc:  # noqa: BLE001 - the caller's ``result`` raises it
                 answer.set_exception(exc)
 
         threading.Thread(target=send, name="tidal-hold", daemon=True).start()
         return answer
 
-    def _beat(self, client: CoordinatorClient, *, step: int, holding: bool) -> HeartbeatResponse:
-        req = HeartbeatRequest(step=step, generation=self.generation, holding=holding)
+    def _beat(
+        self, client: CoordinatorClient, *, step: int, holding: bool, approaching: bool = False
+    ) -> HeartbeatResponse:
+        req = HeartbeatRequest(
+            step=step, generation=self.generation, holding=holding, approaching=approaching
+        )
         asked, resp = self._call(client, self._asking(lambda c: c.heartbeat(self.worker_id, req)))
         self._set_latest(resp, asked)
         return resp

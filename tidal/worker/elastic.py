@@ -84,6 +84,14 @@ class ElasticLoop:
                     member = self._join()
                     continue
                 self._time_split(step)
+                if (why := self._leaves_uncommitted(index + 1, max_steps)) is not None:
+                    self._debug(f"leaves before step {index}'s update: {why}")
+                    if mark is not None:  # as after a failed step: the step is not applied
+                        self._tracked.rewind(mark)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self._leave_group()
+                    member = self._join()
+                    continue
                 held = self._hold_soon(index + 1, max_steps)
                 self._commit()
                 if self._next_word is None:  # the step carried a word: when the next rides

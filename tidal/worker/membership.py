@@ -40,6 +40,7 @@ from tidal.worker.heal import (
     StateLost,
     heal,
 )
+from tidal.worker.leaving import leave_uncommitted
 from tidal.worker.shard_plan import Path as ShardPath
 from tidal.worker.step import _one_line
 
@@ -126,17 +127,42 @@ class Membership:
         commit reaches it is committed (its gradients are reduced, its update not applied
         yet): the round trip, and the coordinator's pass that settles the step, overlap the
         update instead of following it. None when ``step`` is not one (or the job ends
-        there, or a switch or stop already decides what follows it)."""
-        if (
-            self._agent is None
-            or step not in self._cfg.hold_steps
-            or step >= max_steps
-            or self._control.switch
-            or self._control.stop
-        ):
+        there, or a switch or stop already decides what follows it).
+
+        At the step before a scheduled one (``step + 1`` is), an approaching heartbeat
+        instead, answered by nobody's wait: the coordinator applies the change now
+        (``rules.schedule_ahead``), and its answer tells this member, while it runs its
+        last step before the change, whether it stays (``_leaves_uncommitted``)."""
+        if self._agent is None or step >= max_steps or self._control.switch or self._control.stop:
+            return None
+        if step + 1 in self._cfg.hold_steps and step + 1 < max_steps:
+            self._agent.beat_soon(step=step, approaching=True)
+        if step not in self._cfg.hold_steps:
             return None
         self._notices.mark()  # before the answer, which ``_join`` may take as fetched
         return self._agent.beat_soon(step=step)
+
+    def _leaves_uncommitted(self, step: int, max_steps: int) -> str | None:
+        """Why this member leaves now with its step (the one whose commit reaches ``step``)
+        uncommitted, or None (``leaving.leave_uncommitted``); from the newest answer it
+        holds, without asking."""
+        latest = self._agent.latest() if self._agent is not None else None
+        excluded = latest is not None and (
+            latest.role == Role.EXIT
+            or (
+                latest.role == Role.STANDBY
+                and latest.generation is not None
+                and latest.generation.id > self.generation
+            )
+        )
+        return leave_uncommitted(
+            excluded=excluded,
+            at_change=self._control.switch or step in self._cfg.hold_steps,
+            sharded=self._fsdp is not None,
+            checkpoint_due=self.rank == 0 and self._durable.due(step),
+            stop=self._control.stop,
+            last=step >= max_steps,
+        )
 
     def _hold(self, step: int, sent: Future[HeartbeatResponse] | None = None) -> bool:
         """Wait at a scheduled step until the coordinator has settled its membership;
