@@ -8,7 +8,13 @@ import pytest
 from tidal.worker.leaving import leave_uncommitted
 
 BASE = dict(
-    excluded=True, at_change=True, sharded=False, checkpoint_due=False, stop=False, last=False
+    excluded=True,
+    at_change=True,
+    sharded=False,
+    hooks=False,
+    checkpoint_due=False,
+    stop=False,
+    last=False,
 )
 
 
@@ -19,6 +25,7 @@ BASE = dict(
         ({"excluded": False}, False),  # it stays: its update is the job's
         ({"at_change": False}, False),  # the change is not agreed at this step
         ({"sharded": True}, False),  # its shard's update is the job's
+        ({"hooks": True}, False),  # the script's after_step runs at each commit
         ({"checkpoint_due": True}, False),  # it writes this step's checkpoint
         ({"stop": True}, False),  # the job stops here: final state and checkpoint
         ({"last": True}, False),  # the job's last step

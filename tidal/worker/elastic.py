@@ -9,7 +9,9 @@ A mixin of ``Trainer`` (``runtime``), which holds the state and the step boundar
   reports the failure and joins the next one, where the step is redone after healing.
 - A change takes effect only at a step boundary every member reached: after a step whose
   control word said ``switch`` or ``stop``, or at a --schedule step the member holds at
-  (``hold_steps``).
+  (``hold_steps``). A member that knows, before its update, that the generation after the
+  step leaves it out leaves with the step uncommitted, as after a failed step
+  (``leaving``).
 - However the loop ends (completed, stopped, told to leave, an exception in the script),
   the member sends its pending report, leaves its group, writes the final checkpoint when
   it is the last generation's rank 0 and the job finished or stopped, waits for any

@@ -15,6 +15,9 @@ if it is ever needed again.
 Contract: it never leaves uncommitted when its update is needed by anyone:
 
 - sharded training (every member's update is its own shard's, gathered for the leavers);
+- the script's ``after_step`` hooks: they run after each step a member commits and may do
+  what no tracked state undoes (record the samples this member trained on, write files), so
+  a member with hooks commits its last step as every member did before this rule;
 - a checkpoint due at this step on this member (the generation's rank 0 writes it);
 - the job's last step, or a stop (the members' final state and checkpoint);
 - a change that is not agreed at this step: only the control word's switch or a
@@ -33,6 +36,7 @@ def leave_uncommitted(
     excluded: bool,
     at_change: bool,
     sharded: bool,
+    hooks: bool,
     checkpoint_due: bool,
     stop: bool,
     last: bool,
@@ -40,9 +44,10 @@ def leave_uncommitted(
     """Why this member leaves with its step uncommitted, or None to commit it (module doc).
     ``excluded``: the newest answer names a newer generation without this member;
     ``at_change``: every member leaves the generation after this step (a switch, or a hold
-    step); ``checkpoint_due``: this member writes a checkpoint of this step."""
+    step); ``hooks``: the script registered ``after_step`` hooks; ``checkpoint_due``: this
+    member writes a checkpoint of this step."""
     if not (excluded and at_change):
         return None
-    if sharded or checkpoint_due or stop or last:
+    if sharded or hooks or checkpoint_due or stop or last:
         return None
     return "the next generation does not include this member: its last update is skipped"

@@ -159,6 +159,7 @@ class Membership:
             excluded=excluded,
             at_change=self._control.switch or step in self._cfg.hold_steps,
             sharded=self._fsdp is not None,
+            hooks=bool(self._update.hooks),
             checkpoint_due=self.rank == 0 and self._durable.due(step),
             stop=self._control.stop,
             last=step >= max_steps,
