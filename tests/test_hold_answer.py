@@ -15,6 +15,18 @@ from pathlib import Path
 import pytest
 from e2e_helpers import Home, call_log, relative_l2, summarize
 
+
+def run_scheduled(home: Home, name: str, opts: tuple[str, ...], script_args: list[str], sizes):
+    """Run ``examples/digits.py`` under ``tidal run`` with ``opts``; assert it succeeded with
+    generations of ``sizes`` ((world size, start step), in order); return them."""
+    proc, job = home.run(name, *opts, script_args=script_args, timeout=140)
+    status = job.status()
+    assert proc.returncode == 0, summarize(status)
+    gens = status["generations"]
+    assert [(g["world_size"], g["start_step"]) for g in gens] == sizes, summarize(status)
+    return gens
+
+
 SITE = """
 import os, threading
 from tidal.worker import agent as _agent
@@ -47,17 +59,12 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
     tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = call_log(tmp_path, monkeypatch, SITE, "HOLD_ANSWER_LOG")
-    proc, job = tidal_home.run(
+    gens = run_scheduled(
+        tidal_home,
         "held",
-        *("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
-        script_args=["--max-steps", "90"],
-        timeout=140,
-    )
-    status = job.status()
-    assert proc.returncode == 0, summarize(status)
-    gens = status["generations"]
-    assert [(g["world_size"], g["start_step"]) for g in gens] == [(2, 0), (3, 30), (2, 60)], (
-        summarize(status)
+        ("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
+        ["--max-steps", "90"],
+        [(2, 0), (3, 30), (2, 60)],
     )
     calls = [line.split() for line in log.read_text().splitlines()]
     # fetch/beat, worker, generation, step, holding, thread, approaching
@@ -123,23 +130,14 @@ def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
     report left for the next beat would hold the change at step 11 back by up to a minute
     (the hold at 11 cannot be settled before generation (2, 10) formed)."""
     call_log(tmp_path, monkeypatch, SLOW_BEATS, "SLOW_BEATS")
-    proc, job = tidal_home.run(
-        "consecutive",
-        *("--workers", "1", "--max-workers", "3", "--schedule", "10:2,11:3"),
-        *("--heartbeat-timeout", "100", "--collective-timeout", "200"),
-        *("--orphan-timeout", "300"),
-        script_args=["--max-steps", "20"],
-        timeout=140,
-    )
-    status = job.status()
-    assert proc.returncode == 0, summarize(status)
-    gens = status["generations"]
-    assert [(g["world_size"], g["start_step"]) for g in gens] == [(1, 0), (2, 10), (3, 11)], (
-        summarize(status)
+    opts = ("--workers", "1", "--max-workers", "3", "--schedule", "10:2,11:3")
+    opts += ("--heartbeat-timeout", "100", "--collective-timeout", "200", "--orphan-timeout", "300")
+    gens = run_scheduled(
+        tidal_home, "consecutive", opts, ["--max-steps", "20"], [(1, 0), (2, 10), (3, 11)]
     )
     # The pause of the change at 11 (its members' gap between steps 10 and 11): a hang
     # detector, a sixth of the beats' interval; such a change takes milliseconds.
-    assert gens[2]["pause_s"] is not None and gens[2]["pause_s"] < 10.0, summarize(status)
+    assert gens[2]["pause_s"] is not None and gens[2]["pause_s"] < 10.0, gens
 
 
 LEAVER_WAITS = """
@@ -173,6 +171,21 @@ if os.environ.get("LEAVER_LOG") and not hasattr(_membership.Membership._leaves_u
 
     _waited.w = True
     _membership.Membership._leaves_uncommitted = _waited
+
+    # Every member that finishes the job writes its parameters (the script saves rank 0's).
+    from safetensors.torch import save_file
+    from tidal.worker import runtime as _runtime
+
+    _run = _runtime.Trainer.run
+
+    def _run_and_save(self, max_steps):
+        yield from _run(self, max_steps)
+        if self.completed and self.worker_id is not None:  # not the reference run
+            state = {k: v.contiguous() for k, v in self.module.state_dict().items()}
+            folder = os.path.dirname(os.environ["LEAVER_LOG"])
+            save_file(state, os.path.join(folder, f"member-{self.worker_id}.safetensors"))
+
+    _runtime.Trainer.run = _run_and_save
 """
 
 
@@ -187,17 +200,13 @@ def test_a_leaver_that_knows_it_leaves_skips_its_last_update(
     to one worker; the leaver's update was never needed."""
     log = call_log(tmp_path, monkeypatch, LEAVER_WAITS, "LEAVER_LOG")
     out = tmp_path / "final.safetensors"
-    proc, job = tidal_home.run(
+    args = ["--max-steps", "90", "--double", "--save", str(out)]
+    gens = run_scheduled(
+        tidal_home,
         "leaver",
-        *("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
-        script_args=["--max-steps", "90", "--double", "--save", str(out)],
-        timeout=140,
-    )
-    status = job.status()
-    assert proc.returncode == 0, summarize(status)
-    gens = status["generations"]
-    assert [(g["world_size"], g["start_step"]) for g in gens] == [(2, 0), (3, 30), (2, 60)], (
-        summarize(status)
+        ("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
+        args,
+        [(2, 0), (3, 30), (2, 60)],
     )
     said = {
         (int(w), int(step), what, seen)
@@ -211,5 +220,11 @@ def test_a_leaver_that_knows_it_leaves_skips_its_last_update(
     expect |= {(w, 60, "leave", "seen") for w in leaver}
     expect |= {(w, 60, "commit", "seen") for w in gens[2]["members"]}
     assert said == expect, said
-    rel = relative_l2(out, reference_params(90, 0, double=True))
-    assert rel <= 1e-12, f"parameters differ from the 1-worker run: relative L2 {rel:.3e}"
+    reference = reference_params(90, 0, double=True)
+    members = sorted(tmp_path.glob("member-*.safetensors"))
+    assert [m.name for m in members] == [
+        f"member-{w}.safetensors" for w in sorted(gens[2]["members"])
+    ]
+    for path in [out, *members]:
+        rel = relative_l2(path, reference)
+        assert rel <= 1e-12, f"{path.name} differs from the 1-worker run: relative L2 {rel:.3e}"
