@@ -327,6 +327,11 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
             latest.role != Role.MEMBER
             or (latest.generation is not None and latest.generation.id > self.generation)
         )
+        if newer and index + 1 in self._cfg.hold_steps:
+            # The commit reaches a --schedule step: every member holds there and forms from
+            # the hold's answer (no second round trip), even when it already knows the
+            # change (applied a step ahead: ``rules.schedule_ahead``) as this word is set.
+            newer = False
         stop = latest is not None and latest.stop
         every = ddp.control_every(self._step_s) if self.rank == 0 else 0
         self._control.set(switch=newer, stop=stop, every=every)
