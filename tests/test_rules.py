@@ -379,23 +379,25 @@ def test_schedule_due(done, step, due) -> None:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "done", "step", "formed", "due"),
+    ("schedule", "done", "step", "formed", "settled", "due"),
     [
-        (SCHEDULE, 0, 18, True, []),  # two steps before: nothing yet
-        (SCHEDULE, 0, 19, True, [(20, 3)]),  # the step before, formed: one step ahead
-        (SCHEDULE, 0, 19, False, []),  # not before the latest generation formed
-        (SCHEDULE, 0, 20, False, [(20, 3)]),  # ... then at its step, as always
-        (SCHEDULE, 1, 39, True, [(40, 1)]),
-        (SCHEDULE, 3, 99, True, []),  # the schedule is done
-        (((10, 2), (11, 3)), 0, 10, True, [(10, 2)]),  # one due now goes alone ...
-        (((10, 2), (11, 3)), 1, 10, False, []),  # ... the next waits for its generation
-        (((10, 2), (11, 3)), 1, 10, True, [(11, 3)]),  # ... then goes a step ahead
-        (((10, 2), (11, 3)), 0, 9, True, [(10, 2)]),  # never two in one change
-        (SCHEDULE, 0, 45, True, [(20, 3), (40, 1)]),  # a resumed job's passed entries
+        (SCHEDULE, 0, 18, True, -1, []),  # two steps before: nothing yet
+        (SCHEDULE, 0, 19, True, -1, [(20, 3)]),  # the step before, formed: one step ahead
+        (SCHEDULE, 0, 19, False, -1, []),  # not before the latest generation formed
+        (SCHEDULE, 0, 20, False, -1, [(20, 3)]),  # ... then at its step, as always
+        (SCHEDULE, 1, 39, True, 20, [(40, 1)]),
+        (SCHEDULE, 1, 39, True, -1, []),  # the change at 20 is not settled yet
+        (SCHEDULE, 3, 99, True, 60, []),  # the schedule is done
+        (((10, 2), (11, 3)), 0, 10, True, -1, [(10, 2)]),  # one due now goes alone ...
+        (((10, 2), (11, 3)), 1, 10, True, -1, []),  # ... the next waits for it to settle,
+        (((10, 2), (11, 3)), 1, 10, False, 10, []),  # ... for its generation to form,
+        (((10, 2), (11, 3)), 1, 10, True, 10, [(11, 3)]),  # ... then goes a step ahead
+        (((10, 2), (11, 3)), 0, 9, True, -1, [(10, 2)]),  # never two in one change
+        (SCHEDULE, 0, 45, True, -1, [(20, 3), (40, 1)]),  # a resumed job's passed entries
     ],
 )
-def test_schedule_ahead(schedule, done, step, formed, due) -> None:
-    assert schedule_ahead(schedule, done, step, formed=formed) == due
+def test_schedule_ahead(schedule, done, step, formed, settled, due) -> None:
+    assert schedule_ahead(schedule, done, step, formed=formed, settled=settled) == due
 
 
 @pytest.mark.parametrize(

@@ -306,7 +306,7 @@ def schedule_due(
 
 
 def schedule_ahead(
-    schedule: tuple[tuple[int, int], ...], done: int, step: int, *, formed: bool
+    schedule: tuple[tuple[int, int], ...], done: int, step: int, *, formed: bool, settled: int
 ) -> list[tuple[int, int]]:
     """The ``--schedule`` entries to apply now: those the job has reached at ``step``
     (``schedule_due``); when there are none and the latest generation has formed, the next
@@ -317,9 +317,11 @@ def schedule_ahead(
     and the earliest word that can carry the switch is step ``s - 1``'s: the switch comes
     after it, at ``s``, as does every hold there. Never two changes in one: an entry due now
     goes alone (``10:2,11:3``: the change at 11 waits for the generation of 10 to form), and
-    nothing goes ahead before the first generation formed (a start, a resume)."""
+    nothing goes ahead while the last applied entry is not settled (``settled``: the job's
+    settled step; its generation may not even be open yet, waiting for a worker) nor before
+    the latest generation formed (a start, a resume)."""
     due = schedule_due(schedule, done, step)
-    if due or not formed:
+    if due or not formed or (done and settled < schedule[done - 1][0]):
         return due
     return [e for e in schedule_due(schedule, done, step + 1) if e[0] == step + 1][:1]
 

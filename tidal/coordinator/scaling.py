@@ -50,7 +50,11 @@ class Scaling:
         latest = self.job.latest
         formed = latest is not None and latest.formed
         for at, count in schedule_ahead(
-            self.spec.schedule, self.job.schedule_done, self.job.step, formed=formed
+            self.spec.schedule,
+            self.job.schedule_done,
+            self.job.step,
+            formed=formed,
+            settled=self.job.settled_step,
         ):
             self.job.schedule_done += 1
             self.job.schedule_applied_at = time.monotonic()
