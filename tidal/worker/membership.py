@@ -155,6 +155,8 @@ class Membership:
                 and latest.generation.id > self.generation
             )
         )
+        if not excluded:  # every step but a leaver's last: nothing more to look at
+            return None
         return leave_uncommitted(
             excluded=excluded,
             at_change=self._control.switch or step in self._cfg.hold_steps,
