@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import sys
 from pathlib import Path
+from subprocess import Popen
 
 from bench.common import (
     TORCHRUN_ENV,
@@ -34,43 +35,52 @@ def samples_per_s(directory: Path, world: int) -> float:
     return GLOBAL_BATCH / median_step(recs, world)
 
 
-def run_peer(world: int, steps: int, tmp: Path, timeout: float) -> float:
+def start_peer(procs: Procs, world: int, steps: int, tmp: Path) -> tuple[Popen, Path]:
+    """Start plain DDP under torchrun at ``world`` workers; (its process, its records)."""
     out = tmp / f"peer-ws{world}"
+    proc = procs.start(
+        torchrun_cmd(
+            "--standalone",
+            f"--nproc-per-node={world}",
+            str(TRAIN),
+            *("--mode", "ddp", "--steps", str(steps), "--out", str(out)),
+            *("--global-batch-size", str(GLOBAL_BATCH)),
+        ),
+        tmp / f"peer-ws{world}.log",
+        TORCHRUN_ENV,
+    )
+    return proc, out
+
+
+def start_tidal(procs: Procs, world: int, steps: int, tmp: Path) -> tuple[Popen, Path]:
+    """Start the same training under ``tidal run`` at ``world`` workers."""
+    out = tmp / f"tidal-ws{world}"
+    proc = procs.start(
+        tidal_cmd(tmp / "home", f"tput-ws{world}", "--workers", str(world))
+        + [str(TRAIN), "--mode", "tidal", "--steps", str(steps), "--out", str(out)]
+        + ["--global-batch-size", str(GLOBAL_BATCH)],
+        tmp / f"tidal-ws{world}.log",
+    )
+    return proc, out
+
+
+def _run(start, tool: str, world: int, steps: int, tmp: Path, timeout: float) -> float:  # noqa: ANN001
     procs = Procs()
     try:
-        proc = procs.start(
-            torchrun_cmd(
-                "--standalone",
-                f"--nproc-per-node={world}",
-                str(TRAIN),
-                *("--mode", "ddp", "--steps", str(steps), "--out", str(out)),
-                *("--global-batch-size", str(GLOBAL_BATCH)),
-            ),
-            tmp / f"peer-ws{world}.log",
-            TORCHRUN_ENV,
-        )
+        proc, out = start(procs, world, steps, tmp)
         if proc.wait(timeout=timeout) != 0:
-            raise RuntimeError(f"torchrun exited {proc.returncode}; see {tmp}")
+            raise RuntimeError(f"{tool} exited {proc.returncode}; see {tmp}")
     finally:
         procs.cleanup()
     return samples_per_s(out, world)
+
+
+def run_peer(world: int, steps: int, tmp: Path, timeout: float) -> float:
+    return _run(start_peer, "torchrun", world, steps, tmp, timeout)
 
 
 def run_tidal(world: int, steps: int, tmp: Path, timeout: float) -> float:
-    out = tmp / f"tidal-ws{world}"
-    procs = Procs()
-    try:
-        proc = procs.start(
-            tidal_cmd(tmp / "home", f"tput-ws{world}", "--workers", str(world))
-            + [str(TRAIN), "--mode", "tidal", "--steps", str(steps), "--out", str(out)]
-            + ["--global-batch-size", str(GLOBAL_BATCH)],
-            tmp / f"tidal-ws{world}.log",
-        )
-        if proc.wait(timeout=timeout) != 0:
-            raise RuntimeError(f"tidal run exited {proc.returncode}; see {tmp}")
-    finally:
-        procs.cleanup()
-    return samples_per_s(out, world)
+    return _run(start_tidal, "tidal run", world, steps, tmp, timeout)
 
 
 def measure(world: int, steps: int, tmp: Path, reps: int = 1, timeout: float = 300) -> dict:

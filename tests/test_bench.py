@@ -232,3 +232,33 @@ def test_the_pause_statistic_at_ordinary_steps(starts, pids, floor_ms) -> None:
 
     got = max_gap_floor(_records(starts, 2), 2, pids)
     assert got == (None if floor_ms is None else pytest.approx(floor_ms / 1000))
+
+
+def test_cpu_split_charges_each_thread_to_its_part() -> None:
+    """Two workers (pids 10, 11): their main threads train, their other threads are the
+    workers' own; every other process is beside them; a thread first seen in the second
+    reading counts from zero. Over 2 s, 1 CPU-s is 50% of a core."""
+    from bench.cpu_split import split
+
+    before = {(10, 10): 5.0, (10, 12): 1.0, (11, 11): 4.0, (5, 5): 2.0, (5, 6): 0.5}
+    after = {(10, 10): 6.0, (10, 12): 1.2, (11, 11): 5.5, (5, 5): 2.1, (5, 6): 0.5, (11, 13): 0.3}
+    assert split(before, after, {10, 11}, 2.0) == {
+        "training": 125.0,  # (1.0 + 1.5) / 2
+        "worker_other": 25.0,  # (0.2 + 0.3) / 2
+        "beside": 5.0,
+    }
+
+
+def test_cpu_split_phases_are_medians_over_every_worker(tmp_path: Path) -> None:
+    """Each worker's ``B``/``E`` records: to_sync is E - B of a step, after_sync is the
+    next step's B - this step's E; steps outside the range do not count."""
+    from bench.cpu_split import phases
+
+    for pid, offset in ((100, 0.0), (101, 0.001)):
+        lines = []
+        for i in range(6):
+            start = 1000.0 + 0.010 * i + offset
+            sync = start + (0.006 if i in (2, 3) else 0.5)  # the others are outside 2..3
+            lines += [f"B {start:.6f} {i} 2 {pid - 100}", f"E {sync:.6f} {i} 2 {pid - 100}"]
+        (tmp_path / f"steps-{pid}.txt").write_text("\n".join(lines) + "\n")
+    assert phases(tmp_path, 2, 3) == {"to_sync_ms": 6.0, "after_sync_ms": 4.0}
