@@ -106,6 +106,7 @@ def test_a_resumed_campaign_reads_its_trials_back_exactly() -> None:
     ok = TrialResult(seed=7, setup={"workers": 2, "budget": 5, "kinds": ["kill"]}, events=[])
     ok.events = [Event("kill", ["SIGKILL worker 1"], 1, 2.0, time=5.0, stall_s=0.1)]
     ok.pauses, ok.notes, ok.state, ok.seconds = [{"pause_s": 0.2}], ["n"], "succeeded", 3.0
+    ok.leaver_skips = 2
     bad = TrialResult(seed=8, setup={"budget": 3, "kinds": ["stop"]}, events=[], state="running")
     bad.events = [Event("double", ["a", "b"], 2, 5.0, may_fail="x", recovered_s=1.0)]
     bad.failure = TrialFailure("recovery", "no recovery within 90 s")

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         why = "ok" if r.ok else f"FAILED {r.failure.check}: {r.failure.detail[:300]}"
         log(
             f"trial {index} (seed {trial}): {r.faults} faults "
-            f"({', '.join(e.kind for e in r.events) or 'none'}) in {r.seconds:.0f} s: {why}; "
+            f"({', '.join(e.kind for e in r.events) or 'none'}) in {r.seconds:.0f} s, "
+            f"{r.leaver_skips} leavers before their update: {why}; "
             f"total {done['faults_injected']}/{args.faults} faults, "
             f"{done['clean_recoveries']} clean, {len(done['failed_trials'])} failed trials"
         )

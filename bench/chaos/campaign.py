@@ -151,6 +151,7 @@ def run_trial(
     finally:
         if result.failure is not None:
             result.status_summary, result.logs, result.stacks = tr.describe()
+        result.leaver_skips = tr.leaver_skips()
         try:
             tr.close(keep / f"trial-{seed}" if keep is not None and not result.ok else None)
         except Exception as exc:  # noqa: BLE001 - cleanup that failed is a failed check
@@ -185,6 +186,9 @@ def report(
         "clean_recoveries": sum(r.faults for r in results if r.ok),
         "trials": len(results),
         "failed_trials": [r.record() for r in failed],
+        # Members that left a scale-down before their last update (``tidal/worker/leaving.py``):
+        # the campaign exercised that rule this many times.
+        "leaver_skips": sum(r.leaver_skips for r in results),
         "expected_failures": sum(1 for r in results if r.ok and r.state == "failed"),
         "trials_with_temporary_checkpoint_folders_left": sum(
             1 for r in results if any(n.startswith("temporary checkpoint") for n in r.notes)

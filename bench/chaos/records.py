@@ -62,6 +62,7 @@ class TrialResult:
     status_summary: str = ""
     logs: str = ""
     stacks: str = ""
+    leaver_skips: int = 0  # members that left before their last update (``Trial.leaver_skips``)
 
     @property
     def faults(self) -> int:
@@ -84,6 +85,7 @@ class TrialResult:
             ],
             "pauses": self.pauses,
             "state": self.state,
+            "leaver_skips": self.leaver_skips,
         }
         if self.notes:
             rec["notes"] = self.notes
@@ -110,6 +112,7 @@ class TrialResult:
             pauses=rec.get("pauses", []),
             notes=rec.get("notes", []),
             state=rec.get("state", ""),
+            leaver_skips=rec.get("leaver_skips", 0),
         )
         if not rec["ok"]:
             r.failure = TrialFailure(rec["check"], rec["why"])

@@ -10,10 +10,19 @@ the parameters.
 file is missing). The campaign slows the job down while it injects faults and lets it run
 at full speed once the last fault has recovered; the sleep is outside the mathematics.
 
-Each member appends ``TIME STEP`` to ``OUT/steps-worker-ID.txt`` as it commits a step (the
-campaign's measure of stalls, whether or not the coordinator is up), and each member that
-finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters and momentum buffers)
-and ``OUT/worker-ID.json`` (its final step, the scheduler's epoch).
+Each member appends ``TIME STEP`` to ``OUT/steps-worker-ID.txt`` for each step it knows
+committed (the campaign's measure of stalls, whether or not the coordinator is up), and each
+member that finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters and
+momentum buffers) and ``OUT/worker-ID.json`` (its final step, the scheduler's epoch).
+
+The script registers no ``after_step`` hook: a member with hooks always commits its last
+step before leaving (``tidal/worker/leaving.py``), and the campaign's scale-downs are to
+exercise the leaver that skips it. A step is recorded as the next one begins (a step is
+yielded only to a member whose state has every step before it) and the last one after the
+loop; a step redone after a failure is not recorded twice. The time is the commit's plus
+whatever ran between it and the next step's start, a re-form included: a stall is then
+charged to the gap before that commit instead of the one after it, and its length is the
+same.
 """
 
 from __future__ import annotations
@@ -78,23 +87,26 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps_log = None
+    recorded = -1  # the newest step recorded (module doc)
 
-    @trainer.after_step
     def record(index: int) -> None:
-        nonlocal steps_log
-        if trainer.worker_id is None:
+        nonlocal steps_log, recorded
+        if index <= recorded or trainer.worker_id is None:
             return
         if steps_log is None:
             steps_log = open(out / f"steps-worker-{trainer.worker_id}.txt", "a", buffering=1)  # noqa: SIM115
         steps_log.write(f"{time.time():.4f} {index}\n")
+        recorded = index
 
     for step in trainer.run(max_steps=args.max_steps):
+        record(step.index - 1)
         for x, y in step.micro_batches():
             step.backward(F.cross_entropy(trainer.model(x), y))
         if delay := pace(args.pace):
             time.sleep(delay)
     if not trainer.completed:
         return
+    record(trainer.step - 1)
     wid = trainer.worker_id if trainer.worker_id is not None else f"alone-{os.getpid()}"
     tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
     for i, group in enumerate(opt.param_groups):

@@ -35,6 +35,7 @@ from e2e_helpers import MARKER_VAR, Home, Job, pid_alive, summarize
 
 from bench.chaos import checks, steps
 from bench.chaos.records import Event, JobEnded, Settings, TrialFailure
+from tidal.worker.leaving import LEFT_BEFORE_UPDATE
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "bench" / "chaos" / "train.py"
@@ -304,6 +305,17 @@ class Trial:
         if s["target_workers"] < n:
             self.scale(n)
         return self.settle(s["step"], f"scale up to {n} workers")
+
+    def leaver_skips(self) -> int:
+        """How many times a member left before its last update (``tidal/worker/leaving.py``:
+        the line each such leaver prints in its log)."""
+        logs = self.job.dir / "logs" if self.job else None
+        if logs is None or not logs.is_dir():
+            return 0
+        return sum(
+            path.read_text(errors="replace").count(LEFT_BEFORE_UPDATE)
+            for path in logs.glob("worker-*.log")
+        )
 
     def arm(self, spec: str) -> None:
         write_atomic(self.faults_file, spec + "\n")

@@ -36,6 +36,7 @@ from tidal.worker import ddp, identity, landing, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent
 from tidal.worker.durable import Durable
+from tidal.worker.leaving import LEFT_BEFORE_UPDATE
 from tidal.worker.step import Step
 from tidal.worker.watch import AbortWatch, Facts
 
@@ -87,7 +88,11 @@ class ElasticLoop:
                     continue
                 self._time_split(step)
                 if (why := self._leaves_uncommitted(index + 1, max_steps)) is not None:
-                    self._debug(f"leaves before step {index}'s update: {why}")
+                    print(  # one line a leaver: what bench.chaos counts
+                        f"tidal: worker {self.worker_id} {LEFT_BEFORE_UPDATE} {index} of "
+                        f"generation {self.generation}: {why}",
+                        flush=True,
+                    )
                     if mark is not None:  # as after a failed step: the step is not applied
                         self._tracked.rewind(mark)
                     self.optimizer.zero_grad(set_to_none=True)
