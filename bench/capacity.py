@@ -47,7 +47,7 @@ def _cli(*args: str) -> None:
 
 
 def _status(home: Path, name: str) -> dict:
-    from tidal.cli import get_status
+    from tidal.lookup import get_status
 
     return json.loads(get_status(home, name).model_dump_json())
 

@@ -39,7 +39,7 @@ from bench.train_mlp import build as build_mlp
 
 def tidal_status(home: Path, name: str) -> dict:
     """``tidal status --json``, computed in this process (the same code path as the CLI)."""
-    from tidal.cli import get_status
+    from tidal.lookup import get_status
 
     return json.loads(get_status(home, name).model_dump_json())
 

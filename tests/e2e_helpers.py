@@ -206,7 +206,7 @@ class Job:
 
     def poll(self) -> Status:
         """The same JSON as ``status``, computed in this process (cheap; see the module doc)."""
-        from tidal.cli import get_status
+        from tidal.lookup import get_status
 
         self.last = json.loads(get_status(self.home.path, self.name).model_dump_json())
         return self.last

@@ -216,7 +216,7 @@ def test_run_refusals_on_a_machine_with_two_gpus(tmp_path, capsys, monkeypatch, 
 
     monkeypatch.setattr(gpus, "visible_gpus", lambda override=None: 2)
     monkeypatch.setattr(local_backend.subprocess, "Popen", no_process)
-    monkeypatch.setattr("tidal.cli.subprocess.Popen", no_process)
+    monkeypatch.setattr("tidal.launch.subprocess.Popen", no_process)
     home = tmp_path / "home"
     code = cli_main(["run", "--home", str(home), *opts, str(DIGITS)])
     err = capsys.readouterr().err.strip().splitlines()

@@ -394,7 +394,7 @@ def test_run_with_more_workers_than_the_machine_holds_is_one_line_and_starts_not
         raise AssertionError("a process was started")
 
     monkeypatch.setattr(local_backend.subprocess, "Popen", no_process)
-    monkeypatch.setattr("tidal.cli.subprocess.Popen", no_process)
+    monkeypatch.setattr("tidal.launch.subprocess.Popen", no_process)
     home = tmp_path / "home"
     for opts in (["--workers", "100000"], ["--workers", "2", "--max-workers", "100000"]):
         code = cli_main(["run", "--home", str(home), *opts, str(DIGITS)])

@@ -19,9 +19,9 @@ LAYERS: list[set[str]] = [
     {"config", "protocol", "access", "tracked", "devices", "pids"},
     {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics"},
     {"coordinator", "worker"},
-    {"dashboard", "tensorboard", "display"},
+    {"dashboard", "tensorboard", "display", "lookup"},
     {"host", "testing"},
-    {"cli", "attach_cli", "sim_cli", "__init__"},
+    {"cli", "launch", "attach_cli", "sim_cli", "__init__"},
     {"__main__"},  # ``python -m tidal``: the command itself
 ]
 SIBLINGS_MAY_IMPORT = {
@@ -31,6 +31,7 @@ SIBLINGS_MAY_IMPORT = {
     ("dashboard", "tensorboard"),  # the recorder feeds TensorBoard
     ("display", "coordinator"),
     ("cli", "attach_cli"),
+    ("cli", "launch"),
     ("cli", "sim_cli"),
     ("protocol", "config"),
     ("attach_cli", "cli"),

@@ -185,7 +185,7 @@ def test_an_interrupted_status_fails_only_the_workers_it_can_see_gone() -> None:
     import os
     import socket
 
-    from tidal.cli import _mark_lost_workers
+    from tidal.lookup import mark_lost_workers
 
     here = socket.gethostname()
     st = status(
@@ -195,7 +195,7 @@ def test_an_interrupted_status_fails_only_the_workers_it_can_see_gone() -> None:
     st.workers[0].host, st.workers[0].pid = here, os.getpid()
     st.workers[1].host, st.workers[1].pid = here, gone
     st.workers[2].host, st.workers[2].pid = "another-node", gone
-    _mark_lost_workers(st)
+    mark_lost_workers(st)
     assert [w.state for w in st.workers] == [
         WorkerState.RUNNING,
         WorkerState.FAILED,

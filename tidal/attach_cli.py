@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 def add_parser(
     sub: argparse._SubParsersAction, common: argparse.ArgumentParser, launch: Callable[..., int]
 ) -> None:
-    """Register ``attach`` on the ``tidal`` subparsers; ``launch``: ``cli._launch``, which
+    """Register ``attach`` on the ``tidal`` subparsers; ``launch``: ``launch.launch``, which
     hosts the job here or detached."""
     attach = sub.add_parser(
         "attach",

@@ -166,7 +166,7 @@ def visible_gpus() -> list[str]:
 
 def tidal_status(home: Path, name: str) -> dict:
     """``tidal status --json``, computed in this process (the CLI's code path)."""
-    from tidal.cli import get_status
+    from tidal.lookup import get_status
 
     return json.loads(get_status(home, name).model_dump_json())
 
@@ -175,7 +175,7 @@ def tidal_history(home: Path, name: str) -> dict[str, dict]:
     """The per-step series of ``tidal.log`` (``tidal status --json --history``'s
     ``history``: ``{metric: {"step": [...], "value": [...]}}``), read in this process from
     the home's records as the CLI reads them."""
-    from tidal.cli import _database
+    from tidal.lookup import database as _database
 
     db = _database(home)
     try:
