@@ -310,12 +310,13 @@ class Trial:
         """How many times a member left before its last update (``tidal/worker/leaving.py``:
         the line each such leaver prints in its log)."""
         logs = self.job.dir / "logs" if self.job else None
-        if logs is None or not logs.is_dir():
-            return 0
-        return sum(
-            path.read_text(errors="replace").count(LEFT_BEFORE_UPDATE)
-            for path in logs.glob("worker-*.log")
-        )
+        found = 0
+        for path in logs.glob("worker-*.log") if logs is not None and logs.is_dir() else []:
+            try:
+                found += path.read_text(errors="replace").count(LEFT_BEFORE_UPDATE)
+            except OSError:  # a log gone with a cleanup: nothing to count there
+                continue
+        return found
 
     def arm(self, spec: str) -> None:
         write_atomic(self.faults_file, spec + "\n")
