@@ -26,7 +26,8 @@ from tidal.coordinator.actions import (
 )
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.records import WorkerRecord
-from tidal.protocol import GEN_ABANDONED, GEN_OPEN, WorkerState, state_key
+from tidal.protocol import WorkerState
+from tidal.store_keys import GEN_ABANDONED, GEN_OPEN, state_key
 
 COORDINATOR = Path(__file__).resolve().parents[1] / "tidal" / "coordinator"
 # What may hold the world: the executor, and the journal and database it writes through.

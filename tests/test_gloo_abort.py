@@ -150,7 +150,8 @@ CUT_A_BLOCKED_ALLREDUCE = r"""
 import json, sys, time, datetime, threading, torch, torch.distributed as dist
 from tidal.worker import group as grp
 from tidal.worker.waits import Aborted, Waits
-from tidal.protocol import GenerationInfo, generation_prefix
+from tidal.protocol import GenerationInfo
+from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 # Rank 2 hosts the store, as the coordinator does for workers (a member hosting it would
 # see its peers' store connections open while the group forms: nothing would be captured).

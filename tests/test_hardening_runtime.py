@@ -101,7 +101,8 @@ def test_joiner_lost_mid_rendezvous_costs_no_timeout(
 FORM_AFTER_FAILED_FORM = r"""
 import json, sys, time, datetime, threading, torch, torch.distributed as dist
 from tidal.worker import group as grp
-from tidal.protocol import GenerationInfo, generation_prefix
+from tidal.protocol import GenerationInfo
+from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))
@@ -141,7 +142,8 @@ def test_forming_gives_up_when_superseded_and_leaves_nothing_behind() -> None:
 PEER_LOST_WHILE_CONNECTING = r"""
 import json, os, signal, sys, time, datetime, torch, torch.distributed as dist
 from tidal.worker import group as grp
-from tidal.protocol import GenerationInfo, generation_prefix
+from tidal.protocol import GenerationInfo
+from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))
@@ -190,7 +192,8 @@ STORE_AFTER_FORMING = r"""
 import gc, json, sys, datetime, torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from tidal.worker import group as grp
-from tidal.protocol import GenerationInfo, generation_prefix
+from tidal.protocol import GenerationInfo
+from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))

@@ -1,4 +1,4 @@
-"""The store's change counter (``protocol.notice_key``, ``worker.notice``): a real
+"""The store's change counter (``store_keys.notice_key``, ``worker.notice``): a real
 coordinator (never ticking) and its real TCPStore; rank 0's ``Notices`` and its waiting
 thread see what a worker would. A change members must act on at a step boundary moves the
 count once, after the answer that tells it is published; a change they need not act on

@@ -15,7 +15,8 @@ from test_executor import coord  # noqa: F401 - the fixture
 
 from tidal.coordinator.actions import OpenGeneration
 from tidal.coordinator.controller import Coordinator
-from tidal.protocol import GEN_OPEN, GenerationInfo, generation_prefix, state_key
+from tidal.protocol import GenerationInfo
+from tidal.store_keys import GEN_OPEN, generation_prefix, state_key
 from tidal.worker import group as grp
 
 

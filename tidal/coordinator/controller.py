@@ -100,7 +100,7 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
                 target_workers=spec.workers,
             )
         )
-        # Every store key of the job lives under this secret (``protocol.generation_prefix``):
+        # Every store key of the job lives under this secret (``store_keys.generation_prefix``):
         # only workers, which get it through the authenticated API, can name a key.
         self.store_namespace = secrets.token_hex(16)
         #: The only door to the world: worker processes, the store, the records.

@@ -38,7 +38,7 @@ from tidal.coordinator.actions import (
     SignalWorker,
     StartWorker,
 )
-from tidal.protocol import (
+from tidal.store_keys import (
     GEN_ABANDONED,
     GEN_OPEN,
     notice_key,
@@ -128,7 +128,7 @@ class Executor:
 
     def _abandon(self, prefix: str) -> None:
         """Abandon generation ``prefix`` unless it formed, and wake its waiting members
-        (``protocol.settled_key``)."""
+        (``store_keys.settled_key``)."""
         self.store.compare_set(state_key(prefix), GEN_OPEN, GEN_ABANDONED)
         self.store.set(settled_key(prefix), b"")
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal.coordinator.snapshot import WorkerRow
-from tidal.protocol import (
-    GenerationInfo,
-    GenerationView,
-    RecoveryPath,
-    WorkerState,
-    generation_prefix,
-)
+from tidal.protocol import GenerationInfo, GenerationView, RecoveryPath, WorkerState
+from tidal.store_keys import generation_prefix
 
 
 @dataclass(kw_only=True)
@@ -89,7 +84,7 @@ class GenerationRecord:
     members: list[int]
     reason: str
     opened_at: float
-    namespace: str  # the job's secret store namespace (``protocol.generation_prefix``)
+    namespace: str  # the job's secret store namespace (``store_keys.generation_prefix``)
     committed_step: int = 0  # see ``GenerationInfo.committed_step``
     resume_from: str | None = None  # a checkpoint every member loads first (state lost)
     resume_step: int | None = None

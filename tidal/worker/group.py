@@ -49,11 +49,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tidal.protocol import (
+from tidal.protocol import GenerationInfo
+from tidal.store_keys import (
     GEN_ABANDONED,
     GEN_GO,
     GEN_OPEN,
-    GenerationInfo,
     arrived_key,
     copies_prefix,
     generation_prefix,

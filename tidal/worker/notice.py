@@ -2,8 +2,8 @@
 
 Members learn of a new generation, a stop or the job's end from the coordinator's answer
 (``Agent.latest``), and switch together through the control word, which needs only one
-member to know. The coordinator adds 1 to ``protocol.notice_key`` with every such change
-(after publishing the answer) and sets ``protocol.notice_wake_key`` for the new count.
+member to know. The coordinator adds 1 to ``store_keys.notice_key`` with every such change
+(after publishing the answer) and sets ``store_keys.notice_wake_key`` for the new count.
 
 Rank 0 once read the counter before each step's all-reduce: a store round trip that cost
 0.2 to 0.3 ms a step on saturated cores (the coordinator's store thread must be scheduled),
@@ -36,7 +36,8 @@ import threading
 
 import torch.distributed as dist
 
-from tidal.protocol import WorkerConfig, notice_key, notice_wake_key
+from tidal.protocol import WorkerConfig
+from tidal.store_keys import notice_key, notice_wake_key
 
 TIMEOUT_S = 2.0
 #: How long ``close`` waits for the thread to leave the store's ``wait``.
