@@ -11,17 +11,32 @@ joiners and laggards with the model, writes them into every checkpoint, loads th
   (``TrackedState.check``), naming the object and the path to the value, not at the first
   checkpoint hours later.
 - **A failed step leaves no trace.** ``mark`` before each step records every object's
-  skeleton (by value) and its tensors' version counters; ``rewind`` after a failed step
-  loads the marked skeleton back into each object whose state moved. Tensors are not copied
-  each step (an EMA model would double the step's memory traffic): a tracked tensor changed
-  in place during a step that failed cannot be rewound, and is refused loudly. Change
-  tracked tensors only after the optimizer step (``Trainer.after_step``), where a step is
-  already committed.
+  skeleton (by value) and keeps a copy of its tensors; ``rewind`` after a failed step puts
+  back each object whose state moved: a module's changed tensors are copied back in place,
+  another object is given its marked state (skeleton and copies) by ``load_state_dict``.
+  So an EMA, running statistics or a counter tensor may be changed in place anywhere: in
+  the step body (``ema.update_parameters(model)`` after the micro-batches) or in
+  ``Trainer.after_step``.
+- **The cost is one copy of what changed.** The copies are allocated at the first ``mark``
+  (memory: one extra copy of every tracked tensor, e.g. a second EMA model); each later
+  ``mark`` refreshes only the copies whose tensor was changed since it was copied (its
+  version counter moved, or it was replaced), so a tensor the script changes every step is
+  copied once a step and an untouched one never again. ``last_copied`` counts the tensors
+  the latest ``mark`` copied.
+- **Changes no version counter shows.** A BatchNorm's forward updates its running
+  statistics inside its kernel, and an update through ``tensor.data`` bypasses autograd:
+  neither moves a version counter. A submodule's buffers count as one (a BatchNorm's
+  ``num_batches_tracked`` moves with an ``add_``); the marks after the first three steps
+  compare the tensors whose versions stood still with their copies, and one that changed
+  anyway is copied and restored at every step from then on; a failed step whose tensor
+  changed that way since its copy was refreshed at the step's mark is rewound too. What is
+  left, such a change that first happens later to a tensor copied before the step's mark,
+  cannot be told from a change before the mark: ``rewind`` refuses it, naming the tensor
+  (update tracked tensors in place under ``torch.no_grad()``, not through ``.data``).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -116,16 +131,150 @@ class Captured:
 @dataclass(frozen=True)
 class Mark:
     """What ``rewind`` restores: skeletons by value (``flatten`` builds new containers around
-    immutable leaves, so a skeleton is already a deep copy), tensors by version counter. A
-    module's whole state is its tensors: only their versions are kept (cheap on the hot path:
-    no ``state_dict()`` of an EMA model every step)."""
+    immutable leaves, so a skeleton is already a deep copy; a module's is None: its state is
+    its tensors) and, through ``serial``, the copies that ``TrackedState`` took at this mark
+    (only the latest mark can be rewound to)."""
 
+    serial: int
     skeleton: dict[str, Any]
-    versions: dict[str, list[int]]
 
 
-def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    return list(itertools.chain(module.parameters(), module.buffers()))
+# Marks that compare unmoved tensors with their copies (the ``.data`` check of the module
+# doc): those after the first steps, where a script's per-step pattern has shown itself.
+AUDIT_MARKS = range(2, 5)
+
+
+def _fits(copy: torch.Tensor, t: torch.Tensor) -> bool:
+    return copy.shape == t.shape and copy.dtype == t.dtype and copy.device == t.device
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(torch.where(a.isnan(), b.isnan(), a == b).all())
+
+
+class _Copies:
+    """One object's tensors as of the latest mark, by position: a copy of each, and what
+    says whether the tensor moved since: its address and version counter when copied.
+
+    The tensor copied from is held (a ``detach()``: the same memory, kept alive), so no
+    other tensor can appear at its address: a tensor at the same address is the same
+    memory (a ``state_dict`` may hand out a new ``detach()`` of it at each call), and one
+    the script replaced (``module.buf = ...``, ``p.data = ...``) shows a new address.
+
+    ``groups``: positions that move together, so one that moved means all did: a
+    submodule's buffers (a BatchNorm's forward updates ``running_mean`` and ``running_var``
+    inside its kernel, which moves no version counter, and ``num_batches_tracked`` with an
+    ``add_``, which does)."""
+
+    def __init__(self, groups: list[list[int]] | None = None) -> None:
+        self.groups = groups or []
+        self.copies: list[torch.Tensor] = []
+        self.held: list[torch.Tensor] = []
+        self.ptrs: list[int] = []
+        self.versions: list[int] = []
+        self.taken: list[int] = []  # the mark at which each copy was last refreshed
+        self.unversioned: set[int] = set()  # changed with no version bump: copied every mark
+
+    def note(self, i: int, t: torch.Tensor) -> None:
+        """``t`` (position ``i``) equals its copy now."""
+        self.held[i], self.ptrs[i], self.versions[i] = t.detach(), t.data_ptr(), t._version
+
+    def moved(self, tensors: list[torch.Tensor]) -> list[bool]:
+        """Which of ``tensors`` changed since copied, as far as addresses, version counters
+        and ``groups`` tell."""
+        versions, ptrs, unversioned = self.versions, self.ptrs, self.unversioned
+        moved = [
+            t._version != versions[i] or t.data_ptr() != ptrs[i] or i in unversioned
+            for i, t in enumerate(tensors)
+        ]
+        for group in self.groups:
+            if any(moved[i] for i in group):
+                for i in group:
+                    moved[i] = True
+        return moved
+
+    def refresh(self, tensors: list[torch.Tensor], serial: int, audit: bool) -> int:
+        """Make the copies those of ``tensors`` at mark ``serial``, copying only what moved
+        (and, when ``audit``, what differs from its copy); the count copied."""
+        if len(tensors) != len(self.copies):  # first mark, or the object's layout changed
+            self.copies = [t.detach().clone() for t in tensors]
+            self.held = [t.detach() for t in tensors]
+            self.ptrs = [t.data_ptr() for t in tensors]
+            self.versions = [t._version for t in tensors]
+            self.taken = [serial] * len(tensors)
+            self.unversioned.clear()
+            return len(tensors)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for i, (t, moved) in enumerate(zip(tensors, self.moved(tensors), strict=True)):
+            if moved:
+                if not _fits(self.copies[i], t):  # replaced by one of another shape
+                    self.copies[i] = torch.empty_like(t, requires_grad=False)
+            elif audit and not _equal(self.copies[i], t):
+                self.unversioned.add(i)
+            else:
+                continue
+            dst.append(self.copies[i])
+            src.append(t.detach())
+            self.note(i, t)
+            self.taken[i] = serial
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return len(dst)
+
+    def since(
+        self, name: str, tensors: list[torch.Tensor], serial: int, labels: list[str] | None = None
+    ) -> list[int]:
+        """The positions that moved since mark ``serial`` (the latest): what a rewind puts
+        back. One whose version stood still but differs from its copy moved too when the
+        copy was taken at that mark (it is copied at every mark from now on); else it cannot
+        be put back (it may have changed before the mark): raises ``RuntimeError``."""
+        out = []
+        for i, (t, moved) in enumerate(zip(tensors, self.moved(tensors), strict=True)):
+            if moved:
+                out.append(i)
+            elif not _equal(self.copies[i], t):
+                if self.taken[i] != serial:
+                    what = labels[i] if labels else f"its tensor {i}"
+                    raise RuntimeError(
+                        f"tracked state {name!r}: {what} changed without its version counter "
+                        "moving (an update through .data?) and a step failed since; it "
+                        "cannot be rewound. Update tracked tensors in place under "
+                        "torch.no_grad(), not through .data"
+                    )
+                self.unversioned.add(i)
+                out.append(i)
+        return out
+
+
+def _slots(module: torch.nn.Module) -> tuple[list[tuple[dict, str, str]], list[list[int]]]:
+    """Where each of a module's tensors lives (each tensor once): the ``_parameters`` or
+    ``_buffers`` dict of its submodule, its key and its dotted name; and the groups of
+    positions that are one submodule's buffers (``_Copies``). Reading a slot costs ~0.1 us
+    a tensor, walking the submodules ~4 us; a slot also shows a replaced tensor."""
+    seen: set[int] = set()
+    slots: list[tuple[dict, str, str]] = []
+    groups: list[list[int]] = []
+    for prefix, sub in module.named_modules():
+        for table in (sub._parameters, sub._buffers):
+            at = len(slots)
+            for key, t in table.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    slots.append((table, key, f"{prefix}.{key}" if prefix else key))
+            if table is sub._buffers and len(slots) - at > 1:
+                groups.append(list(range(at, len(slots))))
+    return slots, groups
+
+
+def _has_extra_state(module: torch.nn.Module) -> bool:
+    base = torch.nn.Module.get_extra_state
+    return any(type(m).get_extra_state is not base for m in module.modules())
 
 
 class TrackedState:
@@ -145,13 +294,17 @@ class TrackedState:
                     "load_state_dict() (a scheduler, a GradScaler, a module, your own class)"
                 )
         self.objects = dict(objects)
-        # A module's tensors, listed once: walking its submodules every step costs ~4 us a
-        # tensor, reading a version counter ~0.3 us. ``load_state_dict`` copies into them.
-        self._module_tensors = {
-            name: _module_tensors(obj)
-            for name, obj in self.objects.items()
-            if isinstance(obj, torch.nn.Module)
-        }
+        # A module's tensors by slot, listed once (a module with extra state goes the
+        # general way: ``state_dict`` at each mark); every object's copies (``mark``).
+        self._slots: dict[str, list[tuple[dict, str, str]]] = {}
+        self._copies = {}
+        for name, obj in self.objects.items():
+            groups = None
+            if isinstance(obj, torch.nn.Module) and not _has_extra_state(obj):
+                self._slots[name], groups = _slots(obj)
+            self._copies[name] = _Copies(groups)
+        self._serial = 0
+        self.last_copied = 0  # tensors the latest ``mark`` copied
 
     def __bool__(self) -> bool:
         return bool(self.objects)
@@ -188,36 +341,51 @@ class TrackedState:
             obj.load_state_dict(unflatten(skeleton[name], tensors))
 
     def mark(self) -> Mark:
+        """Record what ``rewind`` restores (before each step); see the module doc."""
+        self._serial += 1
+        audit = self._serial in AUDIT_MARKS
         skeleton: dict[str, Any] = {}
-        versions: dict[str, list[int]] = {}
-        for name, obj in self.objects.items():
-            if name in self._module_tensors:
-                skeleton[name] = None
-                versions[name] = [t._version for t in self._module_tensors[name]]
-                continue
-            tensors: list[torch.Tensor] = []
-            skeleton[name] = flatten(obj.state_dict(), tensors, name)
-            versions[name] = [t._version for t in tensors]
-        return Mark(skeleton=skeleton, versions=versions)
+        copied = 0
+        with torch.no_grad():
+            for name, obj in self.objects.items():
+                if name in self._slots:
+                    skeleton[name] = None
+                    tensors = [table[key] for table, key, _ in self._slots[name]]
+                else:
+                    tensors = []
+                    skeleton[name] = flatten(obj.state_dict(), tensors, name)
+                copied += self._copies[name].refresh(tensors, self._serial, audit)
+        self.last_copied = copied
+        return Mark(serial=self._serial, skeleton=skeleton)
 
     def rewind(self, mark: Mark) -> list[str]:
-        """Undo what a failed step did to the objects; returns the names rewound. Raises
-        ``RuntimeError`` if a tracked tensor was changed in place (see the module doc)."""
+        """Undo what a failed step did to the objects since ``mark`` (the latest); returns
+        the names rewound. Raises ``RuntimeError`` for a change it cannot undo (the module
+        doc: a change through ``.data`` found only now)."""
+        if mark.serial != self._serial:
+            raise ValueError(f"rewind to mark {mark.serial}, but the latest is {self._serial}")
         rewound = []
-        for name, obj in self.objects.items():
-            tensors: list[torch.Tensor] = []
-            if name in self._module_tensors:
-                now, versions = None, [t._version for t in self._module_tensors[name]]
-            else:
+        with torch.no_grad():
+            for name, obj in self.objects.items():
+                copies = self._copies[name]
+                if name in self._slots:
+                    slots = self._slots[name]
+                    live = [table[key] for table, key, _ in slots]
+                    labels = [label for *_, label in slots]
+                    moved = copies.since(name, live, mark.serial, labels)
+                    for i in moved:
+                        live[i].copy_(copies.copies[i])
+                        copies.note(i, live[i])  # equal to its copy again
+                    if moved:
+                        rewound.append(name)
+                    continue
+                tensors: list[torch.Tensor] = []
                 now = flatten(obj.state_dict(), tensors, name)
-                versions = [t._version for t in tensors]
-            if versions != mark.versions[name]:
-                raise RuntimeError(
-                    f"tracked state {name!r} changed a tensor in place during a step that "
-                    "failed and must be redone; it cannot be rewound. Change tracked tensors "
-                    "after the optimizer step (trainer.after_step), not inside the step"
-                )
-            if now != mark.skeleton[name]:
-                obj.load_state_dict(unflatten(mark.skeleton[name], tensors))
-                rewound.append(name)
+                same_layout = len(tensors) == len(copies.copies)
+                moved = copies.since(name, tensors, mark.serial) if same_layout else [-1]
+                if moved or now != mark.skeleton[name]:
+                    # Clones: an object may keep what it is given, and the copies are ours.
+                    held = [c.clone() for c in copies.copies]
+                    obj.load_state_dict(unflatten(mark.skeleton[name], held))
+                    rewound.append(name)
         return rewound
