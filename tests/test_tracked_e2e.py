@@ -21,17 +21,18 @@ EXACT = 1e-12
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """``reference(inf_at)``: the output folder of a one-worker run: the script alone
-    (``Trainer.run`` without ``tidal run`` trains with the same mathematics, and saves the
-    process starts of a job)."""
+    """``reference(inf_at, ema_in_body)``: the output folder of a one-worker run: the
+    script alone (``Trainer.run`` without ``tidal run`` trains with the same mathematics,
+    and saves the process starts of a job)."""
     root = tmp_path_factory.mktemp("carried-ref")
-    cache: dict[int | None, Path] = {}
+    cache: dict[tuple[int | None, bool], Path] = {}
 
-    def get(inf_at: int | None = None) -> Path:
-        if inf_at not in cache:
-            out = root / f"out-{inf_at}"
+    def get(inf_at: int | None = None, ema_in_body: bool = False) -> Path:
+        key = (inf_at, ema_in_body)
+        if key not in cache:
+            out = root / f"out-{inf_at}-{ema_in_body}"
             proc = subprocess.run(
-                [sys.executable, str(SCRIPT), *_args(out, inf_at)],
+                [sys.executable, str(SCRIPT), *_args(out, inf_at, ema_in_body)],
                 cwd=ROOT,
                 env={k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")},
                 capture_output=True,
@@ -39,14 +40,15 @@ def reference(tmp_path_factory):
                 timeout=200,
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[inf_at] = out
-        return cache[inf_at]
+            cache[key] = out
+        return cache[key]
 
     return get
 
 
-def _args(out: Path, inf_at: int | None = None) -> list[str]:
+def _args(out: Path, inf_at: int | None = None, ema_in_body: bool = False) -> list[str]:
     extra = ["--inf-at", str(inf_at)] if inf_at is not None else []
+    extra += ["--ema-in-body"] if ema_in_body else []
     return ["--max-steps", str(STEPS), "--out", str(out), *extra]
 
 
@@ -108,6 +110,46 @@ def test_resizes_and_a_kill_inside_an_allreduce_carry_everything(
     assert any("worker 1 failed" in g["reason"] for g in status["generations"]), summarize(status)
     facts = assert_members_match(out, reference(), tmp_path, expect_members=2)
     assert facts[0]["counter"] == {"samples": STEPS * 48, "steps": STEPS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_ema_updated_in_the_step_body_is_rewound_when_a_step_fails(
+    tidal_home: Home, tmp_path: Path, reference
+) -> None:
+    """2 -> 3 -> 1 workers, a SIGKILL inside step 50's all-reduce: the survivors' step 50
+    fails after their bodies updated the EMA in place; the Trainer rewinds it and the redone
+    step updates it once. Every finishing member equals a one-worker run of the same
+    script (the EMA sees each step's parameters before its update, in both)."""
+    out = tmp_path / "out"
+    proc, job = tidal_home.run(
+        "ema-body",
+        "--workers",
+        "2",
+        "--max-workers",
+        "3",
+        "--schedule",
+        "30:3,75:1",
+        script=SCRIPT,
+        script_args=_args(out, ema_in_body=True),
+        faults="sigkill@worker=1,step=50,phase=allreduce",
+        timeout=280,
+    )
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    status = job.status()
+    assert status["state"] == "succeeded", summarize(status)
+    sizes = [g["world_size"] for g in status["generations"] if g["start_step"] is not None]
+    assert sizes[:2] == [2, 3] and sizes[-1] == 1, summarize(status)
+    assert any("worker 1 failed" in g["reason"] for g in status["generations"]), summarize(status)
+    facts = assert_members_match(out, reference(ema_in_body=True), tmp_path, expect_members=1)
+    assert facts[0]["counter"] == {"samples": STEPS * 48, "steps": STEPS}
+    # The EMA in the body differs from one updated after the step: the flag reached it.
+    other = next(reference().glob("worker-*.safetensors"))
+    (mine,) = out.glob("worker-*.safetensors")
+    moved = relative_l2(
+        _split(mine, "ema.", tmp_path / "a.st"), _split(other, "ema.", tmp_path / "b.st")
+    )
+    assert moved > 1e-6, moved
 
 
 @pytest.mark.slow

@@ -6,6 +6,10 @@ Each member that finishes writes ``OUT/worker-ID.safetensors`` (parameters and E
 parameters) and ``OUT/worker-ID.json`` (scheduler, scaler, counter, step), so a test can
 compare every member with a one-worker run, not only rank 0.
 
+``--ema-in-body`` updates the EMA in the step body, after the micro-batches (before the
+step's optimizer update, as tutorials write it), instead of in ``trainer.after_step``: a
+step that fails has then changed the EMA in place, and the Trainer must rewind it.
+
 ``--inf-at S`` poisons the micro-batch that holds the first sample of step S's global batch
 with an infinite loss (whatever the split, exactly one micro-batch holds it): the GradScaler
 must skip step S on every member.
@@ -53,6 +57,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--inf-at", type=int, default=None)
     p.add_argument("--slow", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--ema-in-body", action="store_true")
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(7)
@@ -88,7 +93,8 @@ def main() -> None:
 
     @trainer.after_step
     def _(index: int) -> None:
-        ema.update_parameters(model)
+        if not args.ema_in_body:
+            ema.update_parameters(model)
         counter.steps += 1
 
     poison = None
@@ -103,6 +109,8 @@ def main() -> None:
         # Moved inside the step, before the step is known to have succeeded: a step that
         # fails must leave it as it was (the Trainer rewinds it), else it counts twice.
         counter.samples += trainer.sampler.global_batch_size
+        if args.ema_in_body:  # in place, before the step is known to have succeeded
+            ema.update_parameters(model)
         time.sleep(args.slow)
     if not trainer.completed:
         return
