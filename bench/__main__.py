@@ -33,6 +33,7 @@ MEASUREMENTS = (
     "control_plane",
     "capacity",
     "fsdp_reshard",
+    "tracked_copy",
 )
 
 SIZES = {
@@ -48,19 +49,19 @@ SIZES = {
         tput_steps=300, tput_reps=8, events=48, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
-        fsdp_steady=60,
+        fsdp_steady=60, tc_steps=600,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=2, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
         ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
-        fsdp_steady=30,
+        fsdp_steady=30, tc_steps=300,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
         ckcpu_reps=1, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=1,
-        fsdp_steady=5,
+        fsdp_steady=5, tc_steps=30,
     ),
 }  # fmt: skip
 
@@ -376,6 +377,19 @@ def run_fsdp_reshard(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     return rows, {"tidal": t, "peer": p, "ddp_bytes": ddp, "memory": memory}
 
 
+def run_tracked_copy(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import tracked_copy
+
+    res = tracked_copy.measure(size["tc_steps"])
+    log(
+        f"tracked copy: mark p50 {res['mark_s_p50'] * 1e3:.3f} ms ({res['copied_per_mark']} "
+        f"tensors, {res['copied_bytes_per_mark'] / 1e6:.2f} MB), step p50 "
+        f"{res['step_s_p50'] * 1e3:.2f} ms against {res['peer_step_s_p50'] * 1e3:.2f} ms"
+    )
+    r = row("tracked_copy_overhead", res["tidal"], res["peer"], "steps/s", higher_is_better=True)
+    return [r | {"peer_name": "floor", "peer_config": res["config"]}], res
+
+
 RUNNERS = {
     "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
     "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
@@ -417,6 +431,7 @@ RUNNERS = {
         ],
         "s",
     ),
+    "tracked_copy": (run_tracked_copy, ["tracked_copy_overhead"], "steps/s"),
 }
 
 

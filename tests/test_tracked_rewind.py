@@ -227,3 +227,18 @@ def test_only_the_latest_mark_can_be_rewound_to() -> None:
     tracked.mark()
     with pytest.raises(ValueError, match="latest"):
         tracked.rewind(old)
+
+
+def test_the_bench_row_times_a_loop_whose_marks_copy_the_ema() -> None:
+    """``tracked_copy_overhead`` measures what it says: every mark of its loop copies the
+    EMA's parameters and ``n_averaged`` (the body moved them), nothing else. No speed is
+    asserted."""
+    import math
+
+    from bench.tracked_copy import DEPTH, measure
+
+    res = measure(steps=4)
+    assert res["copied_per_mark"] == 2 * (DEPTH + 1) + 1
+    assert res["copied_bytes_per_mark"] > 4 * 32 * 256
+    for key in ("tidal", "peer", "mark_s_p50"):
+        assert math.isfinite(res[key]) and res[key] > 0, res
