@@ -21,6 +21,8 @@ from tidal.protocol import (
     RegisterRequest,
     RegisterResponse,
     ScaleRequest,
+    StopAnswer,
+    StopReport,
 )
 
 
@@ -105,6 +107,11 @@ class CoordinatorClient:
 
     def report_done(self, worker_id: int, req: DoneReport) -> None:
         self._call("POST", f"/workers/{worker_id}/done", req)
+
+    def report_stop(self, worker_id: int, req: StopReport) -> StopAnswer:
+        """This member's script ended the job early (``StopReport``); the answer says where
+        the job stops and whether this worker writes the final checkpoint."""
+        return StopAnswer.model_validate(self._call("POST", f"/workers/{worker_id}/stop", req))
 
     # -- CLI calls ------------------------------------------------------------------
     def status(self) -> JobStatus:

@@ -299,6 +299,9 @@ class HeartbeatRequest(BaseModel):
     leaving: bool = False
     holding: bool = False
     approaching: bool = False
+    # Seconds this member has been in the script outside Tidal's collectives (its step's
+    # all-reduce, a heal) while a member of a formed group; None otherwise (``busy``).
+    script_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     metrics: dict[MetricName, MetricValue] = Field(default_factory=dict, max_length=MAX_METRICS)
     reports: list[StepReport] = Field(default_factory=list, max_length=1000)
     checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)
@@ -326,6 +329,13 @@ class HeartbeatResponse(BaseModel):
     stop: bool = False
     settled_step: int = -1
     interval_s: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
+    # A member's script stopped the job (``StopReport``): every member ends at this step, and
+    # only the worker told so (``StopAnswer.writer``) writes the final checkpoint.
+    stop_step: int | None = None
+    # Members of the formed generation known alive and busy in the script, outside Tidal's
+    # collectives (an evaluation, a save): a peer waiting for them in a collective does not
+    # give up at the collective timeout (``tidal.worker.watch``).
+    busy: list[int] = Field(default_factory=list)
 
 
 class FailureKind(str, Enum):
@@ -353,6 +363,26 @@ class DoneReport(BaseModel):
 
     step: Step
     completed: bool
+
+
+class StopReport(BaseModel):
+    """A member's script ended the job early (``trainer.stop()``, or ``break`` out of
+    ``trainer.run``) with ``step`` steps committed in ``generation``; sent before it leaves
+    its group, so its peers find the stop when their next collective fails. ``writes``: it
+    can write the job's final checkpoint alone (False under ``sharding="fsdp"``)."""
+
+    generation: Id
+    step: Step
+    writes: bool = True
+
+
+class StopAnswer(BaseModel):
+    """``step``: the step the job stops at (the first report's), None when the report did
+    not stop the job (its outcome was already decided, or the reporter was no member of
+    the current generation); ``writer``: this worker writes the final checkpoint."""
+
+    step: Step | None = None
+    writer: bool = False
 
 
 class ScaleRequest(BaseModel):

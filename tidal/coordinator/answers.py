@@ -29,6 +29,7 @@ class Answers:
     generation: GenerationInfo | None
     members: frozenset[int]
     stop: bool
+    stop_step: int | None = None  # a member's script stopped the job at this step
     ended: bool  # an outcome is decided: every worker exits
     settled_step: int
     workers: int
@@ -43,13 +44,14 @@ class Answers:
 
     def response(self, role: Role) -> HeartbeatResponse:
         if role == Role.EXIT:
-            return HeartbeatResponse(role=Role.EXIT, stop=self.stop)
+            return HeartbeatResponse(role=Role.EXIT, stop=self.stop, stop_step=self.stop_step)
         peers = len(self.members) if role == Role.MEMBER else self.workers - len(self.members)
         interval = heartbeat_interval(base_s=self.base_s, peers=peers, timeout_s=self.timeout_s)
         return HeartbeatResponse(
             role=role,
             generation=self.generation,
             stop=self.stop,
+            stop_step=self.stop_step,
             settled_step=self.settled_step,
             interval_s=interval if interval != self.base_s else None,
         )

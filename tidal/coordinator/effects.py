@@ -29,6 +29,7 @@ from tidal.coordinator.rules import (
     neighbour_copy_event,
     schedule_near,
 )
+from tidal.coordinator.stop_rules import accept_stop
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -40,6 +41,8 @@ from tidal.protocol import (
     RegisterRequest,
     RegisterResponse,
     StepReport,
+    StopAnswer,
+    StopReport,
     WorkerConfig,
     WorkerState,
 )
@@ -189,6 +192,8 @@ class Effects:
         latest = self.job.latest
         if latest is None or r.generation != latest.id or self.job.outcome is not None:
             return  # a newer generation already answers it
+        if self.job.script_stop is not None:  # a member's script ended the job: it left
+            return
         if r.kind == FailureKind.SCRIPT_MISMATCH:  # no re-form can mend it (``FailureKind``)
             self._decide(JobState.FAILED, f"worker {wid}: {r.error}")
             self.wake.set()
@@ -224,7 +229,7 @@ class Effects:
         w = self._caller(wid)
         self._stopping(w)
         self.job.step = max(self.job.step, r.step)
-        if r.completed and self.job.outcome is None:
+        if r.completed and self.job.outcome is None and self.job.script_stop is None:
             refused = self._completion_refused(wid, r)
             if refused:
                 self.event(
@@ -246,8 +251,37 @@ class Effects:
             worker_id=wid, step=r.step, current=current, job_length=self.job.job_length
         )
 
+    def _apply_script_stop(self, wid: int, r: StopReport) -> StopAnswer:
+        """A member's script ended the job early (``stop_rules.accept_stop``); answered before
+        the member leaves its group, and published at once: its peers, whose next collective
+        fails when it leaves, find the stop in the answer they fetch then."""
+        self._caller(wid)
+        gen = next((g for g in self.job.generations if g.id == r.generation), None)
+        formed = self.job.formed()
+        current = set(self.job.members) | set(formed.members if formed else ())
+        verdict = accept_stop(
+            worker_id=wid,
+            step=r.step,
+            generation=r.generation,
+            writes=r.writes,
+            members=tuple(gen.members) if gen is not None else (wid,),
+            current=current,
+            recorded=self.job.script_stop,
+            decided=self.job.outcome is not None or self.job.stop_requested_at is not None,
+        )
+        if verdict.event is not None:
+            self.event("stop", verdict.event)
+        if verdict.record is not None:
+            self.job.script_stop = verdict.record
+            self.job.step = max(self.job.step, r.step)
+            self.job.reform_requested = None  # its peers' failures are the stop, not a fault
+            self._publish()
+            self.wake.set()
+        return StopAnswer(step=verdict.step, writer=verdict.writer)
+
     def _apply_scale(self, n: int) -> None:
-        if self.job.outcome is not None or self.job.stop_requested_at is not None:
+        finishing = self.job.stop_requested_at is not None or self.job.script_stop is not None
+        if self.job.outcome is not None or finishing:
             raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
         self._set_target(n, "tidal scale")
         self.wake.set()

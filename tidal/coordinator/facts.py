@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.protocol import DoneReport, FailureReport, HeartbeatRequest, RegisterRequest
+from tidal.protocol import (
+    DoneReport,
+    FailureReport,
+    HeartbeatRequest,
+    RegisterRequest,
+    StopReport,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,14 @@ class Done:
 
 
 @dataclass(frozen=True)
+class ScriptStopped:
+    """A member's script ended the job early (``trainer.stop()``, ``break``): ``stop_rules``."""
+
+    worker_id: int
+    report: StopReport
+
+
+@dataclass(frozen=True)
 class ScaleRequested:
     """``tidal scale N`` (already within ``--min-workers`` and ``--max-workers``)."""
 
@@ -73,4 +87,13 @@ class Refused:
     message: str
 
 
-Fact = Registered | Beat | FailureReported | Done | ScaleRequested | StopRequested | Refused
+Fact = (
+    Registered
+    | Beat
+    | FailureReported
+    | Done
+    | ScriptStopped
+    | ScaleRequested
+    | StopRequested
+    | Refused
+)

@@ -35,6 +35,7 @@ from tidal.coordinator.facts import (
     Refused,
     Registered,
     ScaleRequested,
+    ScriptStopped,
     StopRequested,
 )
 from tidal.coordinator.rules import schedule_near
@@ -46,6 +47,8 @@ from tidal.protocol import (
     RegisterRequest,
     RegisterResponse,
     Role,
+    StopAnswer,
+    StopReport,
 )
 
 if TYPE_CHECKING:
@@ -66,12 +69,14 @@ class Handlers:
         """Publish what workers are told now (``answers``), if it changed since the last
         time; under the lock."""
         latest = self.job.latest
+        stopped = self.job.script_stop
         key = (
             latest.id if latest is not None else None,
-            self.job.stop_requested_at is not None,
+            self.job.stop_requested_at is not None or stopped is not None,
             self.job.outcome is not None,
             self.job.settled_step,
             len(self.job.workers),
+            stopped.step if stopped is not None else None,
         )
         if key == self._published_key:
             return
@@ -81,6 +86,7 @@ class Handlers:
             generation=latest.info() if latest is not None else None,
             members=latest.member_set() if latest is not None else frozenset(),
             stop=key[1],
+            stop_step=key[5],
             ended=key[2],
             settled_step=self.job.settled_step,
             workers=len(self.job.workers),
@@ -156,6 +162,8 @@ class Handlers:
                 return self._apply_failure(wid, report)
             case Done(wid, report):
                 return self._apply_done(wid, report)
+            case ScriptStopped(wid, report):
+                return self._apply_script_stop(wid, report)
             case ScaleRequested(n):
                 return self._apply_scale(n)
             case StopRequested():
@@ -215,6 +223,9 @@ class Handlers:
 
     def on_done(self, wid: int, r: DoneReport) -> None:
         self._submit(Done(wid, r))
+
+    def on_script_stop(self, wid: int, r: StopReport) -> StopAnswer:
+        return self._submit(ScriptStopped(wid, r))
 
     def on_refused(self, wid: int, message: str) -> None:
         """A call of worker ``wid`` was refused at the API's edge: an event says why."""

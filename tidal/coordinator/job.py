@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from tidal.coordinator.records import GenerationRecord, ReformRequest, WorkerRecord
 from tidal.coordinator.rules import Streak
 from tidal.coordinator.step_metrics import StepLog
+from tidal.coordinator.stop_rules import ScriptStop
 from tidal.protocol import JobState
 
 
@@ -64,6 +65,8 @@ class Job:
     #: The last --schedule step whose membership is in place (members holding there go on).
     settled_step: int = -1
     wind_down_since: float | None = None  # monotonic: the outcome's wind-down began
+    #: A member's script stopped the job early (``stop_rules``): no change after it.
+    script_stop: ScriptStop | None = None
 
     @property
     def latest(self) -> GenerationRecord | None:

@@ -145,7 +145,7 @@ class Lifecycle:
                 leaving=w.state == WorkerState.STOPPING,
                 was_member=was_member,
                 kill_reason=w.kill_reason,
-                job_decided=self.job.outcome is not None,
+                job_decided=self.job.outcome is not None or self.job.script_stop is not None,
                 failures=self.job.failures,
                 max_restarts=self.spec.max_restarts,
                 target=self.job.target,

@@ -36,6 +36,7 @@ from tidal.coordinator.rules import (
     start_timed_out,
     wind_down,
 )
+from tidal.coordinator.stop_rules import MemberExit, stop_outcome
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.schedule import future_peak
 from tidal.protocol import JobState, WorkerState
@@ -68,7 +69,8 @@ class ControlLoop:
             self._check_heartbeats()
         self._answer_state_lost()
         self._finish()
-        if self.job.outcome is None:
+        self._finish_script_stop()
+        if self.job.outcome is None and self.job.script_stop is None:
             self._observe(now)
             self._release_leavers()
             self._maybe_reform(now)
@@ -111,6 +113,32 @@ class ControlLoop:
         )
         if action == "succeed":
             self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {step}")
+        elif action == "fail":
+            self._decide(JobState.FAILED, why)
+
+    def _finish_script_stop(self) -> None:
+        """Decide the outcome of a job a member's script stopped, once its generation's
+        members have exited (``stop_rules.stop_outcome``)."""
+        stop = self.job.script_stop
+        if stop is None or self.job.outcome is not None:
+            return
+        exits = {}
+        for w in (self.job.workers[m] for m in stop.members if m in self.job.workers):
+            code = None if w.live else (w.exit_code if w.exit_code is not None else -1)
+            exits[w.id] = MemberExit(
+                code=code,
+                killed=w.kill_reason is not None,
+                detail=self.executor.describe_exit(w.id) if code is not None and code > 0 else "",
+            )
+        action, why = stop_outcome(
+            stop=stop,
+            exits=exits,
+            checkpoints=self.checkpoint_dir is not None,
+            written=stop.step in self.job.checkpointed,
+            error=self.job.checkpoint_failed.get(stop.step),
+        )
+        if action == "succeed":
+            self._decide(JobState.SUCCEEDED, why)
         elif action == "fail":
             self._decide(JobState.FAILED, why)
 

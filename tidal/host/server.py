@@ -40,6 +40,8 @@ from tidal.protocol import (
     RegisterRequest,
     RegisterResponse,
     ScaleRequest,
+    StopAnswer,
+    StopReport,
     worker_token,
 )
 
@@ -184,6 +186,12 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
     def done(wid: int, req: DoneReport) -> dict:
         call(coord.on_done, wid, req)
         return {}
+
+    @app.post(
+        API_PREFIX + "/workers/{wid}/stop", response_model=StopAnswer, dependencies=worker_auth
+    )
+    def stop_by_script(wid: int, req: StopReport) -> StopAnswer:
+        return call(coord.on_script_stop, wid, req)
 
     return app
 

@@ -35,6 +35,8 @@ from tidal.protocol import (
     RegisterResponse,
     StepMetrics,
     StepReport,
+    StopAnswer,
+    StopReport,
     WorkerConfig,
     WorkerEnv,
 )
@@ -78,6 +80,10 @@ class Agent:
         self._wake = threading.Event()
         self._changed = threading.Condition(self._lock)
         self._latest: HeartbeatResponse | None = None
+        self.latest_at = 0.0  # monotonic: when ``_latest`` was answered
+        #: Seconds this member has been in the script outside Tidal's collectives, or None
+        #: (``AbortWatch.script_s``): what each heartbeat says of it (``busy``).
+        self.script_s: Callable[[], float | None] = lambda: None
         # Each request that returns an answer is numbered as it is sent; ``_latest`` is the
         # answer to the highest number answered so far (``_set_latest``).
         self._asked = itertools.count()
@@ -178,6 +184,7 @@ class Agent:
                 step=self.step,
                 generation=self.generation,
                 leaving=self.leaving,
+                script_s=self.script_s(),
                 metrics=self._metrics,
                 reports=self._reports,
                 checkpoints=self._checkpoints,
@@ -248,6 +255,7 @@ class Agent:
             if asked < self._latest_asked:
                 return
             self._latest, self._latest_asked = resp, asked
+            self.latest_at = time.monotonic()
             self._changed.notify_all()
 
     def _asking(
@@ -395,6 +403,12 @@ class Agent:
         wait(self._failure_reports)
         report = DoneReport(step=step, completed=completed)
         self._call(self._client, lambda c: c.report_done(self.worker_id, report))
+
+    def report_stop(self, *, generation: int, step: int, writes: bool) -> StopAnswer:
+        """Tell the coordinator, and wait for its answer, that this member's script ended the
+        job at committed ``step`` (``StopReport``), before the member leaves its group."""
+        report = StopReport(generation=generation, step=step, writes=writes)
+        return self._call(self._client, lambda c: c.report_stop(self.worker_id, report))
 
     def close(self) -> None:
         """Deliver what is still in the outbox and stop heartbeating (at process exit, so

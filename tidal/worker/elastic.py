@@ -15,7 +15,9 @@ A mixin of ``Trainer`` (``runtime``), which holds the state and the step boundar
 - However the loop ends (completed, stopped, told to leave, an exception in the script),
   the member sends its pending report, leaves its group, writes the final checkpoint when
   it is the last generation's rank 0 and the job finished or stopped, waits for any
-  checkpoint in flight, and reports done.
+  checkpoint in flight, and reports done. When the script ended the loop (``trainer.stop()``,
+  ``break``) the member first reports the stop, and the coordinator names the checkpoint's
+  writer (``stopping``).
 - Every collective is bounded by the abort watch (``watch``): on gloo it fails the waits it
   gives up on and cuts the group's connections; on NCCL it aborts the communicators.
 """
@@ -38,10 +40,11 @@ from tidal.worker.agent import Agent
 from tidal.worker.durable import Durable
 from tidal.worker.leaving import LEFT_BEFORE_UPDATE
 from tidal.worker.step import Step
+from tidal.worker.stopping import LoopStep, ScriptStop, writes_final
 from tidal.worker.watch import AbortWatch, Facts
 
 
-class ElasticLoop:
+class ElasticLoop(ScriptStop):
     def _run_elastic(self, max_steps: int) -> Iterator[Step]:
         assert self._env is not None
         ddp.warm_up(self.module)
@@ -75,16 +78,19 @@ class ElasticLoop:
                     continue
                 index = self.step
                 probes.point("step", index, self.generation)
-                step = Step(self, index, self.sampler.shard(index, self.rank, self.world_size))
+                step = LoopStep(self, index, self.sampler.shard(index, self.rank, self.world_size))
                 mark = self._tracked.mark() if self._tracked else None
                 self._update.begin()
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:  # the script left the loop in the body (``stopping``)
+                    self._left_in(step, mark)
+                    raise
                 if step._failed is not None:
                     if mark is not None:  # the step is redone: what it moved moves back
                         self._tracked.rewind(mark)
                     self._leave_group(failed=True)
-                    self._report_failure(self.generation, step._failed)
-                    member = self._join()
+                    member = self._fail_step(step._failed)
                     continue
                 self._time_split(step)
                 if (why := self._leaves_uncommitted(index + 1, max_steps)) is not None:
@@ -108,6 +114,8 @@ class ElasticLoop:
                 if not (self._sharded_checkpoint_taken() and self._copies_taken()):
                     member = self._join()
                     continue
+                if self._stop_asked:  # ``trainer.stop()`` in this step's body
+                    break
                 if self._control.stop:
                     self._stopping = True
                 elif self.step >= max_steps:
@@ -120,15 +128,22 @@ class ElasticLoop:
                     self._gather_for_leavers()
                     self._leave_group()
                     member = self._join(answer)
-            if member and self._fsdp is not None:  # the job's last step, while the group lives
+            if member and self._fsdp is not None and not self._stop_asked:  # the group lives
                 self._sharded_checkpoint_taken(final=True)
                 self._gather_final()
             self.completed = self.step >= max_steps
             finished = member or self._stopping
         finally:
             self._send_report()  # before the done report, as a later step would have sent it
+            stopped = self._report_script_stop()  # before leaving: peers find it as they fail
             self._leave_group()
-            if finished and self._last_rank == 0 and self._fsdp is None:  # completion or stop
+            if writes_final(
+                finished=finished,
+                last_rank=self._last_rank,
+                sharded=self._fsdp is not None,
+                answer=stopped,
+                stop_step=self._stop_step(),
+            ):
                 self._checkpoint()
             self._durable.wait()
             if self._watch is not None:
