@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from tidal.tracked import AUDIT_MARKS, TrackedState
+from tidal.tracked import AUDIT_EVERY, AUDIT_MARKS, TrackedState
 
 
 def _snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -219,6 +219,22 @@ def test_a_change_through_data_after_the_first_steps_is_refused_naming_the_tenso
     ema.module[2].bias.data.add_(1.0)
     with pytest.raises(RuntimeError, match=r"'ema': module\.2\.bias changed without its version"):
         tracked.rewind(mark)
+
+
+def test_a_change_through_data_that_starts_later_is_found_by_a_periodic_audit() -> None:
+    _, ema = _ema()
+    tracked = TrackedState({"ema": ema})
+    for _ in range(AUDIT_EVERY - 1):
+        tracked.mark()
+    ema.module[2].bias.data.add_(1.0)  # from step AUDIT_EVERY - 1 on, every step
+    tracked.mark()  # mark AUDIT_EVERY: audited
+    assert tracked.last_copied == 1
+    before = _snapshot(ema)
+    mark = tracked.mark()
+    assert tracked.last_copied == 1  # copied at every mark now
+    ema.module[2].bias.data.add_(1.0)
+    assert tracked.rewind(mark) == ["ema"]
+    _assert_same(ema, before)
 
 
 def test_only_the_latest_mark_can_be_rewound_to() -> None:

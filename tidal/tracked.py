@@ -26,12 +26,13 @@ joiners and laggards with the model, writes them into every checkpoint, loads th
 - **Changes no version counter shows.** A BatchNorm's forward updates its running
   statistics inside its kernel, and an update through ``tensor.data`` bypasses autograd:
   neither moves a version counter. A submodule's buffers count as one (a BatchNorm's
-  ``num_batches_tracked`` moves with an ``add_``); the marks after the first three steps
-  compare the tensors whose versions stood still with their copies, and one that changed
-  anyway is copied and restored at every step from then on; a failed step whose tensor
-  changed that way since its copy was refreshed at the step's mark is rewound too. What is
-  left, such a change that first happens later to a tensor copied before the step's mark,
-  cannot be told from a change before the mark: ``rewind`` refuses it, naming the tensor
+  ``num_batches_tracked`` moves with an ``add_``). The marks after the first three steps,
+  then every ``AUDIT_EVERY``-th, compare the tensors whose versions stood still with their
+  copies; one that changed anyway is copied and restored at every step from then on. A
+  failed step whose tensor changed that way since its copy was refreshed at the step's
+  mark is rewound too. What is left: such a change that starts later, to a tensor copied
+  before the step's mark, and a step that fails before the next audit finds it; it cannot
+  be told from a change before the mark, and ``rewind`` refuses it, naming the tensor
   (update tracked tensors in place under ``torch.no_grad()``, not through ``.data``).
 """
 
@@ -139,9 +140,16 @@ class Mark:
     skeleton: dict[str, Any]
 
 
-# Marks that compare unmoved tensors with their copies (the ``.data`` check of the module
-# doc): those after the first steps, where a script's per-step pattern has shown itself.
+# Marks that compare unmoved tensors with their copies (the module doc's changes no version
+# counter shows): those after the first steps, where a script's per-step pattern shows
+# itself, then one in ``AUDIT_EVERY`` (a read of the untouched tensors, and on a GPU a
+# synchronisation, amortised over that many steps).
 AUDIT_MARKS = range(2, 5)
+AUDIT_EVERY = 64
+
+
+def audited(serial: int) -> bool:
+    return serial in AUDIT_MARKS or serial % AUDIT_EVERY == 0
 
 
 def _fits(copy: torch.Tensor, t: torch.Tensor) -> bool:
@@ -343,7 +351,7 @@ class TrackedState:
     def mark(self) -> Mark:
         """Record what ``rewind`` restores (before each step); see the module doc."""
         self._serial += 1
-        audit = self._serial in AUDIT_MARKS
+        audit = audited(self._serial)
         skeleton: dict[str, Any] = {}
         copied = 0
         with torch.no_grad():
