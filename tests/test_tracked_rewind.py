@@ -237,6 +237,18 @@ def test_a_change_through_data_that_starts_later_is_found_by_a_periodic_audit() 
     _assert_same(ema, before)
 
 
+def test_a_change_through_data_in_a_step_that_an_audit_marked_is_rewound() -> None:
+    _, ema = _ema()
+    tracked = TrackedState({"ema": ema})
+    for _ in range(AUDIT_EVERY - 1):
+        tracked.mark()
+    before = _snapshot(ema)
+    mark = tracked.mark()  # audited: every copy is known to be this mark's
+    ema.module[0].weight.data.mul_(2.0)
+    assert tracked.rewind(mark) == ["ema"]
+    _assert_same(ema, before)
+
+
 def test_only_the_latest_mark_can_be_rewound_to() -> None:
     tracked = TrackedState({"bn": torch.nn.BatchNorm1d(2)})
     old = tracked.mark()

@@ -29,11 +29,11 @@ joiners and laggards with the model, writes them into every checkpoint, loads th
   ``num_batches_tracked`` moves with an ``add_``). The marks after the first three steps,
   then every ``AUDIT_EVERY``-th, compare the tensors whose versions stood still with their
   copies; one that changed anyway is copied and restored at every step from then on. A
-  failed step whose tensor changed that way since its copy was refreshed at the step's
-  mark is rewound too. What is left: such a change that starts later, to a tensor copied
-  before the step's mark, and a step that fails before the next audit finds it; it cannot
-  be told from a change before the mark, and ``rewind`` refuses it, naming the tensor
-  (update tracked tensors in place under ``torch.no_grad()``, not through ``.data``).
+  failed step whose tensor changed that way since its copy was refreshed or audited at
+  the step's mark is rewound too. What is left: such a change that starts later, to a
+  tensor copied before the step's mark, in a step that fails before an audit finds it;
+  it cannot be told from a change before the mark, and ``rewind`` refuses it, naming the
+  tensor (update tracked tensors in place under ``torch.no_grad()``, not via ``.data``).
 """
 
 from __future__ import annotations
@@ -240,14 +240,15 @@ class _Copies:
     ) -> list[int]:
         """The positions that moved since mark ``serial`` (the latest): what a rewind puts
         back. One whose version stood still but differs from its copy moved too when the
-        copy was taken at that mark (it is copied at every mark from now on); else it cannot
-        be put back (it may have changed before the mark): raises ``RuntimeError``."""
+        copy is known to be that mark's (taken or audited then; it is copied at every mark
+        from now on); else it cannot be put back (it may have changed before the mark):
+        raises ``RuntimeError``."""
         out = []
         for i, (t, moved) in enumerate(zip(tensors, self.moved(tensors), strict=True)):
             if moved:
                 out.append(i)
             elif not _equal(self.copies[i], t):
-                if self.taken[i] != serial:
+                if self.taken[i] != serial and not audited(serial):
                     what = labels[i] if labels else f"its tensor {i}"
                     raise RuntimeError(
                         f"tracked state {name!r}: {what} changed without its version counter "
