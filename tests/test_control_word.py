@@ -29,17 +29,24 @@ for case, width in (("small", 8), ("huge", 2600)):  # 8x8 or 2600x2600: 27 MB, t
         calls, earlier[:] = [], []
         control.before_allreduce = lambda: calls.append(control.comm_started)
         control.set(switch=rank == 0, stop=rank == 1, every=5 if rank == 0 else 0)
+        control.count(3 + 4 * rank)  # items=: 3 on rank 0, 7 on rank 1
         control.start()
         ddp(x).sum().backward()
         control.settle()
+    grads = [p.grad.flatten()[:50].tolist() for p in m.parameters()]
+    reduced = control.reduced
+    m.zero_grad()
+    m(x).sum().backward()  # the module itself, not the wrapper: nothing is all-reduced
+    bypassed = control.reduced - reduced
     mine = torch.autograd.grad(m(x).sum(), list(m.parameters()))
     out[case] = {
         "switch": control.switch, "stop": control.stop,
         "flags": list(control.sums), "every": control.every,
         "on": [str(control.recv.device), str(next(m.parameters()).grad.device)],
-        "grads": [p.grad.flatten()[:50].tolist() for p in m.parameters()],
+        "grads": grads,
         "mine": [g.flatten()[:50].tolist() for g in mine],
         "buckets": len(earlier) + 1,
+        "reduced": reduced, "bypassed": bypassed, "items": control.items,
         "before_allreduce": len(calls),
         "timed": control.comm_done >= control.comm_started > 0,
     }
@@ -55,7 +62,11 @@ def test_flags_and_gradients_are_summed_on_every_member(device):
         a, b = outs[0][case], outs[1][case]
         # rank 0 asked to switch, rank 1 to stop: both see both, with the same sums, and
         # rank 0's cadence (the others put 0).
-        assert a["flags"] == b["flags"] == [1.0, 1.0, 5.0]
+        assert a["flags"] == b["flags"] == [1.0, 1.0, 5.0, 10.0]
+        assert a["items"] == b["items"] == 10.0  # the item counts, summed
+        # each step through the wrapper all-reduced its last bucket once; the bare module's
+        # backward none (``step.GradientsNotReduced``)
+        assert a["reduced"] == b["reduced"] == 2 and a["bypassed"] == b["bypassed"] == 0
         assert a["every"] == b["every"] == 5
         assert {x.split(":")[0] for x in a["on"] + b["on"]} == {device}  # gloo, on the device
         assert a["switch"] and a["stop"] and b["switch"] and b["stop"]

@@ -110,7 +110,7 @@ def test_a_stream_with_loader_workers_is_refused() -> None:
 def test_a_dataloader_stands_for_its_dataset_and_settings() -> None:
     model = torch.nn.Linear(1, 1).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(Ids(), batch_size=7, shuffle=True, collate_fn=ids_of)
+    loader = DataLoader(Ids(), batch_size=4, shuffle=True, collate_fn=ids_of)
     trainer = tidal.Trainer(model, opt, loader, global_batch_size=12, micro_batch_size=4)
     assert trainer.dataset is loader.dataset and trainer._pipeline.collate is ids_of
     seen = []

@@ -69,6 +69,12 @@ def test_a_loop_that_steps_the_optimizer_itself_fails_at_that_call():
                 opt.step()  # left over from the plain loop
 
 
+def _step_backward(update, model):
+    """A micro-batch's backward as ``step.backward`` makes it (counted by the update)."""
+    model(torch.ones(3, 4)).sum().backward()
+    update.backwards = (update.backwards or 0) + 1
+
+
 def _scheduled():
     model, opt = _model_and_opt()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -78,11 +84,11 @@ def _scheduled():
 def test_a_scheduler_step_the_script_made_is_refused_at_the_steps_end():
     model, opt, sched, update = _scheduled()
     update.begin()
-    model(torch.ones(3, 4)).sum().backward()
+    _step_backward(update, model)
     update.apply(0)  # the Trainer's own scheduler step: fine
     assert sched.last_epoch == 1
     update.begin()
-    model(torch.ones(3, 4)).sum().backward()
+    _step_backward(update, model)
     sched.step()  # the script's, e.g. once per micro-batch
     before = model.weight.detach().clone()
     with pytest.raises(

@@ -18,6 +18,7 @@ Contracts:
 from __future__ import annotations
 
 import base64
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +113,27 @@ def place_module(
                 raise ValueError(
                     f"the optimizer already holds state on {value.device}, not {device}: "
                     "build it (and take no step) after moving the model"
+                )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def check_tracked_devices(objects: dict[str, Any], device: torch.device) -> None:
+    """Refuse a tracked module (an EMA model) with tensors on another device than the one
+    the model trains on: its update from the model's parameters would fail at the first
+    step on a GPU, or silently copy across devices every step. The fix is the user's: the
+    EMA is usually built before the Trainer moved the model."""
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for t in itertools.chain(obj.parameters(), obj.buffers()):
+            if not _same_device(t.device, device):
+                raise ValueError(
+                    f"tracked state {name!r} ({type(obj).__name__}) is on {t.device} but the "
+                    f"model trains on {device}: build it from trainer.model after making the "
+                    f"Trainer, or call .to({str(device)!r}) on it first"
                 )
 
 

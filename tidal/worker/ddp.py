@@ -22,9 +22,18 @@ agree on which steps carry a word: a planned change or a stop is noticed within 
 ``CONTROL_PERIOD_S`` plus a step, and failures are unaffected (a failed all-reduce of the
 gradients is seen at once).
 
+The word's fourth float is this member's item count for token-weighted losses
+(``step.backward(loss, items=n)``): summed with the flags, it is the global batch's item
+count, the divisor of the summed gradients (``update``). A job whose steps use ``items=``
+carries a word on every step (``Trainer._word_due``). The word is float64, so counts are
+exact up to 2**53.
+
 The gradients' hook is one ``ProcessGroup.allreduce`` per bucket with no other Python;
-``before_allreduce`` (fault injection) and the exposed-wait timing belong to the last
-bucket, the one the step waits for.
+``before_allreduce`` (fault injection), the exposed-wait timing and the ``reduced`` count
+belong to the last bucket, the one the step waits for. ``reduced`` is how a step knows its
+gradients were all-reduced: a forward that bypassed the DDP wrapper (the script called the
+module it gave the Trainer, not ``trainer.model``) runs no hook, and the members would
+each apply their own gradients, silently (``step.GradientsNotReduced``).
 
 On gloo every collective the step waits for is behind a future of the worker's ``Waits``
 (``waits``), which the abort watch can fail: gloo itself cannot abort a collective. The
@@ -61,7 +70,7 @@ def control_every(step_s: float | None) -> int:
 class ControlWord:
     """Flags every member contributes to a step, summed across the group (module doc)."""
 
-    SWITCH, STOP, EVERY = 0, 1, 2
+    SWITCH, STOP, EVERY, ITEMS = 0, 1, 2, 3
 
     def __init__(self, device: torch.device | None = None, waits: Waits | None = None) -> None:
         """``device``: where the gradients are (NCCL reduces device tensors only; the sums
@@ -69,13 +78,17 @@ class ControlWord:
         worker's abortable waits (module doc); None on NCCL, whose collectives the watch
         aborts in the communicator and whose futures keep CUDA's stream order."""
         self.device = device
-        self.send = torch.zeros(3, device=device)
+        self.send = torch.zeros(4, dtype=torch.float64, device=device)
         self.recv = self.send
         #: This member's flags for the step (``set``), and the group's sums once settled:
         #: plain floats, read without touching a device.
         self.flags = (False, False)
-        self.sums = (0.0, 0.0, 0.0)
+        self.sums = (0.0, 0.0, 0.0, 0.0)
         self.waits = waits
+        #: Last buckets all-reduced since the word was made (``_sum_hook``): a step whose
+        #: backward did not move it reduced no gradients (module doc).
+        self.reduced = 0
+        self.carries = False  # this step's word is set (``set``), not skipped
         self.group: dist.ProcessGroup | None = None  # the generation's (``wrap``)
         self.before_allreduce: Callable[[], None] = lambda: None
         # When the last bucket's all-reduce started and completed: the step's exposed
@@ -85,18 +98,29 @@ class ControlWord:
         self._work: dist.Work | torch.futures.Future | None = None
         self._failed: Exception | None = None
 
-    def set(self, *, switch: bool, stop: bool, every: int = 0) -> None:
+    def set(self, *, switch: bool, stop: bool, every: int = 0, items: float = 0.0) -> None:
         """This member's word for the step; ``every``: rank 0's ``control_every`` (0 from the
-        others, so the sum is rank 0's)."""
+        others, so the sum is rank 0's); ``items``: this member's item count (``count``
+        adds to it until ``start``)."""
         self.flags = (switch, stop)
-        self.sums = (0.0, 0.0, 0.0)
-        self.send = torch.tensor([float(switch), float(stop), float(every)], device=self.device)
+        self.sums = (0.0, 0.0, 0.0, 0.0)
+        self.send = torch.tensor(
+            [float(switch), float(stop), float(every), float(items)],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        self.carries = True
 
     def skip(self) -> None:
         """This step carries no word: nothing to sum, nothing to wait for, no flag set."""
         self.flags = (False, False)
-        self.sums = (0.0, 0.0, 0.0)
+        self.sums = (0.0, 0.0, 0.0, 0.0)
         self._work = self._failed = None
+        self.carries = False
+
+    def count(self, items: float) -> None:
+        """Put this member's item count for the step in the word, before ``start``."""
+        self.send[self.ITEMS] = float(items)
 
     def start(self) -> None:
         """Start summing the word (asynchronously) over the generation's group, into a
@@ -140,6 +164,11 @@ class ControlWord:
         return self.sums[self.STOP] > 0
 
     @property
+    def items(self) -> float:
+        """The global batch's item count, once settled (``count``)."""
+        return self.sums[self.ITEMS]
+
+    @property
     def every(self) -> int:
         """Steps until the next word: rank 0's proposal as summed (at least 1)."""
         return max(1, int(self.sums[self.EVERY]))
@@ -162,6 +191,7 @@ def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations
     if last:
         control.before_allreduce()
         control.comm_started = time.perf_counter()
+        control.reduced += 1
     work = control.group.allreduce([bucket.buffer()])
     if control.waits is None:
         return work.get_future().then(control._last_done if last else _tensor)
@@ -171,19 +201,47 @@ def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations
     return fut
 
 
-def _ddp(module: torch.nn.Module) -> DistributedDataParallel:
+#: The DDP arguments a script may set (``Trainer(ddp_kwargs=...)``): what DDP does with the
+#: gradients it reduces. The rest are Tidal's: the group, the devices, the initial sync and
+#: the buffers' broadcast (healed instead), and the reduction (the SUM hook).
+DDP_KWARGS = frozenset(
+    {"find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view"}
+)
+
+
+def check_kwargs(kwargs: dict | None) -> dict:
+    """``ddp_kwargs`` validated: a dict of ``DDP_KWARGS`` only (``ValueError`` naming the
+    others)."""
+    kwargs = dict(kwargs or {})
+    unknown = sorted(set(kwargs) - DDP_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"ddp_kwargs may set {sorted(DDP_KWARGS)}, not {unknown}: Tidal sets the process "
+            "group, devices, initial sync and buffer broadcast itself (healing replaces them)"
+        )
+    return kwargs
+
+
+def _ddp(module: torch.nn.Module, kwargs: dict | None = None) -> DistributedDataParallel:
     with warnings.catch_warnings():  # broadcast_buffers=False is the only way to skip the
         warnings.simplefilter("ignore", FutureWarning)  # buffers' sync at construction
-        return DistributedDataParallel(module, init_sync=False, broadcast_buffers=False)
+        return DistributedDataParallel(
+            module, init_sync=False, broadcast_buffers=False, **(kwargs or {})
+        )
 
 
-def wrap(module: torch.nn.Module, control: ControlWord) -> DistributedDataParallel:
-    """DDP over the current default group, re-made each generation.
+def wrap(
+    module: torch.nn.Module, control: ControlWord, kwargs: dict | None = None
+) -> DistributedDataParallel:
+    """DDP over the current default group, re-made each generation, with the script's
+    ``kwargs`` (``DDP_KWARGS``).
 
-    ``init_sync=False``: the heal has already made every member's parameters equal.
+    ``init_sync=False``: the heal has already made every member's parameters equal. Unused
+    parameters (``find_unused_parameters``) are reduced as zeros by the same SUM hook, so
+    the control word rides the last bucket as always.
     """
     control.group = dist.group.WORLD
-    ddp = _ddp(module)
+    ddp = _ddp(module, kwargs)
     ddp.register_comm_hook(control, _sum_hook)
     return ddp
 

@@ -368,7 +368,7 @@ class Membership:
             self._recovery = (RecoveryPath.HEAL if result.sent else RecoveryPath.NONE, 0)
             if rolled_back is not None:
                 self._recovery = (RecoveryPath.CHECKPOINT, rolled_back)
-            self._ddp = ddp.wrap(self.module, self._control)
+            self._ddp = ddp.wrap(self.module, self._control, self._ddp_kwargs)
         self._t_healed = time.time()
         self.rank, self.world_size, self.generation = rank, len(info.members), info.id
         self._last_rank = rank

@@ -73,6 +73,37 @@ def classify(data: Any) -> str:
     )
 
 
+def check_loader(data: Any, *, global_batch_size: int, micro_batch_size: int | None) -> None:
+    """Refuse a DataLoader whose batching Tidal would ignore without a word: a ``batch_size``
+    that is neither the global batch nor the micro-batch (1, DataLoader's default, cannot be
+    told from unset and passes), or a sampler of its own (a torchrun script's
+    ``DistributedSampler``): Tidal's split of each global batch replaces both."""
+    if not isinstance(data, DataLoader):
+        return
+    size = data.batch_size
+    if size is not None and size != 1 and size not in (global_batch_size, micro_batch_size):
+        raise ValueError(
+            f"the DataLoader's batch_size={size} would be ignored: the Trainer cuts each "
+            f"global batch of global_batch_size={global_batch_size} across the members; pass "
+            f"micro_batch_size={size} to the Trainer to keep {size} samples per forward, or "
+            f"make the DataLoader with batch_size={global_batch_size}"
+        )
+    kinds = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
+    sampler = data.sampler if size is not None else data.batch_sampler
+    if size is None and not isinstance(sampler, torch.utils.data.BatchSampler):
+        raise ValueError(
+            f"the DataLoader's batch_sampler ({type(sampler).__name__}) would be ignored: the "
+            "Trainer decides every step's samples; pass the dataset, or a DataLoader without one"
+        )
+    inner = sampler.sampler if size is None else sampler
+    if not isinstance(inner, kinds):
+        raise ValueError(
+            f"the DataLoader's sampler ({type(inner).__name__}) would be ignored: the Trainer "
+            "decides which samples each member takes at every step (seeded, the same order "
+            "at any world size); drop the sampler and pass the dataset or a plain DataLoader"
+        )
+
+
 def unwrap(data: Any, options: LoaderOptions) -> tuple[Any, LoaderOptions]:
     """A DataLoader stands for its dataset and its loading settings (Ray Train's
     ``prepare_data_loader`` habit); its sampler and batch size are replaced by Tidal's split

@@ -41,7 +41,14 @@ from tidal.worker.durable import Durable
 from tidal.worker.elastic import ElasticLoop
 from tidal.worker.membership import Membership
 from tidal.worker.notice import Notices
-from tidal.worker.pipeline import STREAM, LoaderOptions, Pipeline, classify, unwrap
+from tidal.worker.pipeline import (
+    STREAM,
+    LoaderOptions,
+    Pipeline,
+    check_loader,
+    classify,
+    unwrap,
+)
 from tidal.worker.reports import Reports
 from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
@@ -104,6 +111,7 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         sharding: str = "ddp",
         device: str | torch.device | None = None,
         allow_batch_norm: bool = False,
+        ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
         ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
@@ -123,7 +131,9 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         moved there before the loop sees it. ``allow_batch_norm``: under ``tidal run`` a
         BatchNorm layer in training mode is refused (``norms``: it would make the updates
         depend on the number of workers); True accepts per-member statistics, as DDP has
-        them."""
+        them. ``ddp_kwargs``: DDP's ``find_unused_parameters``, ``static_graph``,
+        ``bucket_cap_mb``, ``gradient_as_bucket_view`` (``ddp.DDP_KWARGS``)."""
+        self._ddp_kwargs = ddp.check_kwargs(ddp_kwargs)
         self._env = WorkerEnv.from_environ()
         if self._env is not None and not allow_batch_norm:  # elastic: under tidal run
             norms.check(model)  # now, in one line, before this worker joins anyone
@@ -147,6 +157,8 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
 
             check_shardable({n: tuple(p.shape) for n, p in model.named_parameters()}, 1)
         devices.place_module(model, optimizer, self.device)
+        devices.check_tracked_devices(dict(state or {}), self.device)
+        check_loader(data, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
         self.module = model
         self.optimizer = optimizer
         data, loading = unwrap(
@@ -207,6 +219,7 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         #: The index of the next step that carries a control word (``_before_sync``); None
         #: while a word's sums are awaited. Every generation starts with one (``_form``).
         self._next_word: int | None = 0
+        self._items_mode = False  # the steps count items (``Step.backward(items=)``)
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
@@ -319,7 +332,7 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
             return
         index, gen = step.index, self.generation
         self._control.before_allreduce = lambda: probes.point("allreduce", index, gen)
-        if self._ddp is not None and self._next_word is not None and index < self._next_word:
+        if self._ddp is not None and not self._word_due(index):
             self._control.skip()
             return
         latest = self._newest_answer()
@@ -335,12 +348,30 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         stop = latest is not None and latest.stop
         every = ddp.control_every(self._step_s) if self.rank == 0 else 0
         self._control.set(switch=newer, stop=stop, every=every)
-        if self._ddp is not None:
-            self._control.start()  # summed beside the forward and backward
+        if self._ddp is not None:  # started by the last micro-batch's ``backward``
             self._next_word = None  # known from the sums, once the step is committed
         if self._fsdp is not None:
             members = latest.generation.members if newer and latest.role == Role.MEMBER else None
             self._shrink = newer and self._fsdp.shrinks(members)
+
+    def _word_due(self, index: int) -> bool:
+        """Whether step ``index`` carries a control word (``ddp`` module doc): a job whose
+        steps use ``items=`` sums its item count on every step's word."""
+        return self._items_mode or self._next_word is None or index >= self._next_word
+
+    def _start_word(self, items: float | None) -> None:
+        """Start summing this step's word, from the last micro-batch's ``backward`` (its
+        item count is known then): beside the backward. A step that counts items always
+        carries one: the first such step may fall where the cadence skipped the word, and
+        every member, running the same script, sets one there alike."""
+        control = self._control
+        if items is not None and not control.carries:
+            control.set(switch=False, stop=False, every=1 if self.rank == 0 else 0)
+            self._next_word = None
+        if control.carries:
+            if items is not None:
+                control.count(items)
+            control.start()
 
     def _commit(self) -> None:
         if self._durable is not None:

@@ -1,7 +1,27 @@
-"""``Step``: this worker's share of one global step, as the training loop sees it."""
+"""``Step``: this worker's share of one global step, as the training loop sees it.
+
+Two ways to weigh a micro-batch's loss, one per step (every micro-batch of a step alike):
+
+- ``step.backward(loss)``: ``loss`` is the micro-batch's per-sample MEAN; it is weighted by
+  the micro-batch's share of the global batch's samples, so the update is the mean over the
+  global batch's samples at any world size and split.
+- ``step.backward(loss, items=n)``: ``loss`` is the micro-batch's SUM of per-item losses
+  (tokens, labelled positions: anything counted) and ``n`` its item count. The gradients of
+  the sums are all-reduced and divided by the global batch's item count, summed across the
+  members on the step's control word (``ddp``): the update is the global loss sum over the
+  global item count, exactly, whatever the split. A per-micro-batch token mean weighted by
+  samples would give an update that depends on the split, so on the world size.
+
+A step whose gradients were not all-reduced is refused at once (``GradientsNotReduced``),
+and each member would otherwise apply its own gradients: the forward called the module
+given to the Trainer instead of ``trainer.model``, or a parameter took no part in the loss
+without ``ddp_kwargs={"find_unused_parameters": True}`` (DDP then never reduces the bucket
+that holds it).
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -12,6 +32,25 @@ from tidal.devices import to_device
 
 if TYPE_CHECKING:
     from tidal.worker.runtime import Trainer
+
+
+class GradientsNotReduced(RuntimeError):
+    """A step's backward ran, but its gradients were never all-reduced (module doc)."""
+
+
+def item_count(items: Any) -> float:
+    """``items`` (an int, a float holding a whole number, or a one-element tensor) as a
+    float; ``ValueError`` for anything else or a negative count."""
+    if isinstance(items, torch.Tensor):
+        if items.numel() != 1:
+            raise ValueError(f"items= must be one number, got a tensor of shape {items.shape}")
+        items = items.item()
+    if isinstance(items, bool) or not isinstance(items, (int, float)):
+        raise ValueError(f"items= must be a count (an int), got {type(items).__name__}")
+    n = float(items)
+    if not math.isfinite(n) or n < 0 or n != int(n):
+        raise ValueError(f"items= must be a whole number >= 0, got {items!r}")
+    return n
 
 
 def _one_line(exc: BaseException) -> str:
@@ -27,6 +66,8 @@ class Step:
         self.index = index
         self.indices = indices
         self._failed: Exception | None = None
+        self._items: float | None = None  # this member's item count so far (``items=``)
+        self._backwards = 0
         self._n_micro = 0
         self._started = time.perf_counter()
 
@@ -58,21 +99,59 @@ class Step:
                     tr._watch.open()  # through the control word's read (``backward``)
                 yield batch
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of a micro-batch's mean loss, weighted by its share of the global batch."""
+    def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
+        """Backward of a micro-batch's loss (module doc): without ``items``, ``loss`` is its
+        per-sample mean, weighted by its share of the global batch; with ``items=n``,
+        ``loss`` is the sum of its ``n`` items' losses."""
         if self._failed is not None:
             return
-        share = self._n_micro / self.trainer.sampler.global_batch_size
-        scaled = self.trainer._update.scale(loss * share)
+        tr = self.trainer
+        if items is None:
+            if self._items is not None:
+                raise ValueError(
+                    "step.backward: every micro-batch of a step needs items= once one has it "
+                    "(the update divides the step's loss sum by its item count)"
+                )
+            weighted = loss * (self._n_micro / tr.sampler.global_batch_size)
+        else:
+            if self._items is None and self._backwards:
+                raise ValueError(
+                    "step.backward: items= on some micro-batches of a step but not on others; "
+                    "pass it on every one (or on none)"
+                )
+            if tr._sharding != "ddp":
+                raise ValueError(
+                    "step.backward(loss, items=n) is not supported with sharding='fsdp' yet: "
+                    "use sharding='ddp', or a per-sample mean loss"
+                )
+            self._items = (self._items or 0.0) + item_count(items)
+            weighted = loss
+        self._backwards += 1
+        tr._update.backwards = (tr._update.backwards or 0) + 1
+        scaled = tr._update.scale(weighted)
         last = getattr(self, "_last", False)
+        ddp = tr._ddp if last else None
+        if ddp is not None:
+            tr._start_word(self._items)
+            reduced = tr._control.reduced
         try:
             scaled.backward()
-            if last and self.trainer._ddp is not None:
-                self.trainer._control.settle()
+            if ddp is not None:
+                tr._control.settle()
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            if self.trainer._ddp is None or not last:
+            if ddp is None:
                 raise
             self._failed = exc
+        if ddp is not None and self._failed is None and tr._control.reduced == reduced:
+            raise GradientsNotReduced(
+                f"step {self.index}: the gradients were not all-reduced, so each worker would "
+                "apply its own: call trainer.model(...) in the loop, not the module passed to "
+                "the Trainer; if you do, a parameter took no part in the loss: pass "
+                "ddp_kwargs={'find_unused_parameters': True}"
+            )
+        if last and self._failed is None and self._items is not None:
+            tr._items_mode = True  # every later step carries a word (``_word_due``)
+            tr._update.items = tr._control.items if ddp is not None else self._items
         watch = self.trainer._watch
         if last and watch is not None and (aborted := watch.close()) is not None:
             # The watch cut the step's all-reduce: its buffers hold whatever the abort left.

@@ -3,7 +3,9 @@
 Runs once per committed step, after this member's gradient all-reduce completed, so every
 member sees the same synchronised gradients and makes the same decisions:
 
-1. with a GradScaler: unscale the gradients (which also finds inf/NaN in them);
+1. with a GradScaler: unscale the gradients (which also finds inf/NaN in them); when the
+   step's losses are item sums (``step.backward(loss, items=n)``), divide the summed
+   gradients by the global batch's item count (``items``; a count of 0 leaves them 0);
 2. with ``clip_grad_norm``: clip the optimizer's parameters' gradients to that total norm;
 3. the optimizer step (``scaler.step``: skipped on every member alike when a gradient is not
    finite), then ``scaler.update()``;
@@ -22,10 +24,16 @@ optimizer refuses any step this module did not start (``OptimizerStepRefused``).
 scheduler likewise: one the script steps itself (once per micro-batch, whose count differs
 between members) would give the members different learning rates; its ``last_epoch`` moved
 between the step's start (``begin``) and ``apply`` is refused (``SchedulerStepRefused``).
+Likewise the GradScaler's own methods called by the script (``_ScalerGuard``), a step with
+gradients that no ``step.backward`` made (``BackwardBypassed``: a bare ``loss.backward()``
+is not weighted by the micro-batch's share), and a scheduler whose ``step`` needs a metric
+(``ReduceLROnPlateau``, refused when the Trainer is made): each refused at the first step
+it would change, in one line naming the fix.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +50,69 @@ class OptimizerStepRefused(RuntimeError):
 
 class SchedulerStepRefused(RuntimeError):
     """The script stepped the LR scheduler itself (module doc)."""
+
+
+class ScalerCallRefused(RuntimeError):
+    """The script called the Trainer's GradScaler itself (``_ScalerGuard``)."""
+
+
+class BackwardBypassed(RuntimeError):
+    """A step has gradients but ``step.backward`` was never called in it."""
+
+
+class _ScalerGuard:
+    """The Trainer owns its GradScaler: ``step.backward`` scales each loss, ``Update.apply``
+    unscales, steps and updates. A script ported from a plain AMP loop that still calls
+    ``scaler.scale(loss)`` would scale twice, silently (the scale cancels in ``unscale_`` only
+    once); ``unscale_`` or ``update`` would move the scale on one member. So the instance's
+    public methods refuse any call, at the first, and the Trainer calls the originals kept
+    here. Installed once per scaler, however many Trainers share it."""
+
+    GUARDED = ("scale", "unscale_", "step", "update")
+
+    def __init__(self, scaler: Any) -> None:
+        self.original = {m: getattr(scaler, m) for m in self.GUARDED}
+        for m in self.GUARDED:
+            setattr(scaler, m, self._refuse(m))
+
+    @staticmethod
+    def _refuse(method: str) -> Callable[..., Any]:
+        fix = {
+            "scale": "call step.backward(loss) with the unscaled loss",
+            "unscale_": "pass clip_grad_norm= to the Trainer instead of clipping yourself",
+            "step": "remove it: the Trainer steps the optimizer",
+            "update": "remove it: the Trainer updates the scale once per committed step",
+        }[method]
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ScalerCallRefused(
+                f"the script called grad_scaler.{method}(): the Trainer owns the GradScaler "
+                f"(it scales each loss in step.backward and unscales, steps and updates once "
+                f"per committed step); {fix}"
+            )
+
+        return refuse
+
+    @classmethod
+    def on(cls, scaler: Any) -> _ScalerGuard:
+        guard = getattr(scaler, "_tidal_guard", None)
+        if guard is None:
+            guard = cls(scaler)
+            scaler._tidal_guard = guard
+        return guard
+
+
+def _needs_argument(step: Callable[..., Any]) -> bool:
+    """Whether ``step`` cannot be called without arguments (``ReduceLROnPlateau.step(metrics)``)."""
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        for p in params
+    )
 
 
 class _OnlyHere:
@@ -78,7 +149,14 @@ class Update:
     grad_scaler: torch.amp.GradScaler | None = None
     clip_grad_norm: float | None = None
     hooks: list[Callable[[int], None]] = field(default_factory=list)
+    #: ``step.backward`` calls in the step in flight (a step with gradients and none was
+    #: computed by a bare ``loss.backward()``: ``BackwardBypassed``).
+    backwards: int | None = field(default=None, init=False, repr=False)
+    #: The global batch's item count when the step's losses are item sums
+    #: (``step.backward(loss, items=n)``): the summed gradients are divided by it.
+    items: float | None = field(default=None, init=False, repr=False)
     _only_here: _OnlyHere = field(init=False, repr=False)
+    _scaler: dict[str, Callable[..., Any]] | None = field(default=None, init=False, repr=False)
     _epoch_at_begin: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,12 +168,19 @@ class Update:
             callable(getattr(s, m, None)) for m in ("scale", "unscale_", "step", "update")
         ):
             raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got {type(s).__name__}")
-        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
+        sched = self.lr_scheduler
+        if sched is not None and not callable(getattr(sched, "step", None)):
+            raise ValueError(f"lr_scheduler must have a step() method, got {type(sched).__name__}")
+        if sched is not None and _needs_argument(sched.step):
             raise ValueError(
-                f"lr_scheduler must have a step() method, got {type(self.lr_scheduler).__name__}"
+                f"lr_scheduler {type(sched).__name__}.step() needs an argument (a metric): the "
+                "Trainer steps lr_scheduler= once per committed step with none. Pass a "
+                "schedule of the step count (LambdaLR, CosineAnnealingLR, ...), or keep it out "
+                "of lr_scheduler= and step it yourself with a value every member shares "
+                "(trainer.evaluate's means), carried by state={'plateau': it}"
             )
-
         self._only_here = _OnlyHere.on(self.optimizer)  # once the settings are valid
+        self._scaler = _ScalerGuard.on(s).original if s is not None else None
 
     def tracked(self, state: Mapping[str, Any] | None) -> dict[str, Any]:
         """The objects a Trainer tracks: the scheduler, the scaler and the user's ``state``."""
@@ -110,11 +195,12 @@ class Update:
         return {**{k: v for k, v in own.items() if v is not None}, **state}
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        return self._scaler["scale"](loss) if self._scaler is not None else loss
 
     def begin(self) -> None:
         """A step's body is about to run: note where the scheduler stands."""
         self._epoch_at_begin = getattr(self.lr_scheduler, "last_epoch", None)
+        self.backwards, self.items = 0, None
 
     def apply(self, index: int, *, grad_norm: float | None = None) -> None:
         """Apply committed step ``index``: see the module contract. ``grad_norm``: the norm
@@ -129,10 +215,20 @@ class Update:
                 f"from {begun} to {moved}): the Trainer steps it once per "
                 "committed step; remove the script's lr_scheduler.step()"
             )
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if self.backwards == 0 and params:
+            raise BackwardBypassed(
+                f"step {index} has gradients but step.backward() was never called: the "
+                "script called loss.backward() itself, so the loss was not weighted by its "
+                "share of the global batch; call step.backward(loss) for each micro-batch"
+            )
+        items, self.items, self.backwards = self.items, None, None
         if scaler is not None:
-            scaler.unscale_(opt)
+            self._scaler["unscale_"](opt)
+        if items is not None:  # the steps' losses are item sums: the global mean
+            for p in params:
+                p.grad.div_(max(items, 1.0))
         if self.clip_grad_norm is not None:
-            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if grad_norm is None:
                 torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             else:  # clip_grad_norm_'s coefficient, on each member's shard
@@ -142,8 +238,8 @@ class Update:
         self._only_here.stepping = True
         try:
             if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
+                self._scaler["step"](opt)
+                self._scaler["update"]()
             else:
                 opt.step()
         finally:

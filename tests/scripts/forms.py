@@ -1,0 +1,130 @@
+"""Loops written the ways users write them (issue 49), in float64. Test fixture of
+tests/test_script_forms_e2e.py, not an example.
+
+``--form``:
+
+- ``items``: a tiny next-token model over ragged, padded token sequences; each micro-batch's
+  loss is the SUM of its tokens' cross-entropies (padding labelled -100, ignored) and
+  ``step.backward(loss, items=tokens)``: the update is the global token mean at any split;
+- ``unused``: two heads, the second used on odd steps only, under
+  ``ddp_kwargs={"find_unused_parameters": True}``;
+- ``items-ref``: the ``items`` data and model in a plain loop without Tidal, one process:
+  each step's global batch (Tidal's sample order) in one forward, the loss its token sum
+  over its token count;
+- ``raw``: the forward calls the module given to the Trainer, not ``trainer.model``: refused
+  at the first step under ``tidal run`` (its gradients are never all-reduced).
+
+Each member that finishes writes ``OUT/worker-ID.safetensors`` (its parameters), so a test
+compares every member with a one-process run, not only rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import tidal
+
+torch.set_num_threads(1)
+torch.set_default_dtype(torch.float64)
+
+VOCAB, SEQ, PAD = 13, 10, -100
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, *, two_heads: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+        # used on odd steps by --form unused
+        self.other = torch.nn.Linear(8, VOCAB) if two_heads else None
+
+    def forward(self, tokens: torch.Tensor, *, other: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.embed(tokens)))
+        return (self.other if other else self.head)(h)
+
+
+def ragged_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` sequences of 1 to SEQ tokens, padded: inputs (pad id 0) and next-token labels
+    (-100 past each sequence's end)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, SEQ + 2, (n,), generator=g)
+    seqs = torch.randint(1, VOCAB, (n, SEQ + 1), generator=g)
+    keep = torch.arange(SEQ + 1)[None, :] < lengths[:, None]
+    seqs = torch.where(keep, seqs, torch.zeros_like(seqs))
+    labels = torch.where(keep[:, 1:], seqs[:, 1:], torch.full_like(seqs[:, 1:], PAD))
+    return seqs[:, :-1], labels
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--form", choices=("items", "items-ref", "unused", "raw"), required=True)
+    p.add_argument("--max-steps", type=int, default=90)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    inputs, labels = ragged_tokens(640)
+    torch.manual_seed(0)
+    model = TinyLM(two_heads=args.form == "unused")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if args.form == "items-ref":
+        return plain_global_mean(model, opt, inputs, labels, args)
+    trainer = tidal.Trainer(
+        model,
+        opt,
+        TensorDataset(inputs, labels),
+        global_batch_size=24,
+        micro_batch_size=4,
+        ddp_kwargs={"find_unused_parameters": True} if args.form == "unused" else None,
+    )
+    for step in trainer.run(max_steps=args.max_steps):
+        for xb, yb in step.micro_batches():
+            if args.form == "items":
+                logits = trainer.model(xb)
+                loss = F.cross_entropy(
+                    logits.reshape(-1, VOCAB), yb.reshape(-1), ignore_index=PAD, reduction="sum"
+                )
+                step.backward(loss, items=int((yb != PAD).sum()))
+            elif args.form == "unused":
+                logits = trainer.model(xb, other=step.index % 2 == 1)
+                step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
+            else:  # raw: the module handed to the Trainer, not the wrapper
+                logits = model(xb)
+                step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
+    if not trainer.completed:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wid = trainer.worker_id if trainer.worker_id is not None else os.getpid()
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    safetensors.torch.save_file(tensors, str(out / f"worker-{wid}.safetensors"))
+
+
+def plain_global_mean(model, opt, inputs, labels, args) -> None:  # noqa: ANN001
+    from tidal.worker.data import ElasticSampler
+
+    order = ElasticSampler(dataset_size=len(inputs), global_batch_size=24, seed=0)
+    for index in range(args.max_steps):
+        ids = order.shard(index, 0, 1)
+        logits, yb = model(inputs[ids]), labels[ids]
+        loss = F.cross_entropy(
+            logits.reshape(-1, VOCAB), yb.reshape(-1), ignore_index=PAD, reduction="sum"
+        )
+        opt.zero_grad()
+        (loss / (yb != PAD).sum()).backward()
+        opt.step()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    safetensors.torch.save_file(tensors, str(out / "reference.safetensors"))
+
+
+if __name__ == "__main__":
+    main()

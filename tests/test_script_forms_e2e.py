@@ -1,0 +1,102 @@
+"""Loops written the ways users write them, under the real ``tidal run`` (issue 49): a
+token-weighted loss and a head unused on odd steps stay exact through 2 -> 3 -> 1 -> 2
+workers with a SIGKILL inside the all-reduce, every finishing member compared with one
+process in float64; a forward that bypasses ``trainer.model`` fails the job at its first
+step in one line instead of training each member on its own gradients."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from e2e_helpers import ROOT, Home, relative_l2, summarize
+
+SCRIPT = ROOT / "tests" / "scripts" / "forms.py"
+STEPS = 90
+EXACT = 1e-12
+
+
+def _alone(form: str, out: Path) -> Path:
+    """The script in one process (no ``tidal run``); returns the file it saved."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--form", form, "--max-steps", str(STEPS), "--out", str(out)],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (saved,) = out.glob("*.safetensors")
+    return saved
+
+
+def _resized_run(home: Home, name: str, form: str, out: Path) -> list[Path]:
+    """2 -> 3 -> (worker 1 SIGKILLed inside step 35's all-reduce, replaced) -> 1 -> 2;
+    returns every finishing member's parameters."""
+    proc, job = home.run(
+        name,
+        "--workers",
+        "2",
+        "--max-workers",
+        "3",
+        "--schedule",
+        "20:3,50:1,70:2",
+        script=SCRIPT,
+        script_args=["--form", form, "--max-steps", str(STEPS), "--out", str(out)],
+        faults="sigkill@worker=1,step=35,phase=allreduce",
+        timeout=280,
+    )
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    status = job.status()
+    assert status["state"] == "succeeded", summarize(status)
+    sizes = [g["world_size"] for g in status["generations"] if g["start_step"] is not None]
+    assert sizes[:2] == [2, 3] and 1 in sizes and sizes[-1] == 2, summarize(status)
+    assert any("worker 1 failed" in g["reason"] for g in status["generations"]), summarize(status)
+    members = sorted(out.glob("worker-*.safetensors"))
+    assert len(members) == 2, [m.name for m in members]
+    return members
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_token_weighted_losses_are_the_global_token_mean_at_every_size(
+    tidal_home: Home, tmp_path: Path
+) -> None:
+    reference = _alone("items-ref", tmp_path / "ref")  # a plain loop: the global token mean
+    for member in _resized_run(tidal_home, "items", "items", tmp_path / "out"):
+        rel = relative_l2(member, reference)
+        assert rel <= EXACT, f"{member.name}: {rel:.3e} from the global token mean"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_head_unused_on_odd_steps_trains_exactly(tidal_home: Home, tmp_path: Path) -> None:
+    reference = _alone("unused", tmp_path / "ref")
+    for member in _resized_run(tidal_home, "unused", "unused", tmp_path / "out"):
+        rel = relative_l2(member, reference)
+        assert rel <= EXACT, f"{member.name}: {rel:.3e} from one process"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_forward_that_bypasses_the_wrapper_fails_at_the_first_step(
+    tidal_home: Home, tmp_path: Path
+) -> None:
+    proc, job = tidal_home.run(
+        "raw",
+        "--workers",
+        "2",
+        script=SCRIPT,
+        script_args=["--form", "raw", "--max-steps", "20", "--out", str(tmp_path / "out")],
+    )
+    assert proc.returncode != 0
+    status = job.status()
+    assert status["state"] == "failed" and status["step"] == 0, summarize(status)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "were not all-reduced" in lines[0] and "trainer.model(" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()  # nobody finished
