@@ -219,18 +219,20 @@ class _Copies:
             return len(tensors)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        copies, ptrs, versions, taken = self.copies, self.ptrs, self.versions, self.taken
         for i, (t, moved) in enumerate(zip(tensors, self.moved(tensors), strict=True)):
             if moved:
-                if not _fits(self.copies[i], t):  # replaced by one of another shape
-                    self.copies[i] = torch.empty_like(t, requires_grad=False)
-            elif audit and not _equal(self.copies[i], t):
+                if t.data_ptr() != ptrs[i]:  # replaced: hold the new memory
+                    if not _fits(copies[i], t):
+                        copies[i] = torch.empty_like(t, requires_grad=False)
+                    self.held[i], ptrs[i] = t.detach(), t.data_ptr()
+            elif audit and not _equal(copies[i], t):
                 self.unversioned.add(i)
             else:
                 continue
-            dst.append(self.copies[i])
-            src.append(t.detach())
-            self.note(i, t)
-            self.taken[i] = serial
+            versions[i], taken[i] = t._version, serial
+            dst.append(copies[i])
+            src.append(t)  # under no_grad: nothing recorded
         if dst:
             torch._foreach_copy_(dst, src)
         return len(dst)
