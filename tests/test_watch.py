@@ -31,6 +31,46 @@ def test_abort_rule(open_s, step_s, dropped, aborts):
         assert ("dropped" in reason) == dropped and "waited" in reason
 
 
+@pytest.mark.parametrize(
+    ("open_s", "busy", "stopped", "dropped", "aborts"),
+    [
+        # a peer alive and busy in its script (an evaluation): wait past the timeout
+        (60.0, True, False, False, False),
+        (3600.0, True, False, False, False),
+        (59.0, False, False, False, False),
+        (60.0, False, False, False, True),  # no peer busy (hung, or its answer stale)
+        # dropped (killed as hung, or dead) wins over a busy claim: cut after the grace
+        (1.5, True, False, True, True),
+        # the job is stopping (a member's script stopped it and left): cut after the grace
+        (0.5, False, True, False, False),
+        (1.5, False, True, False, True),
+        (1.5, True, True, False, True),
+    ],
+)
+def test_abort_rule_with_a_busy_peer(open_s, busy, stopped, dropped, aborts):
+    facts = Facts(
+        open_s=open_s, step_s=0.1, dropped=dropped, timeout_s=60.0, busy=busy, stopped=stopped
+    )
+    assert (abort_reason(facts) is not None) == aborts
+
+
+def test_script_time_is_kept_between_windows():
+    watch = AbortWatch(
+        lambda s: Facts(open_s=s, step_s=None, dropped=False, timeout_s=60.0), lambda: None
+    )
+    try:
+        assert watch.script_s() is None  # no window closed yet
+        watch.open()
+        assert watch.script_s() is None  # in a collective
+        assert watch.close() is None
+        time.sleep(0.05)
+        assert watch.script_s() >= 0.05
+        watch.open()
+        assert watch.script_s() is None
+    finally:
+        watch.stop()
+
+
 def test_grace():
     assert grace_s(None) == GRACE_FLOOR_S == grace_s(0.01)
     assert grace_s(2.0) == 8.0

@@ -30,6 +30,7 @@ class Answers:
     members: frozenset[int]
     stop: bool
     stop_step: int | None = None  # a member's script stopped the job at this step
+    busy: frozenset[int] = frozenset()  # members alive and busy in their script (``busy``)
     ended: bool  # an outcome is decided: every worker exits
     settled_step: int
     workers: int
@@ -52,6 +53,7 @@ class Answers:
             generation=self.generation,
             stop=self.stop,
             stop_step=self.stop_step,
+            busy=sorted(self.busy) if role == Role.MEMBER else [],
             settled_step=self.settled_step,
             interval_s=interval if interval != self.base_s else None,
         )

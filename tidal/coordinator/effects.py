@@ -121,6 +121,7 @@ class Effects:
 
     def _apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
         w.step = req.step
+        w.script_s, w.beat_generation = req.script_s, req.generation
         self.job.step = max(self.job.step, req.step)
         self.job.metrics.update(req.metrics)
         for record in req.step_metrics:  # values of tidal.log, one per (step, name)

@@ -77,6 +77,7 @@ class Handlers:
             self.job.settled_step,
             len(self.job.workers),
             stopped.step if stopped is not None else None,
+            self.job.busy,
         )
         if key == self._published_key:
             return
@@ -87,6 +88,7 @@ class Handlers:
             members=latest.member_set() if latest is not None else frozenset(),
             stop=key[1],
             stop_step=key[5],
+            busy=key[6],
             ended=key[2],
             settled_step=self.job.settled_step,
             workers=len(self.job.workers),

@@ -67,6 +67,8 @@ class Job:
     wind_down_since: float | None = None  # monotonic: the outcome's wind-down began
     #: A member's script stopped the job early (``stop_rules``): no change after it.
     script_stop: ScriptStop | None = None
+    #: Members alive and busy in their script, outside the collectives (``busy``).
+    busy: frozenset[int] = frozenset()
 
     @property
     def latest(self) -> GenerationRecord | None:

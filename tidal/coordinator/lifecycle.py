@@ -17,6 +17,7 @@ import time
 from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.actions import AdoptWorker, RecordControl, SignalWorker, StartWorker
+from tidal.coordinator.busy import BusyFacts, busy_members
 from tidal.coordinator.job import Job
 from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
@@ -217,6 +218,21 @@ class Lifecycle:
             )
             for w in self.job.workers.values()
         ]
+        formed = self.job.formed()
+        self.job.busy = busy_members(
+            [
+                BusyFacts(
+                    worker_id=w.id,
+                    generation=w.beat_generation,
+                    script_s=w.script_s,
+                    silent_s=now - w.last_heartbeat if w.last_heartbeat is not None else None,
+                )
+                for w in self.job.workers.values()
+                if w.script_s is not None and w.state == WorkerState.RUNNING
+            ],
+            generation=formed.id if formed is not None else None,
+            heartbeat_timeout_s=self.spec.heartbeat_timeout_s,
+        )
         for wid, kind, reason in to_kill(
             facts, heartbeat_timeout_s=self.spec.heartbeat_timeout_s, stop_grace_s=STOP_GRACE_S
         ):

@@ -19,6 +19,9 @@ class WorkerRecord:
     rank: int | None = None
     last_heartbeat: float | None = None
     step: int = 0
+    # What its last heartbeat said of its time in the script and its generation (``busy``).
+    script_s: float | None = None
+    beat_generation: int = 0
     exit_code: int | None = None
     retired: bool = False  # asked to exit (scale-down, job end)
     kill_reason: str | None = None  # why the coordinator killed it, if it did

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import time
 import urllib.parse
 from collections.abc import Iterator
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tidal import devices
-from tidal.worker import ddp, identity, landing, probes
+from tidal.worker import busy, ddp, identity, landing, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent
 from tidal.worker.durable import Durable
@@ -45,6 +46,8 @@ from tidal.worker.watch import AbortWatch, Facts
 
 
 class ElasticLoop(ScriptStop):
+    _timeout_gen: int | None = None  # the generation whose group got ``busy.long_timeout``
+
     def _run_elastic(self, max_steps: int) -> Iterator[Step]:
         assert self._env is not None
         ddp.warm_up(self.module)
@@ -76,6 +79,9 @@ class ElasticLoop(ScriptStop):
                 if self._buckets_pending and not self._settle_buckets():
                     member = self._join()
                     continue
+                if self._timeout_gen != self.generation and self._fsdp is None:
+                    busy.long_timeout(self._backend)  # the watch bounds the steps (``busy``)
+                    self._timeout_gen = self.generation
                 index = self.step
                 probes.point("step", index, self.generation)
                 step = LoopStep(self, index, self.sampler.shard(index, self.rank, self.world_size))
@@ -163,10 +169,14 @@ class ElasticLoop(ScriptStop):
         if self._backend != "nccl":
             self._control.waits = self._waits
             self._watch = AbortWatch(self._watch_facts, self._cut_group)
-            return
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # the watch handles errors
-        torch.cuda.set_device(self.device)
-        self._watch = AbortWatch(self._watch_facts, grp.abort_group)
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # the watch handles errors
+            torch.cuda.set_device(self.device)
+            self._watch = AbortWatch(self._watch_facts, grp.abort_group)
+        watch = self._watch
+        self._agent.script_s = lambda: busy.script_s(
+            watch.script_s(), in_group=self._ddp is not None
+        )
 
     def _cut_group(self) -> None:
         """The gloo watch's abort: the training thread's wait fails, the peers' see the
@@ -186,11 +196,20 @@ class ElasticLoop(ScriptStop):
         if latest is not None and latest.generation is not None:
             gen = latest.generation
             dropped = gen.id > self.generation and not set(self._members) <= set(gen.members)
+        peers_busy = latest is not None and busy.peers_busy(
+            busy=latest.busy,
+            members=self._members,
+            me=self.worker_id,
+            answer_age_s=time.monotonic() - self._agent.latest_at,
+            interval_s=latest.interval_s or self._cfg.heartbeat_interval_s,
+        )
         return Facts(
             open_s=open_s,
             step_s=self._step_s,
             dropped=dropped,
             timeout_s=self._cfg.collective_timeout_s,
+            busy=peers_busy,
+            stopped=latest is not None and latest.stop,
         )
 
     def _connect_store(self) -> None:
