@@ -23,6 +23,14 @@ runs forward passes under ``torch.autocast`` in bfloat16 (CPU included); the los
 weights stay float32. ``--compile`` compiles the model with ``torch.compile``
 (``nn.Module.compile``: in place, so the parameter names and DDP's wrapping are unchanged).
 
+The loss is token-weighted: each micro-batch's loss is the SUM of its tokens' losses, passed
+as ``step.backward(loss, items=tokens)``, so the update is the mean over every counted token
+of the global batch whatever the split. ``--ragged`` makes that matter: each window then
+holds a document of its own length (from 8 tokens to the context, fixed by the window's
+first bytes), the positions past it padded and labelled -100 (ignored), as a fine-tuning
+set of ragged sequences is; a per-micro-batch token mean would make the update depend on
+how the global batch was split across the workers.
+
 Run alone (``python examples/gpt.py``) it trains on one process with the same mathematics.
 """
 
@@ -148,6 +156,19 @@ def evaluate(model: nn.Module, val: torch.Tensor, batch: int = 32) -> float:
     return total.item() / val[:, 1:].numel()
 
 
+IGNORE = -100  # cross_entropy's ignore_index: padding
+
+
+def padded_labels(chunk: torch.Tensor) -> torch.Tensor:
+    """Next-token labels of ragged documents: each window's document is 8 tokens to the
+    whole context long (fixed by its first two bytes, so the same on every worker and run);
+    the positions past it are padding, labelled ``IGNORE``."""
+    context = chunk.shape[1] - 1
+    lengths = 8 + (chunk[:, 0] * 31 + chunk[:, 1]) % max(1, context - 7)
+    past = torch.arange(context, device=chunk.device)[None, :] >= lengths[:, None]
+    return chunk[:, 1:].masked_fill(past, IGNORE)
+
+
 def warmup_cosine(warmup: int, total: int):
     """The LR factor of step ``e``: linear warm-up, then cosine decay to a tenth."""
 
@@ -187,6 +208,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", metavar="PATH", help="write the final parameters here")
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument(
+        "--ragged", action="store_true", help="documents of ragged lengths, padded (-100)"
+    )
     parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights")
     parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     parser.add_argument(
@@ -260,8 +284,13 @@ def main() -> None:
         for chunk in step.micro_batches():  # tidal: windows of context + 1 tokens
             with autocast:
                 logits = trainer.model(chunk[:, :-1])  # tidal: trainer.model
-            loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
-            step.backward(loss)  # tidal
+            labels = padded_labels(chunk) if args.ragged else chunk[:, 1:]
+            tokens = int((labels != IGNORE).sum())
+            total = F.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+            )
+            step.backward(total, items=tokens)  # tidal: the global token mean, exactly
+            loss = total.detach() / max(tokens, 1)
         if step.index % args.eval_every == 0 and trainer.rank == 0:
             val_loss = evaluate(model, val)
             tidal.log(loss=loss.item(), val_loss=val_loss, unigram_loss=baseline)  # tidal

@@ -60,6 +60,7 @@ def test_gpt_short_elastic(tidal_home: Home, tmp_path: Path) -> None:
     args += ["--global-batch-size", "12", "--lr", "5e-3", "--warmup", "5", "--max-steps", "60"]
     args += ["--val-windows", "32", "--eval-every", "20", "--save", str(out)]
     args += ["--autocast", "bf16", "--ema", "0.9"]  # bf16 forward passes on the CPU
+    args += ["--ragged"]  # token-weighted: padded documents, step.backward(items=)
     status = run_elastic(tidal_home, "gpt", "gpt.py", (15, 40), args)
     metrics = status["metrics"]
     # At initialisation val_loss is about ln(256) = 5.5 nats, far above the unigram baseline.
@@ -94,6 +95,7 @@ TINY_GPT += ["--global-batch-size", "4", "--val-windows", "4"]
     ("script", "args", "done"),
     [
         ("gpt.py", [*TINY_GPT, "--max-steps", "3"], "done after 3 steps"),
+        ("gpt.py", [*TINY_GPT, "--max-steps", "3", "--ragged"], "done after 3 steps"),
         ("cartpole.py", ["--max-steps", "2", "--eval-episodes", "2"], "done after 2 updates"),
         ("recsys.py", ["--max-steps", "5", "--interactions", "20000"], "done after 5 steps"),
     ],
