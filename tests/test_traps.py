@@ -187,3 +187,19 @@ def _per_sample_mean_final(loss_sum):
             total, n = loss_sum(trainer.model(x), y, idx)
             step.backward(total / max(n, 1))
     return model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("clip", [None, 0.01])
+def test_grad_norm_is_the_committed_steps_norm_before_clipping(clip):
+    model, opt, data = _setup()
+    x, y = data.tensors
+    trainer = tidal.Trainer(model, opt, data, global_batch_size=8, clip_grad_norm=clip)
+    assert trainer.grad_norm is None
+    idx = trainer.sampler.shard(0, 0, 1)
+    grads = torch.autograd.grad(
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx].double()), list(model.parameters())
+    )
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
+    _train(trainer, 1)
+    assert trainer.grad_norm == pytest.approx(expected, rel=1e-12)
+    assert expected > 0.01  # so the clipped run did clip: the norm is still the pre-clip one

@@ -257,6 +257,14 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         return self._ddp if self._ddp is not None else self.module
 
     @property
+    def grad_norm(self) -> float | None:
+        """The total norm of the last committed step's synchronised gradients, before
+        clipping (unscaled, divided by the item count with ``items=``): the same on every
+        member. None before the first step. Log it with ``tidal.log(grad_norm=...)``."""
+        norm = self._update.grad_norm
+        return None if norm is None else float(norm)
+
+    @property
     def worker_id(self) -> int | None:
         return self._env.worker_id if self._env else None
 

@@ -6,7 +6,8 @@ member sees the same synchronised gradients and makes the same decisions:
 1. with a GradScaler: unscale the gradients (which also finds inf/NaN in them); when the
    step's losses are item sums (``step.backward(loss, items=n)``), divide the summed
    gradients by the global batch's item count (``items``; a count of 0 leaves them 0);
-2. with ``clip_grad_norm``: clip the optimizer's parameters' gradients to that total norm;
+2. note the gradients' total norm (``grad_norm``); with ``clip_grad_norm``, clip the
+   optimizer's parameters' gradients to that total norm;
 3. the optimizer step (``scaler.step``: skipped on every member alike when a gradient is not
    finite), then ``scaler.update()``;
 4. the LR scheduler's ``step()``, once per committed step (skipped optimizer steps
@@ -155,6 +156,10 @@ class Update:
     #: The global batch's item count when the step's losses are item sums
     #: (``step.backward(loss, items=n)``): the summed gradients are divided by it.
     items: float | None = field(default=None, init=False, repr=False)
+    #: The last committed step's gradient norm before clipping (after unscaling, of the
+    #: synchronised gradients, so the same on every member): a float or a 0-dim tensor
+    #: (read on demand: no device sync per step), None before the first step.
+    grad_norm: float | torch.Tensor | None = field(default=None, init=False, repr=False)
     _only_here: _OnlyHere = field(init=False, repr=False)
     _scaler: dict[str, Callable[..., Any]] | None = field(default=None, init=False, repr=False)
     _epoch_at_begin: int | None = field(default=None, init=False, repr=False)
@@ -228,10 +233,14 @@ class Update:
         if items is not None:  # the steps' losses are item sums: the global mean
             for p in params:
                 p.grad.div_(max(items, 1.0))
-        if self.clip_grad_norm is not None:
-            if grad_norm is None:
-                torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            else:  # clip_grad_norm_'s coefficient, on each member's shard
+        if grad_norm is not None:  # a sharded step's, from its control all-reduce
+            self.grad_norm = grad_norm
+        elif self.clip_grad_norm is not None:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        else:
+            self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.clip_grad_norm is not None and grad_norm is not None:
+            # clip_grad_norm_'s coefficient, on each member's shard
                 coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))
                 for p in params:
                     getattr(p.grad, "_local_tensor", p.grad).mul_(coef)
