@@ -6,6 +6,7 @@ step in one line instead of training each member on its own gradients."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +59,8 @@ def _resized_run(home: Home, name: str, form: str, out: Path) -> list[Path]:
     assert any("worker 1 failed" in g["reason"] for g in status["generations"]), summarize(status)
     members = sorted(out.glob("worker-*.safetensors"))
     assert len(members) == 2, [m.name for m in members]
+    for m in members:  # the tracker's run id: the job's, in every member (a joiner too)
+        assert json.loads(m.with_suffix(".json").read_text()) == {"job_name": name}
     return members
 
 

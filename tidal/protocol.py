@@ -161,6 +161,9 @@ class WorkerConfig(BaseModel):
     # The process groups' backend, ``--comm``: nccl, gloo, or auto (nccl where the worker
     # has CUDA). A default, so a worker and a coordinator of different versions still agree.
     comm: Literal["nccl", "gloo", "auto"] = "auto"
+    # The job's name: the same in every worker, through resizes and ``tidal resume`` (the
+    # stable run id a tracker needs: ``Trainer.job_name``). A default, as ``comm``.
+    name: str | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, **runtime: object) -> WorkerConfig:

@@ -21,6 +21,7 @@ compares every member with a one-process run, not only rank 0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -105,6 +106,7 @@ def main() -> None:
     wid = trainer.worker_id if trainer.worker_id is not None else os.getpid()
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(tensors, str(out / f"worker-{wid}.safetensors"))
+    (out / f"worker-{wid}.json").write_text(json.dumps({"job_name": trainer.job_name}))
 
 
 def plain_global_mean(model, opt, inputs, labels, args) -> None:  # noqa: ANN001

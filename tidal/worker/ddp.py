@@ -122,6 +122,21 @@ class ControlWord:
         """Put this member's item count for the step in the word, before ``start``."""
         self.send[self.ITEMS] = float(items)
 
+    def begin_sum(self, items: float | None, *, rank: int) -> bool:
+        """Start summing this step's word, from the last micro-batch's ``backward`` (its
+        item count is known then), if the step carries one, beside the backward. A step that
+        counts items always carries one: the first such step may fall where the cadence
+        skipped the word, and every member, running the same script, sets one there alike
+        (True: set here, with rank 0's cadence of 1)."""
+        added = items is not None and not self.carries
+        if added:
+            self.set(switch=False, stop=False, every=1 if rank == 0 else 0)
+        if self.carries:
+            if items is not None:
+                self.count(items)
+            self.start()
+        return added
+
     def start(self) -> None:
         """Start summing the word (asynchronously) over the generation's group, into a
         tensor of this step's own. A failure to start is raised by ``settle``, inside the

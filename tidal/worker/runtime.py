@@ -265,6 +265,14 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         return None if norm is None else float(norm)
 
     @property
+    def job_name(self) -> str | None:
+        """The job's name under ``tidal run`` (the same in every worker, through every
+        resize and ``tidal resume``: a tracker's run id), known once ``run()`` has joined
+        the job; None when training alone."""
+        cfg = getattr(self, "_cfg", None)
+        return cfg.name if cfg is not None else None
+
+    @property
     def worker_id(self) -> int | None:
         return self._env.worker_id if self._env else None
 
@@ -366,20 +374,6 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         """Whether step ``index`` carries a control word (``ddp`` module doc): a job whose
         steps use ``items=`` sums its item count on every step's word."""
         return self._items_mode or self._next_word is None or index >= self._next_word
-
-    def _start_word(self, items: float | None) -> None:
-        """Start summing this step's word, from the last micro-batch's ``backward`` (its
-        item count is known then): beside the backward. A step that counts items always
-        carries one: the first such step may fall where the cadence skipped the word, and
-        every member, running the same script, sets one there alike."""
-        control = self._control
-        if items is not None and not control.carries:
-            control.set(switch=False, stop=False, every=1 if self.rank == 0 else 0)
-            self._next_word = None
-        if control.carries:
-            if items is not None:
-                control.count(items)
-            control.start()
 
     def _commit(self) -> None:
         if self._durable is not None:

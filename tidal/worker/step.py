@@ -132,7 +132,8 @@ class Step:
         last = getattr(self, "_last", False)
         ddp = tr._ddp if last else None
         if ddp is not None:
-            tr._start_word(self._items)
+            if tr._control.begin_sum(self._items, rank=tr.rank):
+                tr._next_word = None  # known from the sums, once the step is committed
             reduced = tr._control.reduced
         try:
             scaled.backward()
