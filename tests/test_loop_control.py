@@ -161,6 +161,40 @@ def test_a_long_evaluation_on_rank_0_fails_nobody(tidal_home: Home, tmp_path: Pa
     tidal_home.assert_no_processes()
 
 
+def _alone(stop_at: int, how: str, before: bool = False):
+    """A Trainer run alone (no ``tidal run``), left at ``stop_at`` by ``how``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import tidal
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = tidal.Trainer(model, opt, data, global_batch_size=8, micro_batch_size=4)
+    for step in trainer.run(100):
+        if step.index == stop_at and before:
+            break
+        for x, y in step.micro_batches():
+            step.backward(F.cross_entropy(trainer.model(x), y))
+        if step.index == stop_at:
+            if how == "break":
+                break
+            trainer.stop()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "how, before, steps",
+    [("break", False, 11), ("stop", False, 11), ("break", True, 10)],
+)
+def test_an_early_stop_alone_commits_as_under_tidal_run(how, before, steps) -> None:
+    trainer = _alone(10, how, before)
+    assert trainer.step == steps and not trainer.completed
+
+
 class _S:  # the attributes ``commits_on_break`` reads of a step
     def __init__(self, consumed: bool, failed: Exception | None) -> None:
         self._consumed, self._failed = consumed, failed

@@ -52,6 +52,7 @@ from tidal.worker.pipeline import (
 from tidal.worker.reports import Reports
 from tidal.worker.sharded_steps import ShardedSteps
 from tidal.worker.step import Step
+from tidal.worker.stopping import LoopStep, commits_on_break
 from tidal.worker.update import Update
 from tidal.worker.waits import Waits
 from tidal.worker.watch import AbortWatch
@@ -301,8 +302,9 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
 
     def run(self, max_steps: int) -> Iterator[Step]:
         """Yield a ``Step`` for each global step this worker takes part in, until the job
-        has done ``max_steps`` steps (``completed`` is then True), the job is stopped, or
-        the coordinator asks this worker to leave."""
+        has done ``max_steps`` steps (``completed`` is then True), the job is stopped (by
+        ``tidal stop``, ``trainer.stop()`` or a ``break`` out of this loop on any member:
+        ``stopping``), or the coordinator asks this worker to leave."""
         global _current
         if max_steps < 0:
             raise ValueError(f"max_steps must be at least 0, got {max_steps}")
@@ -317,12 +319,17 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
 
     # -- standalone ------------------------------------------------------------------
     def _run_alone(self, max_steps: int) -> Iterator[Step]:
-        while self.step < max_steps:
-            step = Step(self, self.step, self.sampler.shard(self.step, 0, 1))
+        while self.step < max_steps and not self._stop_asked:
+            step = LoopStep(self, self.step, self.sampler.shard(self.step, 0, 1))
             self._update.begin()
-            yield step
+            try:
+                yield step
+            except GeneratorExit:  # left in the body: as under tidal run (``stopping``)
+                if commits_on_break(step):
+                    self._commit()
+                raise
             self._commit()
-        self.completed = True
+        self.completed = self.step >= max_steps
 
     def _checkpoint(self) -> None:
         self._durable.save(
