@@ -86,20 +86,29 @@ def test_a_head_unused_on_odd_steps_trains_exactly(tidal_home: Home, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_forward_that_bypasses_the_wrapper_fails_at_the_first_step(
-    tidal_home: Home, tmp_path: Path
+@pytest.mark.parametrize(
+    ("form", "words"),
+    [
+        ("raw", ("were not all-reduced", "trainer.model(")),
+        ("bare", ("step.backward() was never called", "call step.backward(loss)")),
+        ("scale", ("grad_scaler.scale()", "unscaled loss")),
+        ("loader", ("batch_size=5 would be ignored", "micro_batch_size=5")),
+    ],
+)
+def test_a_trap_fails_the_job_at_its_first_step_in_one_line(
+    tidal_home: Home, tmp_path: Path, form: str, words: tuple[str, str]
 ) -> None:
     proc, job = tidal_home.run(
-        "raw",
+        form,
         "--workers",
         "2",
         script=SCRIPT,
-        script_args=["--form", "raw", "--max-steps", "20", "--out", str(tmp_path / "out")],
+        script_args=["--form", form, "--max-steps", "20", "--out", str(tmp_path / "out")],
     )
     assert proc.returncode != 0
     status = job.status()
     assert status["state"] == "failed" and status["step"] == 0, summarize(status)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "were not all-reduced" in lines[0] and "trainer.model(" in lines[0], lines[0]
+    assert all(w in lines[0] for w in words), lines[0]
     assert not (tmp_path / "out").exists()  # nobody finished

@@ -12,7 +12,10 @@ tests/test_script_forms_e2e.py, not an example.
   each step's global batch (Tidal's sample order) in one forward, the loss its token sum
   over its token count;
 - ``raw``: the forward calls the module given to the Trainer, not ``trainer.model``: refused
-  at the first step under ``tidal run`` (its gradients are never all-reduced).
+  at the first step under ``tidal run`` (its gradients are never all-reduced);
+- ``bare``: ``loss.backward()`` instead of ``step.backward(loss)``; ``scale``: the plain AMP
+  loop's ``scaler.scale(loss)`` left in; ``loader``: a DataLoader whose ``batch_size`` the
+  Trainer would ignore: each refused at the first step (or when the Trainer is made).
 
 Each member that finishes writes ``OUT/worker-ID.safetensors`` (its parameters), so a test
 compares every member with a one-process run, not only rank 0.
@@ -36,6 +39,8 @@ torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
 
 VOCAB, SEQ, PAD = 13, 10, -100
+FORMS = ("items", "items-ref", "unused")
+TRAPS = ("raw", "bare", "scale", "loader")
 
 
 class TinyLM(torch.nn.Module):
@@ -66,7 +71,7 @@ def ragged_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--form", choices=("items", "items-ref", "unused", "raw"), required=True)
+    p.add_argument("--form", choices=(*FORMS, *TRAPS), required=True)
     p.add_argument("--max-steps", type=int, default=90)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -77,12 +82,15 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     if args.form == "items-ref":
         return plain_global_mean(model, opt, inputs, labels, args)
+    data = TensorDataset(inputs, labels)
+    scaler = torch.amp.GradScaler("cpu") if args.form == "scale" else None
     trainer = tidal.Trainer(
         model,
         opt,
-        TensorDataset(inputs, labels),
+        torch.utils.data.DataLoader(data, batch_size=5) if args.form == "loader" else data,
         global_batch_size=24,
         micro_batch_size=4,
+        grad_scaler=scaler,
         ddp_kwargs={"find_unused_parameters": True} if args.form == "unused" else None,
     )
     for step in trainer.run(max_steps=args.max_steps):
@@ -96,9 +104,13 @@ def main() -> None:
             elif args.form == "unused":
                 logits = trainer.model(xb, other=step.index % 2 == 1)
                 step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
-            else:  # raw: the module handed to the Trainer, not the wrapper
-                logits = model(xb)
-                step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
+            else:  # the traps: raw calls the module handed to the Trainer
+                logits = (model if args.form == "raw" else trainer.model)(xb)
+                loss = F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0))
+                if args.form == "bare":
+                    loss.backward()
+                else:
+                    step.backward(scaler.scale(loss) if args.form == "scale" else loss)
     if not trainer.completed:
         return
     out = Path(args.out)
