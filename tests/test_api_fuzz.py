@@ -48,6 +48,7 @@ OPERATIONS = {
     ("GET", "/workers/{wid}/role"),
     ("POST", "/workers/{wid}/failure"),
     ("POST", "/workers/{wid}/done"),
+    ("POST", "/workers/{wid}/stop"),
 }
 
 
