@@ -194,7 +194,7 @@ def test_grad_norm_is_the_committed_steps_norm_before_clipping(clip):
     model, opt, data = _setup()
     x, y = data.tensors
     trainer = tidal.Trainer(model, opt, data, global_batch_size=8, clip_grad_norm=clip)
-    assert trainer.grad_norm is None
+    assert trainer.grad_norm is None  # no step yet (and, unclipped, measured from now on)
     idx = trainer.sampler.shard(0, 0, 1)
     grads = torch.autograd.grad(
         torch.nn.functional.mse_loss(model(x[idx]), y[idx].double()), list(model.parameters())
@@ -203,3 +203,13 @@ def test_grad_norm_is_the_committed_steps_norm_before_clipping(clip):
     _train(trainer, 1)
     assert trainer.grad_norm == pytest.approx(expected, rel=1e-12)
     assert expected > 0.01  # so the clipped run did clip: the norm is still the pre-clip one
+
+
+def test_an_unclipped_norm_nobody_reads_is_never_measured():
+    model, opt, data = _setup()
+    trainer = tidal.Trainer(model, opt, data, global_batch_size=8)
+    _train(trainer, 1)
+    assert trainer._update.grad_norm is None  # no pass over the gradients was paid
+    assert trainer.grad_norm is None  # the first read turns it on ...
+    _train(trainer, 2)
+    assert trainer.grad_norm > 0  # ... for the steps after it

@@ -261,7 +261,11 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
     def grad_norm(self) -> float | None:
         """The total norm of the last committed step's synchronised gradients, before
         clipping (unscaled, divided by the item count with ``items=``): the same on every
-        member. None before the first step. Log it with ``tidal.log(grad_norm=...)``."""
+        member. Log it with ``tidal.log(grad_norm=...)``. With ``clip_grad_norm`` it is a
+        by-product of clipping; without, the first read turns its measuring on (a pass over
+        the gradients per step, which no script that never reads it pays), and it is None
+        until a step has been measured."""
+        self._update.measure_norm = True
         norm = self._update.grad_norm
         return None if norm is None else float(norm)
 

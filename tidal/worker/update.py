@@ -160,6 +160,9 @@ class Update:
     #: synchronised gradients, so the same on every member): a float or a 0-dim tensor
     #: (read on demand: no device sync per step), None before the first step.
     grad_norm: float | torch.Tensor | None = field(default=None, init=False, repr=False)
+    #: Without clipping, the norm costs a pass over the gradients: measured from the first
+    #: time the script reads it (``Trainer.grad_norm``), not on every job's hot path.
+    measure_norm: bool = field(default=False, init=False, repr=False)
     _only_here: _OnlyHere = field(init=False, repr=False)
     _scaler: dict[str, Callable[..., Any]] | None = field(default=None, init=False, repr=False)
     _epoch_at_begin: int | None = field(default=None, init=False, repr=False)
@@ -237,7 +240,7 @@ class Update:
             self.grad_norm = grad_norm
         elif self.clip_grad_norm is not None:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        else:
+        elif self.measure_norm:  # a pass over the gradients: only once the script asked
             self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.clip_grad_norm is not None and grad_norm is not None:
             # clip_grad_norm_'s coefficient, on each member's shard
