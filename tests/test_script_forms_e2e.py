@@ -35,9 +35,11 @@ def _alone(form: str, out: Path) -> Path:
     return saved
 
 
-def _resized_run(home: Home, name: str, form: str, out: Path) -> list[Path]:
-    """2 -> 3 -> (worker 1 SIGKILLed inside step 35's all-reduce, replaced) -> 1 -> 2;
-    returns every finishing member's parameters."""
+def _resized_run(
+    home: Home, name: str, form: str, out: Path, phase: str = "allreduce", at: int = 35
+) -> list[Path]:
+    """2 -> 3 -> (worker 1 SIGKILLed at step ``at`` in ``phase``: inside the all-reduce,
+    by default; replaced) -> 1 -> 2; returns every finishing member's parameters."""
     proc, job = home.run(
         name,
         "--workers",
@@ -48,7 +50,7 @@ def _resized_run(home: Home, name: str, form: str, out: Path) -> list[Path]:
         "20:3,50:1,70:2",
         script=SCRIPT,
         script_args=["--form", form, "--max-steps", str(STEPS), "--out", str(out)],
-        faults="sigkill@worker=1,step=35,phase=allreduce",
+        faults=f"sigkill@worker=1,step={at},phase={phase}",
         timeout=280,
     )
     assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
@@ -60,7 +62,7 @@ def _resized_run(home: Home, name: str, form: str, out: Path) -> list[Path]:
     members = sorted(out.glob("worker-*.safetensors"))
     assert len(members) == 2, [m.name for m in members]
     for m in members:  # the tracker's run id: the job's, in every member (a joiner too)
-        assert json.loads(m.with_suffix(".json").read_text()) == {"job_name": name}
+        assert json.loads(m.with_suffix(".json").read_text())["job_name"] == name
     return members
 
 
@@ -82,6 +84,35 @@ def test_a_head_unused_on_odd_steps_trains_exactly(tidal_home: Home, tmp_path: P
     for member in _resized_run(tidal_home, "unused", "unused", tmp_path / "out"):
         rel = relative_l2(member, reference)
         assert rel <= EXACT, f"{member.name}: {rel:.3e} from one process"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_an_evaluation_split_across_members_gives_one_process_means(
+    tidal_home: Home, tmp_path: Path
+) -> None:
+    """``trainer.evaluate`` at steps 10 (2 members), 30 (3: worker 1 killed right after
+    publishing its first batch: the others compute the rest of its share), 60 (1) and 80
+    (2): every member's means equal one process's, and so do the parameters."""
+    reference = _alone("eval", tmp_path / "ref")
+    expected = json.loads(reference.with_suffix(".json").read_text())["evaluated"]
+    assert sorted(expected) == ["10", "30", "60", "80"]
+    members = _resized_run(tidal_home, "eval", "eval", tmp_path / "out", "evaluate", 30)
+    seen = set()
+    for member in members:
+        assert relative_l2(member, reference) <= EXACT, member.name
+        got = json.loads(member.with_suffix(".json").read_text())["evaluated"]
+        for step, means in got.items():
+            seen.add(step)
+            for name, value in means.items():
+                assert value == pytest.approx(expected[step][name], rel=EXACT, abs=0), (
+                    member.name,
+                    step,
+                    name,
+                )
+    assert "30" in seen and "80" in seen  # the killed evaluation finished on a survivor
+    log = "\n".join(p.read_text() for p in tidal_home.path.rglob("*.log"))
+    assert "phase evaluate" in log  # the fault fired inside the evaluation
 
 
 @pytest.mark.slow

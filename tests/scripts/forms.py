@@ -8,6 +8,8 @@ tests/test_script_forms_e2e.py, not an example.
   ``step.backward(loss, items=tokens)``: the update is the global token mean at any split;
 - ``unused``: two heads, the second used on odd steps only, under
   ``ddp_kwargs={"find_unused_parameters": True}``;
+- ``eval``: per-sample means, and ``trainer.evaluate`` over a held-out set at steps
+  ``EVAL_AT`` on every member; each member records the means it got;
 - ``items-ref``: the ``items`` data and model in a plain loop without Tidal, one process:
   each step's global batch (Tidal's sample order) in one forward, the loss its token sum
   over its token count;
@@ -39,7 +41,8 @@ torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
 
 VOCAB, SEQ, PAD = 13, 10, -100
-FORMS = ("items", "items-ref", "unused")
+FORMS = ("items", "items-ref", "unused", "eval")
+EVAL_AT = (10, 30, 60, 80)
 TRAPS = ("raw", "bare", "scale", "loader")
 
 
@@ -78,7 +81,7 @@ def main() -> None:
 
     inputs, labels = ragged_tokens(640)
     torch.manual_seed(0)
-    model = TinyLM(two_heads=args.form == "unused")
+    model = TinyLM(two_heads=args.form in ("unused", "eval"))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     if args.form == "items-ref":
         return plain_global_mean(model, opt, inputs, labels, args)
@@ -91,19 +94,31 @@ def main() -> None:
         global_batch_size=24,
         micro_batch_size=4,
         grad_scaler=scaler,
-        ddp_kwargs={"find_unused_parameters": True} if args.form == "unused" else None,
+        ddp_kwargs={"find_unused_parameters": True} if args.form in ("unused", "eval") else None,
     )
+    held_out = TensorDataset(*ragged_tokens(101))  # its own draw: 101, not a batch multiple
+    evaluated = {}
+
+    def metrics(batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        xb, yb = batch
+        logits = model(xb)[:, -1]
+        target = yb[:, 0].clamp(min=0)
+        return {
+            "loss": F.cross_entropy(logits, target, reduction="none"),  # per sample
+            "accuracy": (logits.argmax(1) == target).double().mean(),  # the batch's mean
+        }
+
     for step in trainer.run(max_steps=args.max_steps):
         for xb, yb in step.micro_batches():
-            if args.form == "items":
+            if args.form in ("unused", "eval"):
+                logits = trainer.model(xb, other=step.index % 2 == 1)
+                step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
+            elif args.form == "items":
                 logits = trainer.model(xb)
                 loss = F.cross_entropy(
                     logits.reshape(-1, VOCAB), yb.reshape(-1), ignore_index=PAD, reduction="sum"
                 )
                 step.backward(loss, items=int((yb != PAD).sum()))
-            elif args.form == "unused":
-                logits = trainer.model(xb, other=step.index % 2 == 1)
-                step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
             else:  # the traps: raw calls the module handed to the Trainer
                 logits = (model if args.form == "raw" else trainer.model)(xb)
                 loss = F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0))
@@ -111,6 +126,8 @@ def main() -> None:
                     loss.backward()
                 else:
                     step.backward(scaler.scale(loss) if args.form == "scale" else loss)
+        if args.form == "eval" and step.index in EVAL_AT:
+            evaluated[step.index] = trainer.evaluate(metrics, held_out, batch_size=7)
     if not trainer.completed:
         return
     out = Path(args.out)
@@ -118,7 +135,8 @@ def main() -> None:
     wid = trainer.worker_id if trainer.worker_id is not None else os.getpid()
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(tensors, str(out / f"worker-{wid}.safetensors"))
-    (out / f"worker-{wid}.json").write_text(json.dumps({"job_name": trainer.job_name}))
+    facts = {"job_name": trainer.job_name, "evaluated": evaluated}
+    (out / f"worker-{wid}.json").write_text(json.dumps(facts))
 
 
 def plain_global_mean(model, opt, inputs, labels, args) -> None:  # noqa: ANN001

@@ -23,7 +23,9 @@ one of:
   into the temporary folder, before the manifest and the rename); ``step`` is the
   checkpoint's step;
 - ``copy``: ``sharding="fsdp"``, a member about to exchange its neighbour copy after
-  committing step ``step``.
+  committing step ``step``;
+- ``evaluate``: inside ``trainer.evaluate`` during step ``step``, right after this member
+  published one of its batches (the others may still be computing theirs).
 
 For the membership phases ``step`` is the worker's committed step count (0 for a joiner that
 holds no state yet): ``gen=2,step=0`` picks the worker that joins generation 2 without state,

@@ -22,6 +22,7 @@ PHASES = (
     "first",
     "checkpoint",
     "copy",
+    "evaluate",
 )
 
 Hook = Callable[[str, int, "int | None"], None]

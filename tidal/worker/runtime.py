@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
-from tidal.worker import ddp, identity, norms, probes
+from tidal.worker import ddp, evaluation, identity, norms, probes
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
@@ -221,6 +221,8 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         #: while a word's sums are awaited. Every generation starts with one (``_form``).
         self._next_word: int | None = 0
         self._items_mode = False  # the steps count items (``Step.backward(items=)``)
+        #: ((generation, step), calls) of ``evaluate`` in the step in flight (``evaluation``)
+        self._eval_calls: tuple[tuple[int, int] | None, int] = (None, 0)
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
         self._store: dist.TCPStore | None = None
@@ -295,6 +297,14 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         if self.rank != 0:
             return None
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def evaluate(
+        self, fn: Callable[[Any], Mapping[str, Any]], dataset: Any, *, batch_size: int
+    ) -> dict[str, float]:
+        """The means of ``fn``'s metrics over ``dataset``, its batches split across the
+        current members: the same values at any world size, alone included, and after a
+        member is lost during it (``evaluation``). Call it alike on every member."""
+        return evaluation.evaluate(self, fn, dataset, batch_size)
 
     def after_step(self, fn: Callable[[int], None]) -> Callable[[int], None]:
         """Register ``fn(index)`` to run once after each committed step's optimizer step (and
