@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -23,19 +25,51 @@ def _fmt_time(t: float) -> str:
     return datetime.fromtimestamp(t).strftime("%H:%M:%S")
 
 
-class Progress:
-    """Prints each new event as it happens and a progress line every few seconds."""
+class _PipeConsole(Console):
+    """A console whose closed pipe is an error for its caller (rich's default ends the
+    process with ``SystemExit(1)``: a coordinator whose output was piped into ``head`` ended
+    its job's supervision, silently)."""
 
-    def __init__(self, coord: Coordinator, *, enabled: bool) -> None:
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
+
+
+class Progress:
+    """Prints each new event as it happens and a progress line every few seconds.
+
+    ``on_lost(cause)``: called once if the terminal is gone (a closed pipe, a hung-up
+    terminal: ``tidal.host.output``); the lines stop then, and the job goes on."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        *,
+        enabled: bool,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
         self.coord = coord
         self.enabled = enabled
-        self.console = Console(highlight=False)
+        self.on_lost = on_lost
+        self.console = _PipeConsole(highlight=False)
         self._events_seen = 0
         self._last = 0.0
 
     def update(self, *, final: bool = False) -> None:
         if not self.enabled:
             return
+        try:
+            self._update(final=final)
+        except OSError as exc:
+            from tidal.host.output import gone
+
+            if not gone(exc):
+                raise
+            self.enabled = False  # as with --quiet from here on
+            if self.on_lost is not None:
+                self.on_lost(errno.errorcode.get(exc.errno or 0, "EPIPE"))
+
+    def _update(self, *, final: bool) -> None:
         now = time.monotonic()
         if not final and now - self._last < 0.25:
             return

@@ -211,7 +211,9 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
                     "world_size": self.job.world_size(),
                     "target_workers": self.job.target,
                     "metrics": self.job.metrics,
-                    "url": self.url or None,
+                    # A job that ended is served by nobody: no address to call (the
+                    # records of one whose coordinator died keep its last one).
+                    "url": (self.url or None) if not self.job.state.terminal else None,
                 }
             )
         )
@@ -234,9 +236,13 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
 
     def close(self, *, kill_workers: bool = True) -> None:
         """``kill_workers`` False: the coordinator crashed; its workers train on and its
-        successor adopts them (``Executor.close``)."""
+        successor adopts them (``Executor.close``). Its ``coordinator.json`` stays then: the
+        successor rewrites it, and if none comes (the supervisor died too) ``tidal attach``
+        takes the workers over at the address and with the token it names."""
         self.executor.close(kill_workers=kill_workers)
         self.wake.close()
+        if not kill_workers:
+            return
         try:
             os.remove(self.jobdir.coordinator_file)
         except OSError:

@@ -24,6 +24,11 @@ from SQLite and the workers' re-registration (``recovery``). More than ``MAX_CRA
 crashes within ``CRASH_WINDOW_S`` end the supervisor: the job is then ``interrupted`` and its
 workers train on until ``--orphan-timeout`` unless ``tidal attach`` takes them over.
 
+A hang-up of ``tidal run``'s terminal (SIGHUP) or a closed output pipe does not end the job
+(``docs/decisions/hangup.md``): the supervisor sends its own lines to the job's
+``coordinator.log`` from then on and passes the SIGHUP to the coordinator, which does the same
+and records it (``tidal.host.output``).
+
 The supervisor creates no thread before it forks (a fork copies only the calling thread).
 """
 
@@ -39,8 +44,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidal.backends.zygote import Zygote
+
+if TYPE_CHECKING:
+    from tidal.host.output import Terminal
 
 CRASHED = 70  # the exit code of a coordinator that raised what it could not handle
 MAX_CRASHES = 5
@@ -122,12 +131,14 @@ def supervise(
     recover: bool = False,
     name: str = "",
     zygote: Zygote | None = None,
+    terminal: Terminal | None = None,
 ) -> int:
     """Run ``host_job(hosting, recover, stop_requested)`` in a forked coordinator until it
     returns; restart it when it dies. ``api_port``/``token``: those of a coordinator to take
     over (``tidal attach``), with ``recover`` True. ``zygote``: the workers' warm
-    interpreter, shared with every coordinator (its caller owns it and ends it). Returns the
-    job's exit code."""
+    interpreter, shared with every coordinator (its caller owns it and ends it).
+    ``terminal``: this process's output, switched to the job's log when the terminal hangs
+    up (SIGHUP) or a line cannot be written (module doc). Returns the job's exit code."""
     try:
         api_sock = listen(host, api_port)
     except OSError as exc:  # an attach: another process took the workers' address
@@ -158,7 +169,18 @@ def supervise(
             except ProcessLookupError:
                 pass  # it just died: the next one starts with the stop requested
 
+    def hang_up(signum: int, _frame: object) -> None:
+        if terminal is not None:
+            terminal.lose("SIGHUP")
+        if state["child"]:  # in its own process group: the terminal's SIGHUP missed it
+            try:
+                os.kill(state["child"], signum)
+            except ProcessLookupError:
+                pass
+
+    say = terminal.say if terminal is not None else _say
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGHUP] = signal.signal(signal.SIGHUP, hang_up)
     crashes: list[float] = []
     incarnation = 0
     try:
@@ -177,19 +199,13 @@ def supervise(
             crashes = [t for t in crashes if now - t < CRASH_WINDOW_S] + [now]
             why = f"killed by {_signal_name(-code)}" if code < 0 else "crashed"
             if len(crashes) > MAX_CRASHES:
-                print(
+                say(
                     f"tidal: error: the coordinator of job {name} {why}, its {len(crashes)}th "
                     f"crash within {CRASH_WINDOW_S:.0f} s; giving up (its workers train on "
-                    "until --orphan-timeout: `tidal attach` takes them over)",
-                    file=sys.stderr,
-                    flush=True,
+                    "until --orphan-timeout: `tidal attach` takes them over)"
                 )
                 return 1
-            print(
-                f"tidal: the coordinator of job {name} {why}; restarting it",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"tidal: the coordinator of job {name} {why}; restarting it")
             incarnation += 1
             recover = True
     finally:
@@ -201,9 +217,52 @@ def supervise(
         store_sock.close()
 
 
+def unsupervised(name: str, supervisor_pid: int | None, parent_pid: int) -> str | None:
+    """The line a coordinator records when its supervisor is gone (``parent_pid``: its
+    parent now; an orphan's is another process), or None while it is supervised."""
+    if supervisor_pid is None or parent_pid == supervisor_pid:
+        return None
+    return (
+        f"the supervisor of job {name} (`tidal run`, pid {supervisor_pid}) is gone: its "
+        f"coordinator (pid {os.getpid()}) runs on unsupervised, and nothing restarts it if it "
+        f"dies (`tidal attach {name}` then takes the workers over)"
+    )
+
+
+class Supervision:
+    """A coordinator's watch on its supervisor: ``check`` returns the line once it is gone."""
+
+    def __init__(self, name: str, supervisor_pid: int | None) -> None:
+        self.name = name
+        self.supervisor_pid = supervisor_pid
+        self.told = False
+
+    def check(self) -> list[str]:
+        if self.told:
+            return []
+        line = unsupervised(self.name, self.supervisor_pid, os.getppid())
+        self.told = line is not None
+        return [line] if line else []
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass  # no terminal to tell: the job goes on all the same
+
+
+def _flush() -> None:
+    """Flush stdout and stderr; a reader that is gone is no reason to raise."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def _fork_coordinator(run: Callable[[], int]) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     pid = os.fork()
     if pid:
         return pid
@@ -212,10 +271,12 @@ def _fork_coordinator(run: Callable[[], int]) -> int:
         os.setpgid(0, 0)  # the terminal's signals reach the supervisor only
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_DFL)
+        # Until the coordinator takes it (``runner._host``): a hang-up never ends the job.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         code = crash_exit(run)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # Nothing may raise past here: the child would unwind into its supervisor's code.
+        _flush()
         os._exit(code)
 
 

@@ -9,6 +9,9 @@ The hosting process holds the job's lock (``HOME/jobs/NAME/lock``, see ``home``)
 whole life: ``tidal run``/``tidal resume`` take it before they check the job's record and hand
 it to this process (``--lock-fd``), so no second coordinator can host the job meanwhile.
 
+A hung-up terminal or a closed output pipe leaves the job training (``output``): its lines go
+to ``HOME/jobs/NAME/coordinator.log`` from then on, and its events say so.
+
 How a job ends, in one line on stderr (with ``--quiet`` too): nothing when it succeeded;
 ``tidal: error: job NAME failed: WHY`` (or ``stopped at step N``) otherwise;
 ``tidal: error: cannot write HOME/tidal.db: ...`` when the job's records cannot be written (the
@@ -35,8 +38,9 @@ from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.pacing import loop_wait
 from tidal.coordinator.records import Resume
-from tidal.coordinator.supervisor import Attach, Hosting, supervise
+from tidal.coordinator.supervisor import Attach, Hosting, Supervision, supervise
 from tidal.dashboard.history import Recorder
+from tidal.host.output import Terminal, gone
 from tidal.host.server import ApiServer
 from tidal.protocol import JobState
 
@@ -70,6 +74,7 @@ def run_job(
             lock_fd = job_dir(home, spec.name).lock()
         except JobBusy as exc:
             raise ValueError(f"job {spec.name!r} is running: {exc}") from None
+    terminal = Terminal(job_dir(home, spec.name).path / "coordinator.log", spec.name)
     try:
         host = "127.0.0.1"
         if spec.backend == "ray":
@@ -89,6 +94,7 @@ def run_job(
                 hosting=hosting,
                 recover=recover,
                 stop_requested=stop_requested,
+                terminal=terminal,
             )
 
         return supervise(
@@ -99,6 +105,7 @@ def run_job(
             recover=attach is not None,
             name=spec.name,
             zygote=zygote,
+            terminal=terminal,
         )
     finally:
         if zygote is not None:
@@ -116,17 +123,31 @@ def _host(
     hosting: Hosting | None = None,
     recover: bool = False,
     stop_requested: bool = False,
+    terminal: Terminal | None = None,
 ) -> int:
     from tidal.display import Progress, print_outcome
 
+    if terminal is None:
+        terminal = Terminal(job_dir(home, spec.name).path / "coordinator.log", spec.name)
+    say = terminal.say
+    notes: list[str] = []  # lines for the job's events, recorded by the loop (not a handler)
+
+    def output_lost(cause: str) -> None:
+        line = terminal.lose(cause)
+        if line:
+            notes.append(line)
+
+    # A hang-up keeps the job (``output``); recorded by the loop's next pass (a handler takes
+    # no lock). Installed first: the supervisor passes on the terminal's SIGHUP at any time.
+    signal.signal(signal.SIGHUP, lambda _s, _f: output_lost("SIGHUP"))
     try:
         coord = Coordinator(spec, home, resume=resume, hosting=hosting, recover=recover)
     except ValueError as exc:  # a refusal (no cluster to join), not a crash to restart
-        print(f"tidal: error: {exc}", file=sys.stderr, flush=True)
+        say(f"tidal: error: {exc}")
         return 1
     if coord.executor.db.broken:  # the job's record could not be written: nothing was started
         coord.close()
-        print(f"tidal: error: {coord.executor.db.broken}", file=sys.stderr, flush=True)
+        say(f"tidal: error: {coord.executor.db.broken}")
         return 1
     coord.executor.prepare(hosting.zygote if hosting else None)
     try:
@@ -176,18 +197,28 @@ def _host(
             coord.executor.do(KillEveryWorker(why="a second stop signal"))
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = Progress(coord, enabled=not quiet)
+    progress = Progress(coord, enabled=not quiet and terminal.lost is None, on_lost=output_lost)
+    watch = Supervision(spec.name, hosting.supervisor_pid if hosting else None)
     stopping_for_db = ended = False
     try:
         while True:
             coord.wake.clear()  # before the tick: a call during it wakes the next one
+            if terminal.lost:
+                progress.enabled = False
+            for line in watch.check():  # also on the terminal, if it is still there
+                say(f"tidal: warning: {line}")
+                notes.append(line)
+            while notes:
+                line = notes.pop(0)
+                with coord.lock:
+                    coord.event("coordinator", line)
             if coord.executor.db.broken and not stopping_for_db:
                 # The job's records cannot be written: say so at once (the one line), then
                 # end the job cleanly. The stop rides the control word as `tidal stop` does,
                 # so rank 0 writes a final checkpoint if it can.
                 stopping_for_db = True
                 coord.on_stop()
-                print(f"tidal: error: {coord.executor.db.broken}", file=sys.stderr, flush=True)
+                say(f"tidal: error: {coord.executor.db.broken}")
             if not coord.tick():
                 break
             progress.update()
@@ -209,13 +240,19 @@ def _host(
         if broken:  # recorded if the storage came back (space freed), else `interrupted`
             coord.executor.db.record_end(spec.name, JobState.FAILED, f"job failed: {broken}")
         elif ended:
-            code = print_outcome(coord)  # it reads the job's events: before the close
+            try:
+                code = print_outcome(coord)  # it reads the job's events: before the close
+            except OSError as exc:  # stderr is gone (nobody wrote to it before): the log
+                if not gone(exc):
+                    raise
+                output_lost(str(exc.strerror or exc))
+                code = print_outcome(coord)
         # A coordinator that raised (it crashed: ``supervisor.CRASHED``) leaves its workers
         # training; the supervisor restarts it and the next one adopts them.
         coord.close(kill_workers=ended or bool(broken))
     if broken:
         if not stopping_for_db:  # it broke during the job's last tick
-            print(f"tidal: error: {broken}", file=sys.stderr, flush=True)
+            say(f"tidal: error: {broken}")
         return 1
     return code
 
