@@ -88,6 +88,19 @@ def test_a_head_unused_on_odd_steps_trains_exactly(tidal_home: Home, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(360)
+def test_a_gan_with_two_optimizers_trains_exactly(tidal_home: Home, tmp_path: Path) -> None:
+    """Adam for the generator, SGD with momentum and a scheduler for the discriminator:
+    both states healed to joiners and carried through the kill, as one process's."""
+    reference = _alone("gan", tmp_path / "ref")
+    for member in _resized_run(tidal_home, "gan", "gan", tmp_path / "out"):
+        rel = relative_l2(member, reference)
+        assert rel <= EXACT, f"{member.name}: {rel:.3e} from one process"
+        facts = json.loads(member.with_suffix(".json").read_text())
+        assert facts["g_steps"] == STEPS  # Adam's own count, carried with its state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
 def test_an_evaluation_split_across_members_gives_one_process_means(
     tidal_home: Home, tmp_path: Path
 ) -> None:

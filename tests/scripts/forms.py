@@ -10,6 +10,9 @@ tests/test_script_forms_e2e.py, not an example.
   ``ddp_kwargs={"find_unused_parameters": True}``;
 - ``eval``: per-sample means, and ``trainer.evaluate`` over a held-out set at steps
   ``EVAL_AT`` on every member; each member records the means it got;
+- ``gan``: a generator and a discriminator, each with its own optimizer (Adam and SGD with
+  momentum) handed as ``[opt_g, opt_d]``; each network's loss reaches only its own
+  parameters (the generator's through a detached copy of the discriminator);
 - ``items-ref``: the ``items`` data and model in a plain loop without Tidal, one process:
   each step's global batch (Tidal's sample order) in one forward, the loss its token sum
   over its token count;
@@ -41,7 +44,7 @@ torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
 
 VOCAB, SEQ, PAD = 13, 10, -100
-FORMS = ("items", "items-ref", "unused", "eval")
+FORMS = ("items", "items-ref", "unused", "eval", "gan")
 EVAL_AT = (10, 30, 60, 80)
 TRAPS = ("raw", "bare", "scale", "loader")
 
@@ -58,6 +61,54 @@ class TinyLM(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, *, other: bool = False) -> torch.Tensor:
         h = torch.tanh(self.mix(self.embed(tokens)))
         return (self.other if other else self.head)(h)
+
+
+class GAN(torch.nn.Module):
+    """A generator of 2-D points from 4-D noise, and its discriminator; ``forward`` is the
+    sum of both per-sample mean losses (each one's gradient reaches its own network only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)
+        )
+        self.d = torch.nn.Sequential(
+            torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+
+    def forward(self, real: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        bce = F.binary_cross_entropy_with_logits
+        fake = self.g(z)
+        d_real, d_fake = self.d(real), self.d(fake.detach())
+        d_loss = bce(d_real, torch.ones_like(d_real)) + bce(d_fake, torch.zeros_like(d_fake))
+        frozen = {k: v.detach() for k, v in self.d.named_parameters()}
+        judged = torch.func.functional_call(self.d, frozen, (fake,))
+        return d_loss + bce(judged, torch.ones_like(judged))
+
+
+def gan_main(args: argparse.Namespace) -> None:
+    g = torch.Generator().manual_seed(5)
+    centres = torch.tensor([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]])
+    real = centres[torch.randint(0, 3, (600,), generator=g)] + 0.2 * torch.randn(
+        600, 2, generator=g
+    )
+    noise = torch.randn(600, 4, generator=g)  # each sample's own: the same at any split
+    torch.manual_seed(0)
+    model = GAN()
+    opt_g = torch.optim.Adam(model.g.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    opt_d = torch.optim.SGD(model.d.parameters(), lr=0.05, momentum=0.9)
+    trainer = tidal.Trainer(
+        model,
+        [opt_g, opt_d],
+        TensorDataset(real, noise),
+        global_batch_size=24,
+        micro_batch_size=4,
+        lr_scheduler=torch.optim.lr_scheduler.StepLR(opt_d, step_size=40, gamma=0.5),
+    )
+    for step in trainer.run(max_steps=args.max_steps):
+        for xb, zb in step.micro_batches():
+            step.backward(trainer.model(xb, zb))
+    save(trainer, model, args, {"g_steps": int(opt_g.state_dict()["state"][0]["step"])})
 
 
 def ragged_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +129,8 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=90)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.form == "gan":
+        return gan_main(args)
 
     inputs, labels = ragged_tokens(640)
     torch.manual_seed(0)
@@ -128,6 +181,13 @@ def main() -> None:
                     step.backward(scaler.scale(loss) if args.form == "scale" else loss)
         if args.form == "eval" and step.index in EVAL_AT:
             evaluated[step.index] = trainer.evaluate(metrics, held_out, batch_size=7)
+    save(trainer, model, args, {"evaluated": evaluated})
+
+
+def save(
+    trainer: tidal.Trainer, model: torch.nn.Module, args: argparse.Namespace, facts: dict
+) -> None:
+    """A finishing member's parameters and facts, under its worker id."""
     if not trainer.completed:
         return
     out = Path(args.out)
@@ -135,7 +195,7 @@ def main() -> None:
     wid = trainer.worker_id if trainer.worker_id is not None else os.getpid()
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     safetensors.torch.save_file(tensors, str(out / f"worker-{wid}.safetensors"))
-    facts = {"job_name": trainer.job_name, "evaluated": evaluated}
+    facts = {"job_name": trainer.job_name, **facts}
     (out / f"worker-{wid}.json").write_text(json.dumps(facts))
 
 

@@ -79,7 +79,7 @@ def kinds(optimizer: object, tracked: dict[str, object]) -> dict[str, object]:
     into them: another scheduler class takes it without a word (``load_state_dict`` updates
     its ``__dict__``), and tracked names that differ fail only at the heal."""
     return {
-        "optimizer": type(optimizer).__name__,
+        "optimizer": getattr(optimizer, "kind", type(optimizer).__name__),
         "tracked state": ", ".join(f"{n}: {type(o).__name__}" for n, o in sorted(tracked.items())),
     }
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.protocol import Role, StepReport
 from tidal.tracked import Stateful, TrackedState
-from tidal.worker import ddp, evaluation, identity, norms, probes
+from tidal.worker import ddp, evaluation, identity, norms, optimizers, probes
 from tidal.worker.agent import Agent, WorkerEnv
 from tidal.worker.data import ElasticSampler
 from tidal.worker.durable import Durable
@@ -93,7 +93,7 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         data: Any,
         *,
         global_batch_size: int,
@@ -114,7 +114,9 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         allow_batch_norm: bool = False,
         ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
+        """``optimizer``: one, or a list (a GAN's generator's and discriminator's, each over
+        its own parameters: ``optimizers``), each stepped once per committed step and each
+        state carried. ``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
         ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
         settings (``pipeline``). ``collate_fn`` ... ``worker_init_fn`` have DataLoader's
         meanings; the samples each step consumes never depend on them. ``lr_scheduler`` is stepped once after each committed step; ``grad_scaler`` scales
@@ -135,6 +137,7 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         them. ``ddp_kwargs``: DDP's ``find_unused_parameters``, ``static_graph``,
         ``bucket_cap_mb``, ``gradient_as_bucket_view`` (``ddp.DDP_KWARGS``)."""
         self._ddp_kwargs = ddp.check_kwargs(ddp_kwargs)
+        optimizer = optimizers.combine(optimizer)  # a list of them: carried as one
         self._env = WorkerEnv.from_environ()
         if self._env is not None and not allow_batch_norm:  # elastic: under tidal run
             norms.check(model)  # now, in one line, before this worker joins anyone
@@ -147,6 +150,8 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
             )
         if sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+        if sharding == "fsdp" and isinstance(optimizer, optimizers.Optimizers):
+            raise ValueError("sharding='fsdp' takes one optimizer so far: use sharding='ddp'")
         if sharding == "fsdp" and grad_scaler is not None:
             raise ValueError(
                 "grad_scaler= is not supported with sharding='fsdp' yet (its inf/NaN check "
