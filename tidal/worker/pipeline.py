@@ -11,7 +11,9 @@ alone; this module only fetches them. Three kinds of input (``classify``):
   index lists step after step (``_Plan``). Its workers prefetch ahead; prefetched batches are
   tagged with the (step, rank, world size) they were planned for, and when the next request
   is for anything else (a resize, a redone step, a heal that moved the step) the iterator is
-  restarted at the requested step and what it prefetched is dropped, never trained on;
+  restarted at the requested step and what it prefetched is dropped, never trained on. A
+  loader process that dies (killed by the OOM killer) is found by ``loader_loss`` and the
+  loader restarted at the micro-batch it was at: the step goes on with the same samples;
 - **stream**: an ``IterableDataset``, or any object with ``iter_from(position)``, read in its
   own global order (no shuffling, no epochs): step ``s`` consumes positions
   ``[s*G, (s+1)*G)``, each member its contiguous share. A member keeps one cursor and skips
@@ -26,6 +28,7 @@ alone; this module only fetches them. Three kinds of input (``classify``):
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from tidal.worker.data import ElasticSampler
+from tidal.worker.loader_loss import LoaderLost, Watch, restart_after
+
+log = logging.getLogger(__name__)
 
 TENSORS, MAP, STREAM = "tensors", "map", "stream"
 
@@ -128,17 +134,19 @@ def unwrap(data: Any, options: LoaderOptions) -> tuple[Any, LoaderOptions]:
 
 
 class _Plan:
-    """The DataLoader's batch sampler: this member's micro-batches from ``start`` on."""
+    """The DataLoader's batch sampler: this member's micro-batches from micro-batch
+    ``skip`` of step ``start`` on."""
 
     def __init__(self, sampler: ElasticSampler) -> None:
         self.sampler = sampler
-        self.start = self.rank = 0
+        self.start = self.rank = self.skip = 0
         self.world = 1
 
     def __iter__(self) -> Iterator[list[int]]:
-        start, rank, world = self.start, self.rank, self.world  # fixed for this pass
+        start, rank, world, skip = self.start, self.rank, self.world, self.skip  # this pass
         for step in itertools.count(start):
-            for piece in self.sampler.micro_batches(self.sampler.shard(step, rank, world)):
+            pieces = self.sampler.micro_batches(self.sampler.shard(step, rank, world))
+            for piece in pieces[skip if step == start else 0 :]:
                 yield piece.tolist()
 
 
@@ -188,6 +196,8 @@ class Pipeline:
         self._at: tuple[int, int, int] | None = None  # what ``_iter`` yields next
         self._cursor = _Cursor(data) if self.kind == STREAM else None
         self.restarts = 0  # prefetching iterators dropped (a resize, a redone step)
+        self.losses = 0  # loader processes that died, each survived by a restart
+        self._watch = Watch()
 
     def batches(
         self, step: int, rank: int, world: int, pieces: list[torch.Tensor]
@@ -209,14 +219,49 @@ class Pipeline:
         if self._iter is None or self._at != (step, rank, world):
             self._restart(step, rank, world)
         self._at = None  # until this step's batches are all taken
-        for _ in range(count):
-            yield next(self._iter)
+        taken = losses = 0
+        while taken < count:
+            try:
+                batch = self._watch.next(self._iter)
+            except LoaderLost as exc:
+                reason = str(exc)  # the exception (and the old iterator) is let go here
+            else:
+                taken += 1
+                yield batch
+                continue
+            losses += 1
+            self.losses += 1
+            if not restart_after(losses):
+                raise RuntimeError(
+                    f"a DataLoader worker process died {losses} times in step {step} "
+                    f"({reason}): giving up; if the loader's processes run out of memory, "
+                    "lower num_workers or prefetch_factor"
+                )
+            log.warning(
+                "tidal: %s in step %d; its loader restarts at micro-batch %d of %d "
+                "(loss %d of this step)",
+                reason,
+                step,
+                taken,
+                count,
+                losses,
+            )
+            self._restart(step, rank, world, skip=taken, fresh=True)
         self._at = (step + 1, rank, world)
 
-    def _restart(self, step: int, rank: int, world: int) -> None:
+    def _restart(
+        self, step: int, rank: int, world: int, *, skip: int = 0, fresh: bool = False
+    ) -> None:
+        """Start the loader's iterator at micro-batch ``skip`` of ``step``; a new loader
+        (new processes, even with ``persistent_workers``) if ``fresh`` or a process of the
+        old one died."""
         if self._iter is not None:
             self.restarts += 1
+        lost = fresh or self._watch.lost is not None or bool(self._watch.dead())
         self._plan.start, self._plan.rank, self._plan.world = step, rank, world
+        self._plan.skip = skip
+        if lost:
+            self._drop()
         if self._loader is None:
             o = self.options
             self._loader = DataLoader(
@@ -231,8 +276,17 @@ class Pipeline:
             )
         self._iter = None  # a non-persistent iterator's workers stop with it
         self._iter = iter(self._loader)  # persistent workers: reset, stale batches drained
+        self._watch.start(self._iter)
+
+    def _drop(self) -> None:
+        """Shut the current iterator's processes down now (not when the garbage collector
+        gets to it) and forget the loader."""
+        it, self._iter, self._loader = self._iter, None, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        self._watch.stop()
 
     def close(self) -> None:
         """Stop the loader's worker processes (at the end of ``Trainer.run``)."""
-        self._iter = None
-        self._loader = None
+        self._drop()
