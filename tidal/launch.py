@@ -195,7 +195,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
                 f"job {args.job!r} is running ({exc}); `tidal stop` it before resuming"
             ) from None
         try:
-            state = db.load_status(args.job).state  # no coordinator: what it last recorded
+            status = db.load_status(args.job)  # no coordinator: what it last recorded
+            state = status.state
             spec_dict = db.job_spec(args.job)
         except BaseException:
             os.close(lock)
@@ -214,6 +215,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if path is None:
             raise CliError(f"job {args.job!r} has no good checkpoint to resume from")
         step = verify(path, hashes=False)["step"]  # verified just now, with the hashes
+        # One set of workers per job: the previous run's, if any still train, go first.
+        from tidal.coordinator.fencing import end_previous_run
+
+        ended = end_previous_run(
+            status, log_dir=job_dir(home, args.job).logs, backend=spec_dict["backend"]
+        )
+        for line in ended:
+            print(f"tidal: {line}", file=sys.stderr)
     except BaseException:
         os.close(lock)
         raise
@@ -228,7 +237,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except BaseException:
         os.close(lock)
         raise
-    resume = Resume(path=str(path), step=step, warnings=warnings)
+    resume = Resume(path=str(path), step=step, warnings=warnings, ended=ended)
     print(
         f"{spec.name}: resuming from {path.name} (step {step}) with {workers} workers",
         file=sys.stderr,

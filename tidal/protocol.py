@@ -151,6 +151,9 @@ class WorkerConfig(BaseModel):
     )
     hold_steps: list[int] = Field(default_factory=list)
     checkpoint_dir: str | None = None  # None: no durable checkpoints
+    # The run that owns ``checkpoint_dir`` (``checkpoint.fence``): writes of a run that a
+    # ``tidal resume`` replaced, or of a job that ended, are refused. None: not fenced.
+    checkpoint_fence: str | None = None
     checkpoint_every: int | None  # None: no step-based checkpoints
     checkpoint_interval_s: float | None
     keep_checkpoints: int

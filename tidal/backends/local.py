@@ -97,6 +97,27 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
 
 
+def runs_as_worker(log_dir: Path, worker_id: int, pid: int, url: str | None) -> bool:
+    """True if ``pid`` runs and is worker ``worker_id`` of the job whose logs are in
+    ``log_dir`` (a recycled pid is never taken for it): the zygote forked it as that worker
+    (its identity file names the process, start time included), or it was started with that
+    worker's id and the job's API ``url`` in its environment."""
+    if not pid or proc_gone(pid):
+        return False
+    try:
+        recorded = (log_dir / f"worker-{worker_id}.pid").read_text().split()
+    except OSError:
+        recorded = []
+    if recorded == [str(pid), str(_start_time(pid))]:
+        return True
+    from tidal.protocol import ENV_URL, ENV_WORKER_ID
+
+    environ = _environ(pid)
+    return (
+        bool(url) and environ.get(ENV_WORKER_ID) == str(worker_id) and environ.get(ENV_URL) == url
+    )
+
+
 def worker_base_env() -> dict[str, str]:
     """The environment every local worker shares (its own variables come on top)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -216,7 +237,7 @@ class LocalBackend(Backend):
         self._pids.add(pid)
 
     def _identity_path(self, worker_id: int) -> Path:
-        return self.log_dir / f"worker-{worker_id}.pid"
+        return self.log_dir / f"worker-{worker_id}.pid"  # ``runs_as_worker`` reads it too
 
     def _forked_as(self, worker_id: int, pid: int) -> bool:
         """True if the zygote forked ``pid`` as this worker (its record names the process)."""

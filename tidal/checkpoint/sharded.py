@@ -62,9 +62,11 @@ def finalize(
     tracked_tensors: dict[str, torch.Tensor],
     tracked_meta: dict,
     started: float,
+    fence: str | None = None,
 ) -> Written:
     """Rank 0, once every member's shard is in ``tmp`` (``shards``: their manifest entries,
-    by rank): write the replicated files and the manifest, then rename into place."""
+    by rank): write the replicated files and the manifest, then rename into place (unless
+    the writer's run, ``fence``, no longer owns the folder: ``store.publish``)."""
     files = {shard_file(r, world): entry for r, entry in enumerate(shards)}
     try:
         for name, held in ((REPLICATED, replicated), (TRACKED_TENSORS, tracked_tensors)):
@@ -76,7 +78,8 @@ def finalize(
             {"optimizer.json": optimizer_meta, "meta.json": meta, TRACKED_JSON: tracked_meta},
         )
         final = directory / checkpoint_name(step)
-        publish(tmp, final, {"step": step, "layout": SHARDED, "shards": world, "files": files})
+        manifest = {"step": step, "layout": SHARDED, "shards": world, "files": files}
+        publish(tmp, final, manifest, fence=fence)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

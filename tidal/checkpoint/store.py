@@ -36,6 +36,9 @@ import torch
 from safetensors.torch import load_file
 
 from tidal import devices, pids
+from tidal.checkpoint.fence import check as check_fence
+from tidal.checkpoint.fence import read as read_fence
+from tidal.checkpoint.fence import refusal
 from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's names
     BAD,
     CHUNK,
@@ -246,12 +249,15 @@ def write_json_files(tmp: Path, files: dict, contents: dict[str, object]) -> Non
         files[name] = {HASH: file_digest(tmp / name, HASH), "bytes": (tmp / name).stat().st_size}
 
 
-def publish(tmp: Path, final: Path, manifest: dict) -> None:
+def publish(tmp: Path, final: Path, manifest: dict, *, fence: str | None = None) -> None:
     """The manifest last, fsynced, then the folder renamed into place and its parent
-    fsynced: a crash leaves no ``step-*`` folder or a complete one."""
+    fsynced: a crash leaves no ``step-*`` folder or a complete one. ``fence``: the writer's
+    run (``checkpoint.fence``); ``fence.Fenced`` instead of the rename if it no longer owns
+    the folder."""
     _write_json(tmp / MANIFEST, manifest)
     _fsync_file(tmp / MANIFEST)
     _fsync_dir(tmp)
+    check_fence(final.parent, fence)
     if final.exists():  # the same step written again (e.g. a stop right after a save)
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -259,11 +265,15 @@ def publish(tmp: Path, final: Path, manifest: dict) -> None:
 
 
 def write(
-    snapshot: Snapshot, directory: Path, *, during: Callable[[], None] | None = None
+    snapshot: Snapshot,
+    directory: Path,
+    *,
+    during: Callable[[], None] | None = None,
+    fence: str | None = None,
 ) -> Written:
     """Write ``snapshot`` as ``directory/step-N`` atomically (see the module contract).
     ``during`` (a test hook: the ``checkpoint`` fault phase) runs once the first file is in
-    the temporary folder."""
+    the temporary folder. ``fence``: the writer's run (``publish``)."""
     start = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(snapshot.step)
@@ -290,7 +300,7 @@ def write(
                 TRACKED_JSON: snapshot.tracked_meta,
             },
         )
-        publish(tmp, final, {"step": snapshot.step, "files": files})
+        publish(tmp, final, {"step": snapshot.step, "files": files}, fence=fence)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -300,9 +310,12 @@ def write(
     )
 
 
-def prune(directory: Path, keep: int) -> list[Path]:
+def prune(directory: Path, keep: int, *, fence: str | None = None) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints, and the temporary folders of writes
-    whose writer died in them (``layout.stale_temporary``); returns what was deleted."""
+    whose writer died in them (``layout.stale_temporary``); returns what was deleted. A
+    writer whose run no longer owns the folder (``fence``) deletes nothing."""
+    if refusal(fence, read_fence(directory) if fence is not None else None):
+        return []
     doomed = list_checkpoints(directory)[keep:]
     host, now = socket.gethostname(), time.time()
     for path in directory.iterdir() if directory.is_dir() else ():

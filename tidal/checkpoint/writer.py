@@ -38,8 +38,11 @@ class AsyncCheckpointer:
         on_written: Callable[[store.Written], None],
         on_failed: Callable[[int, str], None] | None = None,
         during_write: Callable[[int], None] | None = None,
+        fence: str | None = None,
     ) -> None:
-        """``during_write(step)``: a test hook run inside each write (``store.write``)."""
+        """``during_write(step)``: a test hook run inside each write (``store.write``).
+        ``fence``: this worker's run (``checkpoint.fence``): a write after a newer run took
+        the folder, or after the job ended, fails instead of landing."""
         if keep < 1:
             raise ValueError(f"--keep-checkpoints must be at least 1, got {keep}")
         self.directory = directory
@@ -47,6 +50,7 @@ class AsyncCheckpointer:
         self.on_written = on_written
         self.on_failed = on_failed
         self.during_write = during_write
+        self.fence = fence
         self._thread: threading.Thread | None = None
         self._copied: threading.Event | None = None
         self._buffers = store.Buffers()  # snapshot memory, reused (one write at a time)
@@ -100,8 +104,8 @@ class AsyncCheckpointer:
         try:
             hook = self.during_write
             during = (lambda: hook(snap.step)) if hook is not None else None
-            written = store.write(snap, self.directory, during=during)
-            store.prune(self.directory, self.keep)
+            written = store.write(snap, self.directory, during=during, fence=self.fence)
+            store.prune(self.directory, self.keep, fence=self.fence)
         except Exception as exc:  # noqa: BLE001 - a failed write must not kill training
             error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
             line = f"tidal: checkpoint of step {snap.step} failed: {error}"

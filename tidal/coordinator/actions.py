@@ -13,7 +13,8 @@ Three doors, one per kind of world:
 - **the rendezvous store** (keys named by ``protocol``): ``OpenGeneration``,
   ``AbandonGeneration``, ``Notify``;
 - **the records** (the journal: SQLite and its copy in memory): ``Record*``,
-  ``DropCheckpoint``.
+  ``DropCheckpoint``; and the checkpoint folder's fence (``checkpoint.fence``):
+  ``FenceCheckpoints``.
 """
 
 from __future__ import annotations
@@ -136,6 +137,16 @@ class RecordCheckpointFailure:
     error: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class FenceCheckpoints:
+    """Write the checkpoint folder's fence: ``epoch`` the run whose workers may write there;
+    ``sealed`` (why) once the job ended: nobody may."""
+
+    directory: str
+    epoch: str
+    sealed: str | None = None
+
+
 Action = (
     StartWorker
     | SignalWorker
@@ -152,4 +163,5 @@ Action = (
     | RecordCheckpoint
     | DropCheckpoint
     | RecordCheckpointFailure
+    | FenceCheckpoints
 )

@@ -29,12 +29,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.backends import get_backend
+from tidal.checkpoint import fence
 from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
-from tidal.coordinator.actions import RecordEvent, RecordJob, RecordWorkers
+from tidal.coordinator.actions import FenceCheckpoints, RecordEvent, RecordJob, RecordWorkers
 from tidal.coordinator.db import Database
 from tidal.coordinator.effects import Effects, RequestError
 from tidal.coordinator.executor import Executor
+from tidal.coordinator.fencing import settled_rows
 from tidal.coordinator.handlers import Handlers
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.job import Job
@@ -138,6 +140,7 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         self._last_health = 0.0  # when the loop last checked heartbeats
         self._last_flush = 0.0
         self._policy = get_policy(spec.policy)
+        self.fence_epoch = self._fence_checkpoints(recover=recover)
         if recover:
             self._recover()
             self._publish()
@@ -150,6 +153,12 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         else:
             for line in resume.warnings:
                 self.event("checkpoint", line)
+            for line in resume.ended:
+                self.event("worker", line)
+            # No worker of the previous run stays live in the records (``fencing``).
+            old = settled_rows(self.executor.records.workers.values())
+            if old:
+                self.executor.do(RecordWorkers(rows=tuple(old)))
             self.event(
                 "job",
                 f"job {spec.name} resumed from {resume.path} (step {resume.step}) "
@@ -163,6 +172,20 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
     @property
     def checkpoint_dir(self) -> Path | None:
         return self.jobdir.path / "checkpoints" if self.spec.checkpoints else None
+
+    def _fence_checkpoints(self, *, recover: bool) -> str | None:
+        """This run's epoch (``checkpoint.fence``), which its workers' checkpoint writes are
+        checked against: the one on disk for a coordinator that takes over the run (a restart,
+        ``tidal attach``: the same workers); a new one, written before any worker starts,
+        for a new run (``tidal run``, ``tidal resume``): the old run's writes are refused."""
+        if self.checkpoint_dir is None:
+            return None
+        on_disk = fence.read(self.checkpoint_dir) if recover else None
+        if on_disk is not None:
+            return on_disk.epoch
+        epoch = secrets.token_hex(8)
+        self.executor.do(FenceCheckpoints(directory=str(self.checkpoint_dir), epoch=epoch))
+        return epoch
 
     # -- helpers -------------------------------------------------------------------------
     def event(self, kind: str, message: str) -> None:
@@ -243,6 +266,14 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         self.wake.close()
         if not kill_workers:
             return
+        if self.fence_epoch is not None and self.job.state.terminal:
+            # Its workers are killed: the job's checkpoints are final (``checkpoint.fence``).
+            why = f"job {self.spec.name} {self.job.state.value} at step {self.job.step}"
+            self.executor.do(
+                FenceCheckpoints(
+                    directory=str(self.checkpoint_dir), epoch=self.fence_epoch, sealed=why
+                )
+            )
         try:
             os.remove(self.jobdir.coordinator_file)
         except OSError:

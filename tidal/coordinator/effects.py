@@ -115,6 +115,7 @@ class Effects:
                 store_port=self.executor.store_port,
                 store_namespace=self.store_namespace,
                 checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
+                checkpoint_fence=self.fence_epoch,
                 resume_from=self.resume.path if self.resume else None,
             ),
         )

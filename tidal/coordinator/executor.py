@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import signal
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.checkpoint import fence
 from tidal.coordinator.actions import (
     AbandonGeneration,
     Action,
     AdoptWorker,
     DropCheckpoint,
+    FenceCheckpoints,
     KillEveryWorker,
     Notify,
     OpenGeneration,
@@ -122,6 +125,8 @@ class Executor:
                 self.journal.drop_checkpoint(step)
             case RecordCheckpointFailure(error=error):
                 self.journal.add_checkpoint_failure(error)
+            case FenceCheckpoints(directory=directory, epoch=epoch, sealed=sealed):
+                fence.write(Path(directory), fence.Fence(epoch=epoch, sealed=sealed))
             case _:
                 raise TypeError(f"not an action: {action!r}")
         return None

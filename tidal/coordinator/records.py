@@ -161,3 +161,5 @@ class Resume:
     path: str
     step: int
     warnings: list[str] = field(default_factory=list)
+    # The previous run's workers ``tidal resume`` ended first (``fencing``), one line each.
+    ended: list[str] = field(default_factory=list)

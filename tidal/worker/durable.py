@@ -38,6 +38,7 @@ class Durable:
                 ),
                 on_failed=agent.post_checkpoint_failure,
                 during_write=lambda step: probes.point("checkpoint", step),
+                fence=cfg.checkpoint_fence,
             )
 
     def resume(

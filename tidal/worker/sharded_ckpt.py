@@ -71,6 +71,7 @@ def save_sharded(
     tracked: TrackedState | None,
     keep: int,
     agent,  # noqa: ANN001 - the worker's Agent (posts the checkpoint or its failure)
+    fence: str | None = None,
 ) -> None:
     """This member's part of the checkpoint of ``step`` (module contract)."""
     started = time.monotonic()
@@ -120,8 +121,9 @@ def save_sharded(
             shards=entries,
             **_replicated(sm, held, step=step, world=world, position=position, tracked=tracked),
             started=started,
+            fence=fence,
         )
-        store.prune(directory, keep)
+        store.prune(directory, keep, fence=fence)
     except Exception as exc:  # noqa: BLE001 - a failed write must not stop training
         error = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"tidal: checkpoint of step {step} failed: {error}", file=sys.stderr, flush=True)

@@ -56,6 +56,7 @@ class ShardedSteps:
                 tracked=self._tracked,
                 keep=cfg.keep_checkpoints,
                 agent=self._agent,
+                fence=cfg.checkpoint_fence,
             )
             self._last_sharded_ckpt = self.step
             self._durable.mark_saved()
