@@ -6,6 +6,10 @@
 - ``stream``: a stream of the same ragged samples read in order (``iter_from``), or a
   plain ``IterableDataset`` that can only be read from the start (``--no-seek``).
 
+``--loader-dies-on ID`` (map only): the DataLoader worker process that first fetches sample
+``ID`` in the whole job SIGKILLs itself (a marker file in ``OUT`` makes it once), as the OOM
+killer would; the member's training process must replace it and go on.
+
 Float64. Each member appends the sample ids of every step it commits to
 ``OUT/ids-worker-ID.jsonl`` (from ``after_step``, so a step that failed and was redone is
 recorded once, by the generation that committed it) and writes its final parameters to
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 import safetensors.torch
@@ -42,14 +47,25 @@ def label(i: int) -> int:
 
 
 class Ragged(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, dies_on: int | None = None, marker: Path | None = None) -> None:
+        self.n, self.dies_on, self.marker = n, dies_on, marker
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
+        if i == self.dies_on and first(self.marker):
+            os.kill(os.getpid(), signal.SIGKILL)  # this DataLoader worker process
         return {"id": i, "x": features(i), "y": label(i)}
+
+
+def first(marker: Path) -> bool:
+    """True for the one caller, in any process, that creates ``marker``."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def pad(samples: list[dict]) -> dict:
@@ -87,6 +103,7 @@ def main() -> None:
     p.add_argument("--no-seek", action="store_true")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--out", required=True)
+    p.add_argument("--loader-dies-on", type=int, default=None)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +117,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     kw: dict = {"global_batch_size": 24, "micro_batch_size": 5}
     if args.kind == "map":
-        data = Ragged(240)
+        data = Ragged(240, args.loader_dies_on, out / "loader-died")
         kw |= {"collate_fn": pad, "num_workers": 2}
     elif args.kind == "tokens":
         from tidal.data import TokenShards, write_tokens
