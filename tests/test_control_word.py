@@ -98,3 +98,54 @@ def test_a_word_rides_once_per_period_of_training(step_s, every):
     assert control_every(step_s) == every
     if step_s is not None and step_s > 0:  # noticed within a period and a step, or the cap
         assert (every - 1) * step_s <= CONTROL_PERIOD_S or every == MAX_EVERY
+
+
+COMPRESSED = r"""
+import json, sys, torch, torch.distributed as dist
+from tidal.worker import ddp as tddp
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+torch.manual_seed(0)
+m = torch.nn.Linear(64, 64)
+control = tddp.ControlWord(None)
+wrapped = tddp.wrap(m, control, tddp.check_kwargs({"compression": sys.argv[3]}))
+torch.manual_seed(10 + rank)
+x = torch.randn(5, 64)
+control.set(switch=rank == 1, stop=False)
+control.count(2)
+control.start()
+wrapped(x).sum().backward()
+control.settle()
+mine = torch.autograd.grad(m(x).sum(), [m.weight])[0]
+print(json.dumps({"grad": m.weight.grad.flatten().tolist(), "mine": mine.flatten().tolist(),
+                  "sums": list(control.sums), "reduced": control.reduced,
+                  "dtype": str(control.compress)}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "tol"), [("bf16", 2e-2), ("fp16", 2e-3)])
+def test_compressed_gradients_travel_in_half_precision_beside_the_word(name, tol):
+    import torch
+
+    a, b = run_ranks(COMPRESSED, 2, args=(name,))
+    assert (
+        a["grad"] == b["grad"]
+        and a["dtype"] == f"torch.{'bfloat16' if name == 'bf16' else 'float16'}"
+    )
+    exact = torch.tensor(a["mine"]) + torch.tensor(b["mine"])
+    got = torch.tensor(a["grad"])
+    assert torch.allclose(got, exact, rtol=tol, atol=tol)  # the sum, to half precision
+    assert not torch.equal(got, exact)  # and rounded: it did travel compressed
+    assert a["sums"] == b["sums"] == [1.0, 0.0, 0.0, 4.0]  # the word, whole
+    assert a["reduced"] == b["reduced"] == 1
+
+
+def test_a_compression_other_than_bf16_or_fp16_is_refused():
+    from tidal.worker.ddp import check_kwargs
+
+    with pytest.raises(ValueError, match=r"compression'\] must be one of \['bf16', 'fp16'\]"):
+        check_kwargs({"compression": "int8"})
+    with pytest.raises(ValueError, match=r"not \['broadcast_buffers'\]"):
+        check_kwargs({"broadcast_buffers": True})

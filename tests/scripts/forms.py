@@ -10,6 +10,8 @@ tests/test_script_forms_e2e.py, not an example.
   ``ddp_kwargs={"find_unused_parameters": True}``;
 - ``eval``: per-sample means, and ``trainer.evaluate`` over a held-out set at steps
   ``EVAL_AT`` on every member; each member records the means it got;
+- ``compressed``: ``unused`` with the gradients all-reduced in bfloat16
+  (``ddp_kwargs={"compression": "bf16"}``): not exact, but the same on every member;
 - ``gan``: a generator and a discriminator, each with its own optimizer (Adam and SGD with
   momentum) handed as ``[opt_g, opt_d]``; each network's loss reaches only its own
   parameters (the generator's through a detached copy of the discriminator);
@@ -44,7 +46,8 @@ torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
 
 VOCAB, SEQ, PAD = 13, 10, -100
-FORMS = ("items", "items-ref", "unused", "eval", "gan")
+FORMS = ("items", "items-ref", "unused", "eval", "gan", "compressed")
+UNUSED = ("unused", "eval", "compressed")  # the forms with a second head
 EVAL_AT = (10, 30, 60, 80)
 TRAPS = ("raw", "bare", "scale", "loader")
 
@@ -134,7 +137,7 @@ def main() -> None:
 
     inputs, labels = ragged_tokens(640)
     torch.manual_seed(0)
-    model = TinyLM(two_heads=args.form in ("unused", "eval"))
+    model = TinyLM(two_heads=args.form in UNUSED)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     if args.form == "items-ref":
         return plain_global_mean(model, opt, inputs, labels, args)
@@ -147,7 +150,12 @@ def main() -> None:
         global_batch_size=24,
         micro_batch_size=4,
         grad_scaler=scaler,
-        ddp_kwargs={"find_unused_parameters": True} if args.form in ("unused", "eval") else None,
+        ddp_kwargs=(
+            {"find_unused_parameters": True}
+            | ({"compression": "bf16"} if args.form == "compressed" else {})
+            if args.form in UNUSED
+            else None
+        ),
     )
     held_out = TensorDataset(*ragged_tokens(101))  # its own draw: 101, not a batch multiple
     evaluated = {}
@@ -163,7 +171,7 @@ def main() -> None:
 
     for step in trainer.run(max_steps=args.max_steps):
         for xb, yb in step.micro_batches():
-            if args.form in ("unused", "eval"):
+            if args.form in UNUSED:
                 logits = trainer.model(xb, other=step.index % 2 == 1)
                 step.backward(F.cross_entropy(logits[:, -1], yb[:, 0].clamp(min=0)))
             elif args.form == "items":

@@ -89,6 +89,8 @@ class ControlWord:
         #: backward did not move it reduced no gradients (module doc).
         self.reduced = 0
         self.carries = False  # this step's word is set (``set``), not skipped
+        #: The dtype the gradients travel in (``COMPRESSION``), None: their own.
+        self.compress: torch.dtype | None = None
         self.group: dist.ProcessGroup | None = None  # the generation's (``wrap``)
         self.before_allreduce: Callable[[], None] = lambda: None
         # When the last bucket's all-reduce started and completed: the step's exposed
@@ -207,13 +209,35 @@ def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations
         control.before_allreduce()
         control.comm_started = time.perf_counter()
         control.reduced += 1
-    work = control.group.allreduce([bucket.buffer()])
+    buf = bucket.buffer()
+    if control.compress is not None:  # ``Trainer(ddp_kwargs={"compression": ...})``
+        return _compressed(control, buf, last)
+    work = control.group.allreduce([buf])
     if control.waits is None:
         return work.get_future().then(control._last_done if last else _tensor)
     fut = control.waits.track(work.get_future())
     if last:
         fut.add_done_callback(control._mark_done)
     return fut
+
+
+def _compressed(control: ControlWord, buf: torch.Tensor, last: bool) -> torch.futures.Future:
+    """The bucket all-reduced in ``control.compress`` (half the bytes of float32), then
+    written back into it: the rest of the step (the word, the abort watch, ``reduced``) is
+    unchanged."""
+    work = control.group.allreduce([buf.to(control.compress)])
+    fut = work.get_future()
+    if control.waits is not None:
+        fut = control.waits.track(fut)
+
+    def back(f: torch.futures.Future) -> torch.Tensor:
+        value = f.value()
+        buf.copy_(value[0] if isinstance(value, list) else value)
+        if last:
+            control.comm_done = time.perf_counter()
+        return buf
+
+    return fut.then(back)
 
 
 #: The DDP arguments a script may set (``Trainer(ddp_kwargs=...)``): what DDP does with the
@@ -224,15 +248,29 @@ DDP_KWARGS = frozenset(
 )
 
 
+#: ``ddp_kwargs={"compression": NAME}``, Tidal's one addition: the dtype the gradients are
+#: all-reduced in (DDP's ``bf16_compress_hook`` and ``fp16_compress_hook``, inside Tidal's
+#: own hook, which must stay: it carries the control word's companions). Not exact: the
+#: sums are rounded to that dtype, so the result depends on the world size.
+COMPRESSION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def check_kwargs(kwargs: dict | None) -> dict:
-    """``ddp_kwargs`` validated: a dict of ``DDP_KWARGS`` only (``ValueError`` naming the
-    others)."""
+    """``ddp_kwargs`` validated: ``DDP_KWARGS`` and ``compression`` only (``ValueError``
+    naming the others)."""
     kwargs = dict(kwargs or {})
-    unknown = sorted(set(kwargs) - DDP_KWARGS)
+    unknown = sorted(set(kwargs) - DDP_KWARGS - {"compression"})
     if unknown:
         raise ValueError(
-            f"ddp_kwargs may set {sorted(DDP_KWARGS)}, not {unknown}: Tidal sets the process "
-            "group, devices, initial sync and buffer broadcast itself (healing replaces them)"
+            f"ddp_kwargs may set {sorted(DDP_KWARGS)} and 'compression', not {unknown}: Tidal "
+            "sets the process group, devices, initial sync and buffer broadcast itself "
+            "(healing replaces them)"
+        )
+    if kwargs.get("compression") not in (None, *COMPRESSION):
+        raise ValueError(
+            f"ddp_kwargs['compression'] must be one of {sorted(COMPRESSION)}, got "
+            f"{kwargs['compression']!r} (a communication hook of your own would replace "
+            "Tidal's, which the elastic step needs)"
         )
     return kwargs
 
@@ -255,6 +293,9 @@ def wrap(
     parameters (``find_unused_parameters``) are reduced as zeros by the same SUM hook, so
     the control word rides the last bucket as always.
     """
+    kwargs = dict(kwargs or {})
+    name = kwargs.pop("compression", None)
+    control.compress = COMPRESSION[name] if name is not None else None
     control.group = dist.group.WORLD
     ddp = _ddp(module, kwargs)
     ddp.register_comm_hook(control, _sum_hook)
