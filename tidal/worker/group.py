@@ -62,6 +62,7 @@ from tidal.store_keys import (
     state_key,
     step_key,
 )
+from tidal.worker import rank_prefix
 from tidal.worker.conns import Conns, open_sockets
 
 POLL_S = 0.002  # store polls while waiting (check() never blocks, so c10d logs nothing)
@@ -309,6 +310,7 @@ def form_group(
         on_set=on_published,
     )
     before = open_sockets() if backend == "gloo" else set()
+    rank_prefix.reset()  # torch adds this generation's: one prefix, not one per generation
     try:
         dist.init_process_group(
             backend,
