@@ -55,14 +55,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _mutate(args: argparse.Namespace, call: Callable[[CoordinatorClient], JobStatus]) -> JobStatus:
-    """Run a mutating call on the job's running coordinator; its refusal is one CLI line."""
+    """Run a mutating call on the job's running coordinator; its refusal is one CLI line, and
+    so is a coordinator that dies during the call (``lookup.lost_call_line``)."""
+    import httpx
+
     from tidal.client import CoordinatorError
+    from tidal.lookup import lost_call_line
 
     client = running_client(resolve_home(args.home), args.job)
     try:
         return call(client)
     except CoordinatorError as exc:
         raise CliError(str(exc)) from None
+    except httpx.TransportError as exc:
+        sent = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+        what = f"scale to {args.workers} workers" if args.command == "scale" else "stop"
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise CliError(lost_call_line(args.job, what, sent=sent, why=why)) from None
     finally:
         client.close()
 

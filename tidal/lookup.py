@@ -123,6 +123,21 @@ def newest_job(home: Path) -> str:
     return names[-1]
 
 
+def lost_call_line(name: str, what: str, *, sent: bool, why: str) -> str:
+    """The one line for a mutating call (``what``: "scale to 4 workers") whose coordinator
+    went away: ``sent`` False if the request never reached it (it was not applied), True if
+    it may have been applied before the coordinator died (its answer never came)."""
+    if not sent:
+        return (
+            f"job {name!r}: its coordinator stopped answering before the request reached it "
+            f"({why}); the {what} was not applied (`tidal status {name}` shows the job)"
+        )
+    return (
+        f"job {name!r}: its coordinator went away during the request ({why}); the {what} may "
+        f"or may not have been applied (`tidal status {name}` shows its target)"
+    )
+
+
 def running_client(home: Path, name: str) -> CoordinatorClient:
     client = job_client(home, name)
     if client is None:
