@@ -120,6 +120,9 @@ def test_attach_takes_over_workers_whose_coordinator_and_supervisor_died(
     status = job.wait_state("succeeded", "failed", "stopped", timeout=180)
     assert status["state"] == "succeeded" and status["step"] == STEPS, summarize(status)
     assert sorted(w["pid"] for w in status["workers"]) == pids, summarize(status)
+    # Adopted (not our children: their exit statuses cannot be read), they finished the job
+    # cleanly: exited, not "failed (lost)" (issue 50).
+    assert all(w["state"] == "exited" for w in status["workers"]), summarize(status)
     assert len(status["generations"]) == 1, summarize(status)
     assert sorted(_reregistered_steps(status).values())[0] > before["step"], summarize(status)
     rel = relative_l2(out, reference_params(STEPS, 0, double=True))

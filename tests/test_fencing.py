@@ -223,3 +223,31 @@ def test_unsupervised(supervisor, parent, says) -> None:
     assert (line is not None) is says
     if says:
         assert "pid 50" in line and "`tidal attach j`" in line and "unsupervised" in line
+
+
+# -- rules.judge_exit: an adopted worker's end, its status unknown ---------------------------
+@pytest.mark.parametrize(
+    ("facts", "state", "kind"),
+    [
+        (dict(status_known=False, job_decided=True), "exited", "worker"),
+        (dict(status_known=False, leaving=True), "exited", "worker"),
+        (dict(status_known=False, retired=True), "exited", "worker"),
+        (dict(status_known=True, job_decided=True), "failed", "failure"),  # a known SIGKILL
+        (dict(status_known=False, job_decided=True, kill_reason="did not leave"), "failed", None),
+        (dict(status_known=False, was_member=True), "failed", "failure"),  # mid-job: lost
+    ],
+)
+def test_judge_exit_of_a_worker_whose_status_is_unknown(facts, state, kind) -> None:
+    from tidal.coordinator.rules import ExitFacts, judge_exit
+
+    v = judge_exit(
+        ExitFacts(worker_id=3, returncode=-9, how="lost (its exit status is unknown)", **facts)
+    )
+    assert v.state.value == state, v
+    if kind is not None:
+        assert v.kind == kind, v
+    if state == "exited":
+        assert v.message == "worker 3 exited (its exit status is unknown: it was adopted)"
+        assert not v.lost and not v.fail_job and not v.reform
+    elif not facts.get("job_decided"):
+        assert v.lost, v

@@ -63,6 +63,7 @@ def _stop_cleanly(home: Home, name: str, proc: subprocess.Popen) -> dict:
     status = job.status()
     assert status["state"] == "stopped", summarize(status)
     assert status["checkpoints"] and status["checkpoints"][-1]["step"] == status["step"], status
+    assert all(w["state"] in ("exited", "failed") for w in status["workers"]), summarize(status)
     return status
 
 

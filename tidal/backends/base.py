@@ -22,11 +22,14 @@ if TYPE_CHECKING:
 class Exit:
     """A worker's process ended. ``returncode`` > 0 means the script failed (a bug every
     worker shares); < 0 a signal or a lost machine (recoverable); 0 a clean exit.
-    ``reason`` says why when the code alone does not (e.g. its node was lost)."""
+    ``reason`` says why when the code alone does not (e.g. its node was lost). ``known``
+    False: the process is gone but its exit status could not be read (an adopted worker
+    whose parent was not ours: ``returncode`` is then -9 by convention)."""
 
     worker_id: int
     returncode: int
     reason: str = ""
+    known: bool = True
 
     def describe(self) -> str:
         if self.reason:

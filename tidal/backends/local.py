@@ -352,7 +352,12 @@ class LocalBackend(Backend):
                 continue
             reason = "" if code is not None else "lost (its exit status is unknown)"
             exits.append(
-                Exit(worker_id=wid, returncode=-9 if code is None else code, reason=reason)
+                Exit(
+                    worker_id=wid,
+                    returncode=-9 if code is None else code,
+                    reason=reason,
+                    known=code is not None,
+                )
             )
             del self._watched[wid]
             self._pids.remove(pid)

@@ -32,7 +32,13 @@ from tidal.backends import get_backend
 from tidal.checkpoint import fence
 from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
-from tidal.coordinator.actions import FenceCheckpoints, RecordEvent, RecordJob, RecordWorkers
+from tidal.coordinator.actions import (
+    FenceCheckpoints,
+    KillEveryWorker,
+    RecordEvent,
+    RecordJob,
+    RecordWorkers,
+)
 from tidal.coordinator.db import Database
 from tidal.coordinator.effects import Effects, RequestError
 from tidal.coordinator.executor import Executor
@@ -52,7 +58,7 @@ from tidal.coordinator.views import Views
 from tidal.coordinator.wake import Wake
 from tidal.policy.inputs import PolicyParams
 from tidal.policy.registry import get_policy
-from tidal.protocol import EventView, JobState
+from tidal.protocol import EventView, JobState, WorkerState
 from tidal.sim.trace import load_trace
 
 
@@ -262,6 +268,13 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         successor adopts them (``Executor.close``). Its ``coordinator.json`` stays then: the
         successor rewrites it, and if none comes (the supervisor died too) ``tidal attach``
         takes the workers over at the address and with the token it names."""
+        if kill_workers:  # the job ended: what is left is killed, and recorded as ended
+            self.executor.do(KillEveryWorker(why="the job ended"))
+            for w in self.job.workers.values():
+                if w.live:
+                    w.state, w.rank = WorkerState.EXITED, None
+                    w.exit_code = -9 if w.exit_code is None else w.exit_code
+            self._save_workers()
         self.executor.close(kill_workers=kill_workers)
         self.wake.close()
         if not kill_workers:

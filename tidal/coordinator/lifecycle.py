@@ -147,6 +147,7 @@ class Lifecycle:
                 was_member=was_member,
                 kill_reason=w.kill_reason,
                 job_decided=self.job.outcome is not None or self.job.script_stop is not None,
+                status_known=ex.known,
                 failures=self.job.failures,
                 max_restarts=self.spec.max_restarts,
                 target=self.job.target,

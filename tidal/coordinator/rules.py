@@ -31,6 +31,7 @@ class ExitFacts:
     was_member: bool = False
     kill_reason: str | None = None
     job_decided: bool = False
+    status_known: bool = True  # False: gone, its exit status unreadable (``Exit.known``)
     failures: int = 0  # lost workers so far, this one not counted
     max_restarts: int = 3
     target: int = 1
@@ -57,12 +58,22 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
       Any other end while leaving is noted, but costs nothing: it was leaving anyway.
     - A script that raised (a positive code the coordinator did not cause) fails the job:
       every worker runs the same code, so a replacement would fail the same way.
+    - Gone with its exit status unknown (an adopted worker, not our child) once it was asked
+      to leave or the job was decided, and not killed by us: an exit.
     - Anything else (a signal, a lost machine, a kill for missed heartbeats) is a lost
       worker: a member's loss re-forms the group without it; past ``--max-restarts`` losses
       the target shrinks to the workers left, and if fewer than ``--min-workers`` are left
       the job fails (it may not train below that for longer than a replacement takes).
     """
     w = f.worker_id
+    if not f.status_known and f.kill_reason is None and (f.leaving or f.retired or f.job_decided):
+        # An adopted worker (``tidal attach``: not our child) that was done: nothing says it
+        # failed, and its end changes nothing.
+        return ExitVerdict(
+            state=WorkerState.EXITED,
+            kind="worker",
+            message=f"worker {w} exited (its exit status is unknown: it was adopted)",
+        )
     if f.returncode == 0 and (f.leaving or f.retired):
         return ExitVerdict(
             state=WorkerState.EXITED,
