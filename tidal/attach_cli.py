@@ -59,10 +59,10 @@ def cmd_attach(args: argparse.Namespace, *, launch: Callable[..., int]) -> int:
     from tidal.coordinator.db import Database
 
     home = resolve_home(args.home)
+    jd = job_dir(home, args.job)  # first: one line for a name that is no job's
     check_home(home)
     if not db_path(home).exists():
         raise ValueError(f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
-    jd = job_dir(home, args.job)
     db = Database(db_path(home), readonly=True)
     try:
         if not db.has_job(args.job):

@@ -12,6 +12,16 @@ from typing import Any
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
+
+def job_name_error(name: object) -> str | None:
+    """Why ``name`` cannot be a job's name, in one line, or None. A name is one folder under
+    ``HOME/jobs`` and a key of the home's records, so every command checks it before it
+    forms a path from it: ``../../B/jobs/x`` must not reach another home's job."""
+    if isinstance(name, str) and NAME_RE.fullmatch(name):
+        return None
+    return f"bad job name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
+
+
 # The largest number of seconds a setting may hold (~31 years): ``timedelta`` overflows
 # beyond about 8.6e13, and nobody waits longer.
 MAX_SECONDS = 1e9
@@ -351,10 +361,8 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         check_numbers(self)
-        if not NAME_RE.match(self.name):
-            raise ValueError(
-                f"bad job name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
-            )
+        if (why := job_name_error(self.name)) is not None:
+            raise ValueError(why)
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.min_workers < 1:

@@ -181,6 +181,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from tidal.checkpoint.layout import newest_good, verify
 
     home = resolve_home(args.home)
+    job_dir(home, args.job)  # first: one line for a name that is no job's
     check_home(home)
     if not db_path(home).exists():
         raise CliError(f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME)")

@@ -14,9 +14,12 @@
   the model must hold tensors, optimizer tensors must be named ``state.PARAM.KEY``,
   ``optimizer.json`` must hold ``param_groups`` and ``state``, and ``meta.json`` must hold an
   integer ``step`` equal to the manifest's;
-- it must not be marked bad: a checkpoint that verified but failed to load into the model
-  (names, shapes or dtypes that are not the model's) gets a ``BAD`` file with the reason
-  (``mark_bad``), so the next resume skips it instead of choosing it again.
+- it must not be marked bad: a checkpoint that a worker found damaged when it loaded it (a
+  checksum or structure that ``verify`` refused then: it changed after it was chosen) gets a
+  ``BAD`` file with the reason (``mark_bad``), which ``verify`` refuses from then on; deleting
+  the file lets the checkpoint be chosen again. A checkpoint that verifies but does not fit the
+  script resuming it (``CheckpointMismatch``: another model, optimizer or tracked state) is
+  never marked: the fault is the script's, and the right script resumes from it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,24 @@ def shard_file(rank: int, world: int) -> str:
 
 class CheckpointError(ValueError):
     """A checkpoint that must not be used; the message names it and says why."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint (it verifies) that does not fit the script loading it: its model,
+    optimizer or tracked state is not the script's. It is kept, never marked bad."""
+
+    def __init__(self, path: Path | str, why: str) -> None:
+        super().__init__(
+            f"checkpoint {path} refused: {why}; it does not fit this script (the checkpoint is "
+            "kept: resume with the script that wrote it, or move the checkpoint's folder out "
+            "of the checkpoint directory to resume from the one before it)"
+        )
+
+
+def marks_bad(exc: CheckpointError) -> bool:
+    """Whether a checkpoint whose load raised ``exc`` is marked bad: only for what is wrong
+    with the checkpoint itself (``verify`` refused it), never for a script it does not fit."""
+    return not isinstance(exc, CheckpointMismatch)
 
 
 def checkpoint_name(step: int) -> str:
@@ -188,7 +209,9 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
 
     reason = bad_reason(path)
     if reason is not None:
-        raise refuse(f"it failed to load before: {reason}")
+        raise refuse(
+            f"it failed to load before: {reason} (delete {path / BAD} to have it tried again)"
+        )
     try:
         manifest = _json_object(path / MANIFEST)
     except ValueError as exc:

@@ -123,8 +123,8 @@ def load_unsharded(
 ) -> tuple[dict, tuple[dict, list]]:
     """Load a sharded checkpoint into a whole (unsharded) ``module`` and its ``optimizer``;
     returns (meta, tracked) for the caller to restore. Names, shapes and dtypes must be the
-    model's (``CheckpointError`` otherwise, one line)."""
-    from tidal.checkpoint.store import CheckpointError, _check_model
+    model's (``CheckpointMismatch`` otherwise, one line)."""
+    from tidal.checkpoint.store import CheckpointMismatch, _check_model
 
     full = read_full(path)
     model = {k[2:]: v for k, v in full["rows"].items() if k.startswith("p.")}
@@ -146,7 +146,7 @@ def load_unsharded(
     saved = full["optimizer"]["param_groups"]
     current = optimizer.state_dict()["param_groups"]
     if len(saved) != len(current):
-        raise CheckpointError(f"checkpoint {path} refused: its optimizer has other param groups")
+        raise CheckpointMismatch(path, "its optimizer has other param groups")
     groups = [
         {
             **{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()},

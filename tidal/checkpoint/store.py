@@ -13,7 +13,8 @@ and size of every other file). Contracts:
   and checks the structure of what the files hold; a truncated, bit-flipped, half-written or
   malformed checkpoint is refused with the reason, and ``newest_good`` falls back to the
   previous one. ``load`` also checks the tensors against the model (names, shapes, dtypes); a
-  checkpoint that fails to load is refused (``Durable.resume`` marks it bad).
+  checkpoint that verifies but does not fit the script is refused as ``CheckpointMismatch``
+  and kept (``Durable.resume`` marks bad only one that fails ``verify``).
 - **Safe.** Tensors are read by safetensors and metadata by ``json``: no pickle anywhere.
 - **At memory-copy cost.** A snapshot copies each tensor into the memory the same name's copy
   used last time (``Buffers``); the tensor files go from that memory to disk and are hashed
@@ -49,10 +50,12 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     TRACKED_JSON,
     TRACKED_TENSORS,
     CheckpointError,
+    CheckpointMismatch,
     checkpoint_name,
     file_digest,
     list_checkpoints,
     mark_bad,
+    marks_bad,
     newest_good,
     stale_temporary,
     temporary_name,
@@ -348,17 +351,18 @@ def _check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.
     missing = sorted(set(want) - set(tensors))
     extra = sorted(set(tensors) - set(want))
     if missing or extra:
-        raise CheckpointError(
-            f"checkpoint {path} refused: its model tensors are not the model's"
+        raise CheckpointMismatch(
+            path,
+            "its model tensors are not the model's"
             + (f"; missing {', '.join(missing[:3])}" if missing else "")
-            + (f"; unexpected {', '.join(extra[:3])}" if extra else "")
+            + (f"; unexpected {', '.join(extra[:3])}" if extra else ""),
         )
     for name, t in want.items():
         got = tensors[name]
         if got.shape != t.shape or got.dtype != t.dtype:
-            raise CheckpointError(
-                f"checkpoint {path} refused: {name} is {got.dtype} {list(got.shape)}, "
-                f"the model's {t.dtype} {list(t.shape)}"
+            raise CheckpointMismatch(
+                path,
+                f"{name} is {got.dtype} {list(got.shape)}, the model's {t.dtype} {list(t.shape)}",
             )
 
 
@@ -371,8 +375,11 @@ def load(
 ) -> dict:
     """Verify, then load ``path`` into ``module``, ``optimizer`` and the ``tracked`` objects;
     returns its meta (RNG restored by ``restore_rng``). Raises ``CheckpointError`` (one line)
-    for a checkpoint that does not fit the model, optimizer or tracked state (the worker must
-    not train on after that: a scheduler left at step 0 would silently diverge)."""
+    for a checkpoint that ``verify`` refuses, and its ``CheckpointMismatch`` for one that
+    verifies but does not fit the model, optimizer or tracked state: whatever fails after
+    ``verify`` is taken for the script's mismatch, since checksums and structure held (the
+    worker must not train on after either: a scheduler left at step 0 would silently
+    diverge)."""
     manifest = verify(path)
     try:
         if manifest.get("layout") == SHARDED:  # written by sharding="fsdp": whole tensors
@@ -394,9 +401,7 @@ def load(
             state.setdefault(int(pid), {})[name] = value
         n_params = sum(len(g["params"]) for g in optimizer.param_groups)
         if any(not 0 <= pid < n_params for pid in state):
-            raise CheckpointError(
-                f"checkpoint {path} refused: optimizer state for parameters the model lacks"
-            )
+            raise CheckpointMismatch(path, "optimizer state for parameters the model lacks")
         groups = [  # JSON made the tuples (Adam's betas) lists
             {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
             for g in opt_meta["param_groups"]
@@ -411,6 +416,4 @@ def load(
         raise
     except Exception as exc:  # noqa: BLE001 - whatever does not fit: one line, not a traceback
         msg = " ".join(str(exc).split())[:300]
-        raise CheckpointError(
-            f"checkpoint {path} refused: it does not load ({type(exc).__name__}: {msg})"
-        ) from None
+        raise CheckpointMismatch(path, f"it does not load ({type(exc).__name__}: {msg})") from None

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.config import job_name_error
+
 ENV_HOME = "TIDAL_HOME"
 DEFAULT_HOME = ".tidal"
 
@@ -129,7 +131,15 @@ class JobDir:
         return False
 
 
+class BadJobName(ValueError):
+    """A job name that is not one plain folder name (``config.job_name_error``)."""
+
+
 def job_dir(home: Path, name: str) -> JobDir:
+    """The folder of job ``name`` under ``home``; raises ``BadJobName`` (one line) for a name
+    that is not a job's, so no command reaches a path outside ``HOME/jobs`` through it."""
+    if (why := job_name_error(name)) is not None:
+        raise BadJobName(why)
     return JobDir(home / "jobs" / name)
 
 

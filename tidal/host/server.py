@@ -4,7 +4,10 @@ Every mutating call needs a token (``Authorization: Bearer ...``): ``/scale`` an
 the job's token; ``/workers/ID/...`` only that worker's own credential
 (``protocol.worker_token``). Reads (``/status``, ``/metrics``, the dashboard, the OpenAPI
 schema) are open on a loopback address and need the job's token on any other
-(``tidal.access``). Whatever a client sends that the wire messages refuse is a 422
+(``tidal.access``). These credentials, the ``Host`` of a read on loopback, and a limit on the
+body's size are checked from the request's headers before any body is read
+(``tidal.host.admission``); the routes' dependencies check the credentials again. Whatever a
+client sends that the wire messages refuse is a 422
 that names the field, never a 500 (a value JSON cannot spell back, like NaN, included).
 The server binds 127.0.0.1 unless told otherwise, on a port the OS picks. Beside the API it
 serves the read-only dashboard (``/``, ``/jobs/{name}``; ``tidal.dashboard``) and the
@@ -28,6 +31,7 @@ from tidal.access import bearer_ok, read_ok, reads_need_token
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.effects import RequestError, ReRegister
 from tidal.coordinator.supervisor import listen, url_of
+from tidal.host.admission import RequestGuard
 from tidal.host.hot_path import HeartbeatHotPath
 from tidal.protocol import (
     API_PREFIX,
@@ -62,12 +66,20 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
     """The API of ``coord`` for a server bound to ``host`` (default: ``coord.host``), which
     decides whether reads need the job's token (``access.reads_need_token``)."""
     from tidal.dashboard import LiveSource, dashboard_router
+    from tidal.dashboard.app import LOOPBACK_NAMES
 
     bound = coord.host if host is None else host
     guarded = reads_need_token(bound)
     # Guarded, the schema is served by a route that asks the token (FastAPI's own cannot).
     app = FastAPI(
         title="Tidal coordinator", version="1", openapi_url=None if guarded else "/openapi.json"
+    )
+    # Before any body is read: the credential, the Host of a read, the body's size.
+    app.add_middleware(
+        RequestGuard,
+        token=coord.token,
+        guarded=guarded,
+        allowed_hosts=LOOPBACK_NAMES | {bound, f"[{bound}]"},
     )
     source = LiveSource(coord)
     app.state.dashboard_source = source

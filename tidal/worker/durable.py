@@ -49,16 +49,19 @@ class Durable:
         *,
         data_order: dict[str, object],
     ) -> int | None:
-        """Load the checkpoint the coordinator chose, if any; returns its step. One that does
-        not load is marked bad (``layout.mark_bad``), so the next resume skips it; one written
-        with another ``data_order`` (``identity.check_resume``) is refused and kept."""
+        """Load the checkpoint the coordinator chose, if any; returns its step. One found
+        damaged (a checksum or structure ``verify`` refuses) is marked bad
+        (``layout.mark_bad``), so the next resume skips it; one that does not fit this script
+        (``CheckpointMismatch``: another model, optimizer or tracked state) or was written with
+        another ``data_order`` (``identity.check_resume``) is refused and kept as it is."""
         if self.cfg.resume_from is None:
             return None
         path = Path(self.cfg.resume_from)
         try:
             meta = store.load(path, module, optimizer, tracked=tracked)
         except store.CheckpointError as exc:
-            store.mark_bad(path, str(exc))
+            if store.marks_bad(exc):
+                store.mark_bad(path, str(exc))
             raise
         identity.check_resume(str(path), meta.get("data_order"), data_order)
         store.restore_rng(meta)
