@@ -234,19 +234,21 @@ def test_records_that_cannot_be_written_stop_the_job_cleanly_in_one_line(
     final = int(on_disk[-1].removeprefix("step-"))
     assert 25 <= final < int(STEPS), on_disk
 
-    # 15: the newest checkpoint verifies but is another model: it fails to load, is marked
-    # bad, and the next resume skips it.
-    swap_model_for_another(job.dir / "checkpoints" / on_disk[-1])
+    # 15: the newest checkpoint verifies but is another model: it fails to load, and it is
+    # refused and kept as it is, never marked bad (issue 50, finding 4: the fault may be the
+    # script's); moved out of the folder, as the error says, the one before it resumes.
+    newest = job.dir / "checkpoints" / on_disk[-1]
+    swap_model_for_another(newest)
     proc = tidal_home.cli("resume", "full", "--quiet", timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert f"resuming from {on_disk[-1]}" in proc.stderr
     assert "job full failed" in proc.stderr.splitlines()[-1] and "refused" in proc.stderr
-    assert (job.dir / "checkpoints" / on_disk[-1] / "BAD").is_file()
+    assert "CheckpointMismatch" in proc.stderr and "the checkpoint is kept" in proc.stderr
+    assert not (newest / "BAD").exists()
 
+    newest.rename(tmp_path / newest.name)
     proc = tidal_home.cli("resume", "full", "--quiet", timeout=120)
     assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
-    warnings = [x for x in proc.stderr.splitlines() if x.startswith("tidal: warning:")]
-    assert len(warnings) == 1 and on_disk[-1] in warnings[0] and "failed to load" in warnings[0]
     assert f"resuming from {on_disk[-2]}" in proc.stderr
     status = job.status()
     assert status["state"] == "succeeded" and status["step"] == int(STEPS), summarize(status)
