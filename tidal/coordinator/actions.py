@@ -140,7 +140,8 @@ class RecordCheckpointFailure:
 @dataclass(frozen=True, kw_only=True)
 class FenceCheckpoints:
     """Write the checkpoint folder's fence: ``epoch`` the run whose workers may write there;
-    ``sealed`` (why) once the job ended: nobody may."""
+    ``sealed`` (why) once the job ended: nobody may. Yields why it could not be written
+    (the folder cannot be written: its checkpoints fail too, and say so), or None."""
 
     directory: str
     epoch: str

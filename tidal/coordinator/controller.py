@@ -146,6 +146,7 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         self._last_health = 0.0  # when the loop last checked heartbeats
         self._last_flush = 0.0
         self._policy = get_policy(spec.policy)
+        self._fence_failed: str | None = None
         self.fence_epoch = self._fence_checkpoints(recover=recover)
         if recover:
             self._recover()
@@ -170,6 +171,8 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
                 f"job {spec.name} resumed from {resume.path} (step {resume.step}) "
                 f"with {spec.workers} workers",
             )
+        if self._fence_failed:  # its checkpoints fail too, and say so; the job goes on
+            self.event("coordinator", self._fence_failed)
 
         self._set_target(spec.workers, "the capacity at the start")
         self._publish()
@@ -190,7 +193,9 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         if on_disk is not None:
             return on_disk.epoch
         epoch = secrets.token_hex(8)
-        self.executor.do(FenceCheckpoints(directory=str(self.checkpoint_dir), epoch=epoch))
+        failed = self.executor.do(FenceCheckpoints(directory=str(self.checkpoint_dir), epoch=epoch))
+        if failed:
+            self._fence_failed = f"the checkpoint folder's fence could not be written ({failed})"
         return epoch
 
     # -- helpers -------------------------------------------------------------------------

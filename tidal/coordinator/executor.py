@@ -126,7 +126,10 @@ class Executor:
             case RecordCheckpointFailure(error=error):
                 self.journal.add_checkpoint_failure(error)
             case FenceCheckpoints(directory=directory, epoch=epoch, sealed=sealed):
-                fence.write(Path(directory), fence.Fence(epoch=epoch, sealed=sealed))
+                try:  # returns why it could not be written (the job goes on), or None
+                    fence.write(Path(directory), fence.Fence(epoch=epoch, sealed=sealed))
+                except OSError as exc:
+                    return f"{exc.strerror or exc}: {exc.filename or directory}"
             case _:
                 raise TypeError(f"not an action: {action!r}")
         return None
