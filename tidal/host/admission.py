@@ -11,8 +11,9 @@ token to ``/scale`` froze the coordinator for 17 s and took 2.7 GB before its 40
   most body bytes the request may send, refused at once when its ``Content-Length`` says
   more. The credentials are the ones the routes' dependencies check (``tidal.host.server``),
   which stay as a second check: a worker's call (``/workers/ID/...``) needs that worker's
-  own credential (``protocol.worker_token``); any other mutating call the job's token as a
-  bearer; a read nothing on a loopback bind, the job's token (bearer or HTTP Basic) on any
+  own credential (``protocol.worker_token``); any other mutating call of the API the job's
+  token as a bearer (one elsewhere, on the dashboard's read-only pages, is FastAPI's 405 or
+  404, which reads no body); a read nothing on a loopback bind, the job's token (bearer or HTTP Basic) on any
   other (``tidal.access``). A path under ``/workers/`` that names no worker goes on to
   FastAPI, which refuses the path (422), with the small body limit.
 - ``RequestGuard`` (pure ASGI middleware, the "do"): answers a refusal as one JSON line
@@ -94,8 +95,9 @@ def admit(
     elif path.startswith(API_PREFIX + "/workers/"):
         pass  # names no worker: FastAPI refuses the path (422)
     elif method.upper() not in READS:
-        if not bearer_ok(authorization, token):
+        if path.startswith(API_PREFIX + "/") and not bearer_ok(authorization, token):
             return Verdict(401, "missing or wrong job token")
+        # elsewhere (the dashboard's pages): FastAPI answers 405 or 404, reading no body
     elif guarded:
         if not read_ok(authorization, token):
             return Verdict(
