@@ -41,8 +41,8 @@ from tidal.worker.heal import (
     heal,
 )
 from tidal.worker.leaving import leave_uncommitted
+from tidal.worker.reasons import failure_reason
 from tidal.worker.shard_plan import Path as ShardPath
-from tidal.worker.step import _one_line
 
 #: The status's name for each way a sharded generation assembled its state.
 RECOVERY_OF = {
@@ -72,7 +72,7 @@ class Membership:
         self.optimizer.zero_grad(set_to_none=True)
         # Sent without waiting for the answer (``Agent.report_failure``); a report that
         # never arrives costs the grace the coordinator gives a failure it sees itself.
-        self._agent.report_failure(generation, self.step, _one_line(exc), kind=kind)
+        self._agent.report_failure(generation, self.step, failure_reason(exc), kind=kind)
 
     def _between_steps(self, collective: Callable[[], object]) -> bool:
         """Run ``collective`` of the current group between steps, where its failure is a
