@@ -30,6 +30,7 @@ import multiprocessing.connection
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,15 +91,24 @@ class Watch:
 
     def dead(self, wait_s: float = 0.0) -> list[int]:
         """The pids of the iterator's processes that died (a clean exit is no death),
-        waiting up to ``wait_s`` for one to end."""
-        if wait_s > 0 and self.workers:
-            multiprocessing.connection.wait([w.sentinel for w in self.workers], wait_s)
-        return [w.pid for w in self.workers if w.exitcode not in (None, 0)]
+        waiting up to ``wait_s`` for one to end. A process's sentinel is ready as soon as
+        it has closed its files, a little before it can be waited for (its other threads
+        are still exiting): so the exit codes are polled until the deadline."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [w.pid for w in self.workers if w.exitcode not in (None, 0)]
+            left = deadline - time.monotonic()
+            if dead or left <= 0 or not self.workers:
+                return dead
+            sentinels = [w.sentinel for w in self.workers]
+            if multiprocessing.connection.wait(sentinels, min(left, 0.1)):
+                time.sleep(0.001)
 
     def next(self, iterator: Iterator[Any]) -> Any:
         """``next(iterator)``, or ``LoaderLost`` if one of its processes died (before or
-        during the wait, or with a batch on its way). A ``LoaderLost`` never loses a batch: one that had arrived when it
-        is raised was not returned, and is fetched again by the restarted loader."""
+        during the wait, or with a batch on its way). A ``LoaderLost`` never loses a
+        batch: one that had arrived when it is raised was not returned, and is fetched
+        again by the restarted loader."""
         if self.lost is not None:
             raise LoaderLost(self.lost)
         self.waiting = True
