@@ -259,4 +259,4 @@ def test_job_names(name, ok, tmp_path):
 def test_only_a_damaged_checkpoint_is_marked_bad(exc, bad):
     assert marks_bad(exc) is bad
     if not bad:
-        assert "the checkpoint is kept" in str(exc) and "\n" not in str(exc)
+        assert "refused, and kept: " in str(exc) and "\n" not in str(exc)

@@ -243,7 +243,7 @@ def test_records_that_cannot_be_written_stop_the_job_cleanly_in_one_line(
     assert proc.returncode == 1, proc.stderr
     assert f"resuming from {on_disk[-1]}" in proc.stderr
     assert "job full failed" in proc.stderr.splitlines()[-1] and "refused" in proc.stderr
-    assert "CheckpointMismatch" in proc.stderr and "the checkpoint is kept" in proc.stderr
+    assert "CheckpointMismatch" in proc.stderr and "refused, and kept: " in proc.stderr
     assert not (newest / "BAD").exists()
 
     newest.rename(tmp_path / newest.name)

@@ -80,7 +80,7 @@ def test_resumes_with_another_model_refuse_and_keep_every_checkpoint(
         assert len(errors) == 1, (attempt, proc.stderr)
         assert "CheckpointMismatch" in errors[0] and newest in errors[0], errors[0]
         assert "0.weight is torch.float32 [16, 8], the model's torch.float32 [32, 8]" in errors[0]
-        assert "the checkpoint is kept" in errors[0], errors[0]
+        assert "refused, and kept: 0.weight" in errors[0], errors[0]
         assert f"resuming from {newest}" in proc.stderr, (attempt, proc.stderr)
 
     width.write_text("16")  # the right script: the newest checkpoint resumes

@@ -68,10 +68,10 @@ class CheckpointMismatch(CheckpointError):
     optimizer or tracked state is not the script's. It is kept, never marked bad."""
 
     def __init__(self, path: Path | str, why: str) -> None:
+        # What matters first: a worker's failure line is the log's last 300 characters.
         super().__init__(
-            f"checkpoint {path} refused: {why}; it does not fit this script (the checkpoint is "
-            "kept: resume with the script that wrote it, or move the checkpoint's folder out "
-            "of the checkpoint directory to resume from the one before it)"
+            f"checkpoint {path} refused, and kept: {why}; it does not fit this script (resume "
+            "with the script that wrote it, or move its folder away to resume from an older one)"
         )
 
 
