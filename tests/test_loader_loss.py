@@ -122,14 +122,15 @@ def test_a_loader_process_that_dies_on_every_fetch_fails_in_one_line() -> None:
         train(Ids(die_on=17), persistent=False)
 
 
-def test_a_dataset_error_in_a_loader_process_is_not_a_loss() -> None:
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_a_dataset_error_in_a_loader_process_is_not_a_loss(error: type[Exception]) -> None:
     class Broken(Ids):
         def __getitem__(self, i: int) -> dict:
             if i == 17:
-                raise ValueError("sample 17 is corrupt")
+                raise error("sample 17 is corrupt")
             return super().__getitem__(i)
 
-    with pytest.raises(ValueError, match="sample 17 is corrupt"):
+    with pytest.raises(error, match="sample 17 is corrupt"):
         train(Broken(), persistent=True)
 
 

@@ -117,9 +117,13 @@ class Watch:
         except LoaderLost:
             raise
         except RuntimeError as exc:
-            if not lost_pids(str(exc)) & self.pids:
+            if lost_pids(str(exc)) & self.pids:
+                raise LoaderLost(_line(exc)) from None
+            if self.lost is None and not (dead := self.dead()):
                 raise  # the dataset's own error, or another loader's
-            raise LoaderLost(_line(exc)) from None
+            # A dead process's batch broke the pin-memory thread ("Pin memory thread
+            # exited unexpectedly"): the loss, not that, is the cause.
+            raise LoaderLost(self.lost or f"DataLoader worker (pid {dead[0]}) died") from None
         except (OSError, EOFError) as exc:
             # A batch whose tensors a process shared before it died cannot be received
             # (its file descriptors went with it): a loss if a process is dead, or dies
