@@ -193,22 +193,23 @@ def test_third_worker_waits_for_a_third_node(tidal_home: Home, fresh_nodes: RayC
 
 def test_two_nodes_train_digits(tidal_home: Home, two_nodes: RayCluster, reference_params) -> None:
     out = tidal_home.path / "final.safetensors"
-    proc, job = tidal_home.run(
+    job = tidal_home.start(
         "ray2",
         *ray_opts(two_nodes, "--workers", "2"),
         script_args=["--max-steps", "200", "--save", str(out)],
-        timeout=240,
     )
-    status = job.status()
-    assert proc.returncode == 0, f"{proc.stderr}\n{summarize(status)}\n{job.logs_tail()}"
-    assert status["state"] == "succeeded"
+    # The URL the workers reach the coordinator at, while the job runs (an ended job's
+    # status names none: nothing answers there any more).
+    url = job.wait_for(lambda s: s["url"] is not None, 120, "the job's url")["url"]
+    status = job.wait_state("succeeded", "failed", "stopped", timeout=240)
+    assert status["state"] == "succeeded", f"{summarize(status)}\n{job.logs_tail()}"
     assert status["metrics"]["accuracy"] > 0.9
     # One worker on each node: each node has room for one.
     assert node_ids(status) == {n.node_id for n in two_nodes.nodes}, summarize(status)
     assert [g["world_size"] for g in status["generations"]] == [2]
     # Workers reached the coordinator at the node's address, not at loopback.
-    host = urlparse(status["url"]).hostname
-    assert host and not host.startswith("127."), status["url"]
+    host = urlparse(url).hostname
+    assert host and not host.startswith("127."), url
     # Same mathematics as anywhere else: equal to a 1-worker local run.
     assert relative_l2(out, reference_params(200)) < 1e-4
     tidal_home.assert_no_processes()
