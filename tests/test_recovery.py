@@ -109,6 +109,7 @@ def test_control_round_trips_through_json_keys() -> None:
     c = Control(
         requested=3,
         failures=2,
+        loss_times=[1000.5, 2000.25],
         job_length=500,
         settled_step=40,
         schedule_done=1,

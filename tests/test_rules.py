@@ -37,9 +37,11 @@ from tidal.coordinator.rules import (
 )
 from tidal.coordinator.rules import Streak as S
 from tidal.protocol import WorkerState
+from tidal.restarts import parse_max_restarts
 
 EXITED, FAILED = WorkerState.EXITED, WorkerState.FAILED
 KILLED = dict(returncode=-9, how="killed by SIGKILL")
+R3, HOURLY2 = parse_max_restarts(3), parse_max_restarts("2/h")
 
 
 @pytest.mark.parametrize(
@@ -154,7 +156,7 @@ KILLED = dict(returncode=-9, how="killed by SIGKILL")
                 **KILLED,
                 was_member=True,
                 failures=3,
-                max_restarts=3,
+                max_restarts=R3,
                 target=4,
                 alive_others=2,
                 min_workers=1,
@@ -171,7 +173,7 @@ KILLED = dict(returncode=-9, how="killed by SIGKILL")
                 **KILLED,
                 was_member=True,
                 failures=3,
-                max_restarts=3,
+                max_restarts=R3,
                 target=4,
                 alive_others=3,
                 min_workers=3,
@@ -189,7 +191,7 @@ KILLED = dict(returncode=-9, how="killed by SIGKILL")
                 **KILLED,
                 was_member=True,
                 failures=3,
-                max_restarts=3,
+                max_restarts=R3,
                 target=4,
                 alive_others=1,
                 min_workers=2,
@@ -207,9 +209,88 @@ KILLED = dict(returncode=-9, how="killed by SIGKILL")
                 **KILLED,
                 was_member=True,
                 failures=2,
-                max_restarts=3,
+                max_restarts=R3,
                 target=2,
                 alive_others=1,
+                min_workers=2,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            None,
+        ),
+        # a rate (2/h): two losses in the hour before this one are past it: replacements
+        # stop, the target shrinks to what is left
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=40,
+                max_restarts=HOURLY2,
+                recent=(1000.0, 2000.0),
+                now=3000.0,
+                target=4,
+                alive_others=2,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            2,
+        ),
+        # ... one of them out of the window (a lifetime count of 40 does not matter): replaced
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=40,
+                max_restarts=HOURLY2,
+                recent=(1000.0, 2000.0),
+                now=4600.0,
+                target=4,
+                alive_others=2,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            True,
+            None,
+            None,
+        ),
+        # ... past the rate with fewer than --min-workers left: the job fails, saying the rate
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                max_restarts=HOURLY2,
+                recent=(2990.0, 2995.0),
+                now=3000.0,
+                target=2,
+                alive_others=1,
+                min_workers=2,
+            ),
+            FAILED,
+            "worker 3 failed",
+            True,
+            False,
+            "more than 2 workers were lost within an hour and 1 workers are left, fewer than "
+            "--min-workers 2",
+            None,
+        ),
+        # unlimited: the thousandth loss in a second is replaced like the first
+        (
+            dict(
+                **KILLED,
+                was_member=True,
+                failures=1000,
+                max_restarts=parse_max_restarts("unlimited"),
+                recent=(2999.0,) * 50,
+                now=3000.0,
+                target=2,
+                alive_others=0,
                 min_workers=2,
             ),
             FAILED,

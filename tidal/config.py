@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from tidal.restarts import DEFAULT_MAX_RESTARTS, RestartLimit, parse_max_restarts
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -278,9 +280,15 @@ class JobSpec:
             "scale-up or a failure's replacement joins at the next step (default {default})",
         ),
     )
-    max_restarts: int = field(
-        default=3,
-        metadata=flag("--max-restarts", "replacements after failures (default {default})"),
+    # An int (a spec saved before rates) or the flag's text: ``restarts.parse_max_restarts``.
+    max_restarts: int | str = field(
+        default=DEFAULT_MAX_RESTARTS,
+        metadata=flag(
+            "--max-restarts",
+            "lost workers replaced: N over the job's life, a rate N/h (also N/m, N/d) or "
+            "unlimited (default {default})",
+            type=str,
+        ),
     )
     checkpoint_every: int | None = field(
         default=None, metadata=flag("--checkpoint-every", "checkpoint every N steps")
@@ -408,12 +416,16 @@ class JobSpec:
             )
         if self.spares < 0:
             raise ValueError(f"--spares must be at least 0, got {self.spares}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be at least 0, got {self.max_restarts}")
+        parse_max_restarts(self.max_restarts)
         if self.comm not in COMMS:
             raise ValueError(f"--comm must be nccl, gloo or auto, got {self.comm!r}")
         if self.worker_start not in WORKER_STARTS:
             raise ValueError(f"--worker-start must be fork or exec, got {self.worker_start!r}")
+
+    @property
+    def restart_limit(self) -> RestartLimit:
+        """``max_restarts`` read (``restarts``): validated in ``__post_init__``."""
+        return parse_max_restarts(self.max_restarts)
 
     @property
     def checkpoints(self) -> bool:

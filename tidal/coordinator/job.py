@@ -43,6 +43,8 @@ class Job:
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
     generations: list[GenerationRecord] = field(default_factory=list)
     failures: int = 0  # lost workers, against --max-restarts
+    #: Wall times of the latest losses, as many as a rate of --max-restarts needs.
+    loss_times: list[float] = field(default_factory=list)
     outcome: JobState | None = None
     stop_requested_at: float | None = None  # monotonic
     #: A member's collective failed in the latest generation: re-form it.

@@ -30,6 +30,7 @@ from tidal.coordinator.rules import (
     to_kill,
 )
 from tidal.protocol import JobState, WorkerEnv, WorkerState, worker_token
+from tidal.restarts import keep_recent
 
 STOP_GRACE_S = 30.0
 # A longer gap between two passes of the control loop means the coordinator did not run
@@ -57,6 +58,7 @@ class Lifecycle:
             requested=control.requested,
             target=status.target_workers,
             failures=control.failures,
+            loss_times=list(control.loss_times),
             job_length=control.job_length,
             settled_step=control.settled_step,
             schedule_done=control.schedule_done,
@@ -109,6 +111,7 @@ class Lifecycle:
         control = Control(
             requested=self.job.requested,
             failures=self.job.failures,
+            loss_times=list(self.job.loss_times),
             job_length=self.job.job_length,
             settled_step=self.job.settled_step,
             schedule_done=self.job.schedule_done,
@@ -135,6 +138,7 @@ class Lifecycle:
             return
         w.exit_code = ex.returncode
         was_member = w.id in self.job.members
+        now, limit = time.time(), self.spec.restart_limit
         verdict = judge_exit(
             ExitFacts(
                 worker_id=w.id,
@@ -149,7 +153,9 @@ class Lifecycle:
                 job_decided=self.job.outcome is not None or self.job.script_stop is not None,
                 status_known=ex.known,
                 failures=self.job.failures,
-                max_restarts=self.spec.max_restarts,
+                max_restarts=limit,
+                recent=tuple(self.job.loss_times),
+                now=now,
                 target=self.job.target,
                 min_workers=self.spec.min_workers,
                 alive_others=sum(
@@ -163,6 +169,7 @@ class Lifecycle:
         self.event(verdict.kind, verdict.message)
         if verdict.lost:
             self.job.failures += 1
+            self.job.loss_times = keep_recent(limit, [*self.job.loss_times, now], now)
             if was_member:  # it explains its peers' failed collectives (``repeated_failure``)
                 self.job.failed_collectives = None
         if verdict.reform:

@@ -2,9 +2,10 @@
 
 A coordinator writes the job's rows (``db``) as it goes, and beside them a ``Control``
 record: what the rows do not hold but the control loop needs (the requested count, the
-failures so far, the job's length, the schedule's progress, a decided outcome, the latest
-generation's committed step, why workers were asked to leave, the failed collectives in a
-row at one step). ``rebuild`` turns both into
+failures so far and the times of the latest, for a rate of ``--max-restarts``, the job's
+length, the schedule's progress, a decided outcome, the latest generation's committed
+step, why workers were asked to leave, the failed collectives in a row at one step).
+``rebuild`` turns both into
 the records a new coordinator starts from; it is pure, so every rule has a table test.
 
 Rules (the new coordinator then applies them, see ``Coordinator._recover``):
@@ -42,6 +43,7 @@ class Control:
 
     requested: int
     failures: int = 0
+    loss_times: list[float] = field(default_factory=list)  # ``Job.loss_times``
     job_length: int | None = None
     settled_step: int = -1
     schedule_done: int = 0

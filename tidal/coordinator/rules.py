@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tidal.protocol import RecoveryPath, WorkerState
+from tidal.restarts import DEFAULT_MAX_RESTARTS, RestartLimit, parse_max_restarts, within
+
+DEFAULT_LIMIT = parse_max_restarts(DEFAULT_MAX_RESTARTS)
 
 
 # -- a worker's process ended ------------------------------------------------------------
@@ -33,7 +36,9 @@ class ExitFacts:
     job_decided: bool = False
     status_known: bool = True  # False: gone, its exit status unreadable (``Exit.known``)
     failures: int = 0  # lost workers so far, this one not counted
-    max_restarts: int = 3
+    max_restarts: RestartLimit = DEFAULT_LIMIT
+    recent: tuple[float, ...] = ()  # wall times of earlier losses (``restarts.keep_recent``)
+    now: float = 0.0  # wall time of this end
     target: int = 1
     min_workers: int = 1
     alive_others: int = 0
@@ -61,7 +66,8 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
     - Gone with its exit status unknown (an adopted worker, not our child) once it was asked
       to leave or the job was decided, and not killed by us: an exit.
     - Anything else (a signal, a lost machine, a kill for missed heartbeats) is a lost
-      worker: a member's loss re-forms the group without it; past ``--max-restarts`` losses
+      worker: a member's loss re-forms the group without it; past ``--max-restarts`` (a
+      count over the job's life, a rate in a sliding window, or unlimited: ``restarts``)
       the target shrinks to the workers left, and if fewer than ``--min-workers`` are left
       the job fails (it may not train below that for longer than a replacement takes).
     """
@@ -96,8 +102,7 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
             message=message,
             fail_job=f"worker {w} {why}" + (f": {f.detail}" if f.detail else ""),
         )
-    failures = f.failures + 1
-    if failures <= f.max_restarts:
+    if within(f.max_restarts, failures=f.failures, recent=f.recent, now=f.now):
         return ExitVerdict(
             state=WorkerState.FAILED,
             kind="failure",
@@ -112,7 +117,7 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
             message=message,
             lost=True,
             fail_job=(
-                f"the restart budget of {f.max_restarts} is spent and {f.alive_others} "
+                f"{f.max_restarts.spent()} and {f.alive_others} "
                 f"workers are left, fewer than --min-workers {f.min_workers}"
             ),
         )
@@ -123,7 +128,7 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
         lost=True,
         reform=f.was_member,
         target=max(f.min_workers, min(f.target, f.alive_others)),
-        target_why=f"restart budget of {f.max_restarts} spent",
+        target_why=f.max_restarts.spent_short(),
     )
 
 
