@@ -234,8 +234,8 @@ def test_a_float_setting_without_a_rule_is_a_programming_error():
         check_numbers(bare())
 
 
-RUNTIME = dict(store_host="h", store_port=1, store_namespace="ns", checkpoint_dir="/c",
-               resume_from=None)  # fmt: skip
+RUNTIME = dict(store_host="h", store_port=1, store_namespace="ns", store_key="0" * 64,
+               checkpoint_dir="/c", resume_from=None)  # fmt: skip
 
 
 def test_worker_config_takes_every_shared_setting_from_the_spec():
@@ -264,7 +264,9 @@ def test_policy_params_take_the_job_flags():
 def test_workers_beat_at_the_interval_or_a_fifth_of_the_timeout(interval, timeout, beat) -> None:
     job = spec(heartbeat_interval_s=interval, heartbeat_timeout_s=timeout)
     assert job.beat_interval_s == pytest.approx(beat)
-    cfg = WorkerConfig.from_spec(job, store_host="h", store_port=1, store_namespace="n")
+    cfg = WorkerConfig.from_spec(
+        job, store_host="h", store_port=1, store_namespace="n", store_key="0" * 64
+    )
     assert cfg.heartbeat_interval_s == pytest.approx(beat)  # what the workers are told
 
 

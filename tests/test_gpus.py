@@ -167,12 +167,10 @@ def _spec(**kw) -> JobSpec:
 
 def test_comm_and_share_gpus_are_spec_fields_with_flags_and_reach_the_workers():
     spec = _spec(comm="nccl", share_gpus=True)
-    config = WorkerConfig.from_spec(spec, store_host="h", store_port=1, store_namespace="n")
+    runtime = dict(store_host="h", store_port=1, store_namespace="n", store_key="0" * 64)
+    config = WorkerConfig.from_spec(spec, **runtime)
     assert config.comm == "nccl"
-    assert (
-        WorkerConfig.from_spec(_spec(), store_host="h", store_port=1, store_namespace="n").comm
-        == "auto"
-    )
+    assert WorkerConfig.from_spec(_spec(), **runtime).comm == "auto"
     with pytest.raises(ValueError, match=r"^--comm must be nccl, gloo or auto, got 'mpi'$"):
         _spec(comm="mpi")
 
@@ -338,6 +336,7 @@ def test_workers_sharing_gpus_get_gloo_for_auto(comm, share, worker_comm):
 
     spec = JobSpec(name="j", script="s.py", workers=1, max_workers=2, comm=comm, share_gpus=share)
     cfg = WorkerConfig.from_spec(
-        spec, store_host="h", store_port=1, store_namespace="n", checkpoint_dir=None,
+        spec, store_host="h", store_port=1, store_namespace="n", store_key="0" * 64,
+        checkpoint_dir=None,
     )
     assert cfg.comm == worker_comm

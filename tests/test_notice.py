@@ -15,6 +15,7 @@ import pytest
 
 from tidal.coordinator.records import WorkerRecord
 from tidal.protocol import WorkerConfig, WorkerState
+from tidal.store_auth import derive_key
 from tidal.worker.notice import Notices
 
 #: Long enough for the thread to wake on a key the coordinator set (it wakes in well under
@@ -48,6 +49,7 @@ def coord_and_notices(served_coordinator):
         store_host=coord.host,
         store_port=coord.executor.store.port,
         store_namespace=coord.store_namespace,
+        store_key=coord.store_key,
     )
     notices = Notices()
     notices.follow(cfg)
@@ -218,5 +220,9 @@ def _config(port: int) -> WorkerConfig:
 
     spec = JobSpec(name="notice-test", script="train.py", workers=1)
     return WorkerConfig.from_spec(
-        spec, store_host="127.0.0.1", store_port=port, store_namespace="tidal-test"
+        spec,
+        store_host="127.0.0.1",
+        store_port=port,
+        store_namespace="tidal-test",
+        store_key=derive_key("notice-test"),
     )

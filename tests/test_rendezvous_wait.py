@@ -16,6 +16,7 @@ from test_executor import coord  # noqa: F401 - the fixture
 from tidal.coordinator.actions import OpenGeneration
 from tidal.coordinator.controller import Coordinator
 from tidal.protocol import GenerationInfo
+from tidal.store_auth import AuthStore
 from tidal.store_keys import GEN_OPEN, generation_prefix, state_key
 from tidal.worker import group as grp
 
@@ -70,7 +71,8 @@ def test_a_waiting_member_wakes_when_the_coordinator_abandons_its_generation(
 ) -> None:
     latest = coord.job.latest
     info = latest.info()
-    waiting = Counting(client(coord.executor.store_port))
+    # a member's client: the coordinator's values are authenticated (``store_auth``)
+    waiting = Counting(AuthStore(client(coord.executor.store_port), coord.store_key))
     t, out = wait_in_thread(waiting, info)
     time.sleep(0.3)
     assert t.is_alive() and not out

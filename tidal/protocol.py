@@ -146,9 +146,13 @@ class WorkerConfig(BaseModel):
     collective_timeout_s: float
     store_host: str
     store_port: int
-    store_namespace: (
-        str  # every store key of the job lives under it (see store_keys.generation_prefix)
-    )
+    # Every store key of the job lives under it (``store_keys.generation_prefix``); it
+    # keeps jobs and coordinators apart, it is no secret (a store client can list keys).
+    store_namespace: str
+    # The job's store key, hex (``store_auth.derive_key`` of the job's token): every value a
+    # member reads from the store is authenticated with it (``store_auth.AuthStore``). Only
+    # authenticated workers receive it (in their registration answer); never shown.
+    store_key: str = Field(repr=False, min_length=64, max_length=64)
     hold_steps: list[int] = Field(default_factory=list)
     checkpoint_dir: str | None = None  # None: no durable checkpoints
     # The run that owns ``checkpoint_dir`` (``checkpoint.fence``): writes of a run that a
@@ -172,7 +176,7 @@ class WorkerConfig(BaseModel):
     def from_spec(cls, spec: JobSpec, **runtime: object) -> WorkerConfig:
         """The one place a worker's settings are drawn from its job: every field named as a
         ``JobSpec`` field takes the spec's value, ``hold_steps`` its schedule's steps;
-        ``runtime`` is what the coordinator chose (the store's address and namespace, the
+        ``runtime`` is what the coordinator chose (the store's address, namespace and key, the
         checkpoint folder, a checkpoint to resume from)."""
         names = {f.name for f in fields(spec)} & set(cls.model_fields)
         shared = {name: getattr(spec, name) for name in names}
@@ -353,6 +357,10 @@ class FailureKind(str, Enum):
     # heal's ``ModelMismatch``) or its data split (``identity.ScriptMismatch``). No re-form
     # can mend it; the job fails saying so.
     SCRIPT_MISMATCH = "script_mismatch"
+    # A value read from the rendezvous store was not authenticated by the job's store key
+    # (``store_auth.ForgedValue``, naming the key): refused, never acted on; the coordinator
+    # records it as a security event and re-forms, as after a failed collective.
+    FORGED_STORE = "forged_store"
 
 
 class FailureReport(BaseModel):

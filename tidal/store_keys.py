@@ -2,10 +2,13 @@
 TCPStore, by name (the rendezvous, the change counter, the members' steps, the process
 groups' own keys).
 
-Every key a job uses lives under a random namespace the coordinator hands only to
-authenticated workers (``WorkerConfig.store_namespace``): whoever can reach the store's
-port but holds no worker credential cannot name a key of the job, so a forged key cannot
-complete, abandon or stall a rendezvous.
+Every key lives under the coordinator's random namespace (``WorkerConfig.store_namespace``).
+The namespace keeps jobs, and a job's successive coordinators, apart; it is **not** a
+secret: any client that reaches the store's port can list every key
+(``TCPStore.list_keys``), the namespace included. What protects the members is that every
+value they read is authenticated with the job's store key (``store_auth``): a key an
+outsider writes is refused, naming it, never acted on. Counters (``add``) carry no tag:
+what each one can do when forged is said where it is defined.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ def notice_key(namespace: str) -> str:
     """A counter the coordinator adds 1 to whenever it publishes a change members must act
     on at a step boundary (a new generation, a stop, the job's end; a closing rank 0
     moves it too, to wake its own waiting thread): rank 0 follows it (``worker.notice``),
-    so a change reaches the group at the next step, not at the next heartbeat."""
+    so a change reaches the group at the next step, not at the next heartbeat. Forged, it
+    only makes rank 0 fetch an answer from the authenticated API for nothing."""
     return f"{namespace}/notice"
 
 
@@ -39,6 +43,9 @@ def state_key(prefix: str) -> str:
 
 
 def arrived_key(prefix: str) -> str:
+    """A counter: each member adds 1 on arriving. Forged, it can only make the rendezvous
+    time out or complete early; the group still forms only with the generation's members,
+    whose addresses are authenticated."""
     return f"{prefix}/arrived"
 
 

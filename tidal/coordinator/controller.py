@@ -60,6 +60,7 @@ from tidal.policy.inputs import PolicyParams
 from tidal.policy.registry import get_policy
 from tidal.protocol import EventView, JobState, WorkerState
 from tidal.sim.trace import load_trace
+from tidal.store_auth import AuthStore, derive_key
 
 
 class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
@@ -108,13 +109,18 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
                 target_workers=spec.workers,
             )
         )
-        # Every store key of the job lives under this secret (``store_keys.generation_prefix``):
-        # only workers, which get it through the authenticated API, can name a key.
+        # Every store key of this coordinator lives under it (``store_keys.generation_prefix``):
+        # it keeps jobs and coordinators apart; it is no secret (a client can list keys).
         self.store_namespace = secrets.token_hex(16)
+        # What authenticates every value in the store (``store_auth``): workers get it
+        # through the authenticated API; the same for a restarted coordinator (same token).
+        self.store_key = derive_key(self.token)
         #: The only door to the world: worker processes, the store, the records.
         self.executor = Executor(
             backend=backend,
-            store=_bound_store(self.host, hosting.store_sock if hosting else None),
+            store=AuthStore(
+                _bound_store(self.host, hosting.store_sock if hosting else None), self.store_key
+            ),
             namespace=self.store_namespace,
             journal=journal,
         )

@@ -114,6 +114,7 @@ class Effects:
                 store_host=self.host,
                 store_port=self.executor.store_port,
                 store_namespace=self.store_namespace,
+                store_key=self.store_key,
                 checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
                 checkpoint_fence=self.fence_epoch,
                 resume_from=self.resume.path if self.resume else None,
@@ -191,6 +192,8 @@ class Effects:
 
     def _apply_failure(self, wid: int, r: FailureReport) -> None:
         self._caller(wid)
+        if r.kind == FailureKind.FORGED_STORE:  # told whatever it led to (``store_auth``)
+            self.event("security", f"worker {wid} refused a forged store value: {r.error}")
         latest = self.job.latest
         if latest is None or r.generation != latest.id or self.job.outcome is not None:
             return  # a newer generation already answers it
@@ -205,9 +208,11 @@ class Effects:
                 self.job.state_lost = (latest.id, f"worker {wid}: {r.error}")
                 self.wake.set()
             return
-        self.event(
-            "failure", f"worker {wid} reported a failed collective at step {r.step}: {r.error}"
-        )
+        what = "a failed collective"
+        if r.kind == FailureKind.FORGED_STORE:
+            what = "a forged store value"  # its event is out already (above)
+        else:
+            self.event("failure", f"worker {wid} reported {what} at step {r.step}: {r.error}")
         req = self.job.reform_requested
         if req is not None and req.generation == latest.id:  # another member's report of it
             if wid not in req.reporters:
@@ -219,7 +224,7 @@ class Effects:
         self.job.reform_requested = ReformRequest(
             at=time.monotonic(),
             generation=latest.id,
-            why=f"worker {wid} reported a failed collective",
+            why=f"worker {wid} reported {what}",
             worker_id=wid,
             step=r.step,
             error=r.error,

@@ -17,6 +17,7 @@ host stops the job (``host.runner``), the copy in memory still changing.
 from __future__ import annotations
 
 import signal
+import time
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,8 @@ from tidal.coordinator.actions import (
     SignalWorker,
     StartWorker,
 )
+from tidal.protocol import EventView
+from tidal.store_auth import ForgedValue
 from tidal.store_keys import (
     GEN_ABANDONED,
     GEN_OPEN,
@@ -65,13 +68,14 @@ RECENT = 256
 
 class Executor:
     """Carries out actions for one job's coordinator: ``backend`` its worker processes,
-    ``store`` its rendezvous store (keys under ``namespace``), ``journal`` its records."""
+    ``store`` its rendezvous store (keys under ``namespace``; an ``AuthStore``, so every value
+    it writes is authenticated), ``journal`` its records."""
 
     def __init__(
         self,
         *,
         backend: Backend,
-        store: dist.TCPStore,
+        store: dist.Store,
         namespace: str,
         journal: Journal,
     ) -> None:
@@ -136,8 +140,17 @@ class Executor:
 
     def _abandon(self, prefix: str) -> None:
         """Abandon generation ``prefix`` unless it formed, and wake its waiting members
-        (``store_keys.settled_key``)."""
-        self.store.compare_set(state_key(prefix), GEN_OPEN, GEN_ABANDONED)
+        (``store_keys.settled_key``). A state the coordinator's key does not authenticate
+        (``store_auth.ForgedValue``: an outsider overwrote it) is replaced by ``abandoned``,
+        with a security event naming the key: a newer generation is open by then, so no
+        member of this one may form it anyway."""
+        key = state_key(prefix)
+        try:
+            self.store.compare_set(key, GEN_OPEN, GEN_ABANDONED)
+        except ForgedValue as exc:
+            self.store.set(key, GEN_ABANDONED)
+            event = EventView(time=time.time(), kind="security", message=f"coordinator: {exc}")
+            self.do(RecordEvent(event=event))
         self.store.set(settled_key(prefix), b"")
 
     def prepare(self, zygote: Zygote | None) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tidal import devices
+from tidal.store_auth import AuthStore
 from tidal.worker import busy, ddp, identity, landing, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent
@@ -214,14 +215,16 @@ class ElasticLoop(ScriptStop):
 
     def _connect_store(self) -> None:
         """A client of the store named by the newest registration (a restarted coordinator
-        serves a new one: ``Agent.epoch`` tells)."""
+        serves a new one: ``Agent.epoch`` tells), authenticating values with its key."""
         cfg = self._agent.config
         self._store_epoch = self._agent.epoch
         self._cfg = cfg
         self._agreed = False  # a new store holds no settings yet: agree again (``identity``)
-        self._store = dist.TCPStore(
+        client = dist.TCPStore(
             cfg.store_host,
             cfg.store_port,
             is_master=False,
             timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
         )
+        # Every value read through it is authenticated; c10d's keys too (``store_auth``).
+        self._store = AuthStore(client, cfg.store_key)

@@ -227,6 +227,9 @@ class _Superseded(dist.Store):
             if self._inner.check(keys):
                 return
             if self._outer.check(self._abort):
+                # Read, not only seen: through an ``AuthStore`` a key the coordinator did
+                # not write raises ``ForgedValue`` here instead of abandoning the forming.
+                self._outer.get(self._abort[0])
                 raise Superseded("a newer generation was opened while this one formed")
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"wait timed out after {limit:.0f} s for {keys}")

@@ -10,6 +10,10 @@ boundaries). Contracts:
   otherwise wait for it forever.
 - Every failure to form, heal or communicate is reported with the generation it happened
   in, so the coordinator can tell a fresh fact from one a newer generation already answers.
+- A value read from the store that the job's key does not authenticate (a peer's address,
+  step, the rendezvous state, the settings: ``store_auth.ForgedValue``) is never acted on:
+  the member leaves the generation and reports it as ``FailureKind.FORGED_STORE``, naming
+  the key; the coordinator records a security event and re-forms.
 - Healing never trains from scratch: a generation that holds nobody with the job's state
   raises ``StateLost``, and only a coordinator-chosen checkpoint (``resume_from``) restores
   it. A member whose heal was cut while it received (``HealInterrupted``) holds a mix of
@@ -30,6 +34,7 @@ import torch.distributed as dist
 from tidal import devices
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import FailureKind, GenerationInfo, HeartbeatResponse, RecoveryPath, Role
+from tidal.store_auth import ForgedValue
 from tidal.worker import ddp, identity, probes
 from tidal.worker import group as grp
 from tidal.worker.heal import (
@@ -62,7 +67,9 @@ class Membership:
     ) -> None:
         """Tell the coordinator this member left ``generation`` (the one it was training or
         forming in: a report naming an older one would be ignored as already answered)."""
-        what = "collective" if kind == FailureKind.COLLECTIVE else "healing"
+        what = {FailureKind.COLLECTIVE: "collective", FailureKind.FORGED_STORE: "store read"}.get(
+            kind, "healing"
+        )
         print(
             f"tidal: worker {self.worker_id}: {what} failed in generation "
             f"{generation} at step {self.step}: {type(exc).__name__}: {exc}",
@@ -254,6 +261,9 @@ class Membership:
                     self._report_failure(info.id, grp.RendezvousTimeout(info, self._store))
                 if outcome != grp.Arrival.FORMED:
                     continue
+            except ForgedValue as exc:  # refused, never acted on: the coordinator re-forms
+                self._report_failure(info.id, exc, kind=FailureKind.FORGED_STORE)
+                continue
             except dist.DistError as exc:
                 # The store went away with its coordinator: wait for the next one (the
                 # heartbeat registers with it), then join what it decides. That may be a
@@ -281,6 +291,10 @@ class Membership:
             except ModelMismatch as exc:  # the job cannot go on: the coordinator fails it
                 self._leave_group(failed=True)
                 self._report_failure(info.id, exc, kind=FailureKind.SCRIPT_MISMATCH)
+            except ForgedValue as exc:  # a peer's address or step, refused (``store_auth``)
+                self._failed_forms += 1
+                self._leave_group(failed=True)
+                self._report_failure(info.id, exc, kind=FailureKind.FORGED_STORE)
             except Exception as exc:  # noqa: BLE001 - a peer failed while we formed
                 if isinstance(exc, HealInterrupted):  # a mix of two steps: never a source
                     self._has_state = False

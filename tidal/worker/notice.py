@@ -37,6 +37,7 @@ import threading
 import torch.distributed as dist
 
 from tidal.protocol import WorkerConfig
+from tidal.store_auth import AuthStore
 from tidal.store_keys import notice_key, notice_wake_key
 
 TIMEOUT_S = 2.0
@@ -45,17 +46,21 @@ JOIN_S = 1.0
 _FOREVER = datetime.timedelta(days=365)
 
 
-def _connect(host: str, port: int) -> dist.TCPStore:
+def _connect(host: str, port: int, store_key: str) -> AuthStore:
+    """A client of the store; the wake keys it sets are authenticated (``store_auth``: the
+    counter itself is not, and need not be: a forged count only makes rank 0 fetch an answer
+    from the authenticated API for nothing)."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return AuthStore(dist.TCPStore(host, port, is_master=False, timeout=timeout), store_key)
 
 
 class _Waiter:
     """One thread following one store's counter: ``latest`` is the highest count it read
     (None before its first read), ``failed`` is set when the store went away."""
 
-    def __init__(self, host: str, port: int, namespace: str) -> None:
+    def __init__(self, host: str, port: int, namespace: str, store_key: str) -> None:
         self._host, self._port, self._namespace = host, port, namespace
+        self._store_key = store_key
         self.latest: int | None = None
         self.failed = False
         self.moved = threading.Condition()  # notified at each new count, and on failure
@@ -66,7 +71,7 @@ class _Waiter:
     def _run(self) -> None:
         key = notice_key(self._namespace)
         try:
-            client = _connect(self._host, self._port)
+            client = _connect(self._host, self._port, self._store_key)
             while True:
                 n = client.add(key, 0)
                 if self.latest is None or n > self.latest:
@@ -92,7 +97,7 @@ class _Waiter:
         if not self._thread.is_alive():
             return
         try:
-            client = _connect(self._host, self._port)
+            client = _connect(self._host, self._port, self._store_key)
             n = client.add(notice_key(self._namespace), 1)
             client.set(notice_wake_key(self._namespace, n), b"")
         except (dist.DistError, RuntimeError):
@@ -102,7 +107,7 @@ class _Waiter:
 
 class Notices:
     def __init__(self) -> None:
-        self._where: tuple[str, int, str] | None = None
+        self._where: tuple[str, int, str, str] | None = None
         self._client: dist.Store | None = None
         self._waiter: _Waiter | None = None
         self._seen: int | None = None
@@ -112,7 +117,7 @@ class Notices:
     def follow(self, cfg: WorkerConfig) -> None:
         """Follow the counter of the store ``cfg`` names (a new registration may name a new
         one)."""
-        where = (cfg.store_host, cfg.store_port, cfg.store_namespace)
+        where = (cfg.store_host, cfg.store_port, cfg.store_namespace, cfg.store_key)
         if where != self._where:
             self.close()
             self._where, self._client, self._seen, self.broken = where, None, None, False
@@ -180,10 +185,10 @@ class Notices:
     def _read(self) -> int | None:
         if self.broken or self._where is None:
             return None
-        host, port, namespace = self._where
+        host, port, namespace, store_key = self._where
         try:
             if self._client is None:
-                self._client = _connect(host, port)
+                self._client = _connect(host, port, store_key)
             return self._client.add(notice_key(namespace), 0)
         except (dist.DistError, RuntimeError):
             self._client, self.broken = None, True

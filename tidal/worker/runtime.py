@@ -230,7 +230,7 @@ class Trainer(ElasticLoop, Membership, ShardedSteps, Reports):
         self._eval_calls: tuple[tuple[int, int] | None, int] = (None, 0)
         self._debug_on = bool(os.environ.get("TIDAL_DEBUG"))
         self._agent: Agent | None = None
-        self._store: dist.TCPStore | None = None
+        self._store: dist.Store | None = None  # an ``AuthStore`` (``_connect_store``)
         self._notices = Notices()  # rank 0's view of the coordinator's change counter
         self._stopping = False
         self._last_rank: int | None = None  # rank in the last generation this worker formed
