@@ -417,3 +417,28 @@ class Home:
         left += [p for p in self.live_processes() if p not in left]
         if left:
             raise RuntimeError(f"could not kill processes of {self.path}: {left}")
+
+
+# -- the store, as an outsider finds it ---------------------------------------------------
+def store_port(job: Job) -> int:
+    """The rendezvous store's port, as an intruder would find it: by scanning the
+    coordinator's listening sockets (its API port is the other one)."""
+    pid = job.coordinator_info()["pid"]
+    api_port = int(job.coordinator_info()["url"].rsplit(":", 1)[1])
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:
+                ports.add(int(cols[1].rpartition(":")[2], 16))
+    ports.discard(api_port)
+    assert len(ports) == 1, ports
+    return ports.pop()

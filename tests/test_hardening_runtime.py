@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from e2e_helpers import Home, event_messages, relative_l2, summarize, workers_by_id
+from e2e_helpers import Home, event_messages, relative_l2, store_port, summarize, workers_by_id
 from ranks import run_ranks
 
 from tidal.worker import group as grp
@@ -371,7 +371,7 @@ def test_forged_store_keys_cannot_stall_a_rendezvous(tidal_home: Home) -> None:
     )
     job.wait_running(min_step=5, timeout=60)
     host = job.coordinator_info()["url"].removeprefix("http://").rsplit(":", 1)[0]
-    intruder = dist.TCPStore(host, _store_port(job), is_master=False, wait_for_workers=False)
+    intruder = dist.TCPStore(host, store_port(job), is_master=False, wait_for_workers=False)
     for gen in range(1, 12):  # every key name an intruder could guess
         intruder.add(f"gen{gen}/arrived", 1000)
         intruder.set(f"gen{gen}/state", "abandoned")
@@ -385,27 +385,3 @@ def test_forged_store_keys_cannot_stall_a_rendezvous(tidal_home: Home) -> None:
     job.wait_for(lambda s: s["step"] > step + 5, timeout=30, what="training goes on")
     assert job.stop().returncode == 0
     assert job.wait_state("stopped", timeout=60)["state"] == "stopped"
-
-
-def _store_port(job) -> int:
-    """The rendezvous store's port, as an intruder would find it: by scanning the
-    coordinator's listening sockets (its API port is the other one)."""
-    pid = job.coordinator_info()["pid"]
-    api_port = int(job.coordinator_info()["url"].rsplit(":", 1)[1])
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:
-                ports.add(int(cols[1].rpartition(":")[2], 16))
-    ports.discard(api_port)
-    assert len(ports) == 1, ports
-    return ports.pop()

@@ -5,7 +5,8 @@ Faults are named in ``TIDAL_FAULTS``, which the launcher passes through to every
 ``tidal.testing.fault_env`` sets it together with the ``PYTHONPATH`` whose ``sitecustomize``
 calls ``install_from_environ`` in each worker. The library never reads it. The format is a ``;``-separated
 list of ``KIND@worker=W[,step=S][,phase=P][,gen=G][,id=X]`` where KIND is ``sigkill``,
-``sigstop``, ``sigterm`` (a preemption notice to itself) or ``raise``, ``step`` is the
+``sigstop``, ``sigterm`` (a preemption notice to itself), ``raise`` or ``hold`` (the
+worker waits there until the test lets it go on: see below), ``step`` is the
 0-based global step (omitted: any), ``gen`` the generation being joined or trained in
 (omitted: any), ``id`` any token that tells two otherwise equal faults apart, and ``phase``
 one of:
@@ -35,6 +36,12 @@ whichever worker id that turns out to be. Each fault fires once, the first time 
 between faults), again whenever the file changes: a campaign arms a fault while the job
 runs (``bench.chaos``). Every fault that fires first prints one line to stderr (the
 worker's log): ``tidal-fault: SPEC fired at step S phase P gen G time T``.
+
+``hold`` needs ``@PATH``: the worker writes the file ``PATH.held`` (its spec) and waits,
+without timing out before ``HOLD_S``, until the file ``PATH.release`` exists. A test acts on
+the job meanwhile, at a moment it does not race for (an outsider's write to the store
+between a member's publishing of its address and its reading of its peers', at
+``phase=connect``).
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ from dataclasses import dataclass
 from tidal.worker import probes
 from tidal.worker.probes import PHASES
 
-KINDS = ("sigkill", "sigstop", "sigterm", "raise")
+KINDS = ("sigkill", "sigstop", "sigterm", "raise", "hold")
 FIRED_PREFIX = "tidal-fault:"
+HOLD_S = 120.0  # the most a ``hold`` waits for its release
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,9 +156,20 @@ class FaultInjector:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 elif fault.kind == "sigterm":
                     os.kill(os.getpid(), signal.SIGTERM)
+                elif fault.kind == "hold":
+                    self._hold(fault)
                 else:
                     raise RuntimeError(f"injected fault at step {step} ({phase})")
                 return
+
+    def _hold(self, fault: Fault) -> None:
+        if self._path is None:
+            raise RuntimeError("a hold fault needs TIDAL_FAULTS=@PATH (its release file)")
+        with open(f"{self._path}.held", "w") as f:
+            f.write(fault.spec)
+        deadline = time.monotonic() + HOLD_S
+        while not os.path.exists(f"{self._path}.release") and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def install_from_environ() -> FaultInjector | None:
