@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from tidal.preemption import DEFAULT_POLL_S, notice_source_error
 from tidal.restarts import DEFAULT_MAX_RESTARTS, RestartLimit, parse_max_restarts
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -290,6 +291,23 @@ class JobSpec:
             type=str,
         ),
     )
+    preemption_notice: str | None = field(
+        default=None,
+        metadata=flag(
+            "--preemption-notice",
+            "each worker polls its machine's spot notices, aws, gcp or azure (their metadata "
+            "endpoints), or a URL answering as AWS's spot/instance-action ({{worker}}: the "
+            "worker's id); a notice is a planned leave, as SIGTERM",
+        ),
+    )
+    preemption_poll_s: float = field(
+        default=DEFAULT_POLL_S,
+        metadata=flag(
+            "--preemption-poll",
+            "seconds between two reads of --preemption-notice (default {default})",
+            upper=3600.0,
+        ),
+    )
     checkpoint_every: int | None = field(
         default=None, metadata=flag("--checkpoint-every", "checkpoint every N steps")
     )
@@ -417,6 +435,8 @@ class JobSpec:
         if self.spares < 0:
             raise ValueError(f"--spares must be at least 0, got {self.spares}")
         parse_max_restarts(self.max_restarts)
+        if (why := notice_source_error(self.preemption_notice)) is not None:
+            raise ValueError(why)
         if self.comm not in COMMS:
             raise ValueError(f"--comm must be nccl, gloo or auto, got {self.comm!r}")
         if self.worker_start not in WORKER_STARTS:

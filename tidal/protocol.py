@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, Field, PlainSerializer
 
+from tidal.preemption import DEFAULT_POLL_S
+
 if TYPE_CHECKING:
     from tidal.config import JobSpec
 
@@ -171,6 +173,9 @@ class WorkerConfig(BaseModel):
     # The job's name: the same in every worker, through resizes and ``tidal resume`` (the
     # stable run id a tracker needs: ``Trainer.job_name``). A default, as ``comm``.
     name: str | None = None
+    # ``--preemption-notice`` (None: SIGTERM only) and its polling period (``cloud_watch``).
+    preemption_notice: str | None = None
+    preemption_poll_s: float = DEFAULT_POLL_S
 
     @classmethod
     def from_spec(cls, spec: JobSpec, **runtime: object) -> WorkerConfig:
@@ -294,7 +299,8 @@ class StepSeries(BaseModel):
 
 
 class HeartbeatRequest(BaseModel):
-    """``leaving``: the worker got a preemption notice (SIGTERM) and asks to leave at the
+    """``leaving``: the worker got a preemption notice (SIGTERM, or its cloud's metadata:
+    ``notice`` says which) and asks to leave at the
     next step boundary, a planned leave rather than a failure. ``holding``: the member has
     committed ``step``, one of ``WorkerConfig.hold_steps``, and waits there; the coordinator
     answers once it has settled that step, or changed the generation, stopped or ended the
@@ -307,6 +313,8 @@ class HeartbeatRequest(BaseModel):
     step: Step = 0
     generation: Id = 0
     leaving: bool = False
+    # Where the notice came from: "SIGTERM", or the cloud's words (``--preemption-notice``).
+    notice: str | None = Field(default=None, max_length=200)
     holding: bool = False
     approaching: bool = False
     # Seconds this member has been in the script outside Tidal's collectives (its step's

@@ -134,6 +134,7 @@ class Effects:
             self._on_checkpoint_failure(f)
         if req.leaving and w.id not in self.job.leaving and not w.retired:
             self.job.leaving.append(w.id)
+            w.notice = w.notice or req.notice
         for report in req.reports:
             self._on_step_report(report)
         if req.leaving or schedule_near(self.spec.schedule, req.step):

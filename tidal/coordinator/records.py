@@ -27,6 +27,7 @@ class WorkerRecord:
     kill_reason: str | None = None  # why the coordinator killed it, if it did
     stopping_since: float | None = None  # monotonic time it was asked to exit
     preempted: bool = False  # the coordinator sent it a preemption notice
+    notice: str | None = None  # where the notice it announced came from (SIGTERM, a cloud's)
     # False for a worker a previous coordinator started, until it registers again with this
     # one (``recovery``): its calls are answered 409 (``ReRegister``) until then.
     adopted: bool = True

@@ -115,5 +115,5 @@ class Scaling:
             if was_member:
                 self._open(
                     [m for m in self.job.members if m != w.id],
-                    f"worker {w.id} left: preemption notice (SIGTERM)",
+                    f"worker {w.id} left: preemption notice ({w.notice or 'SIGTERM'})",
                 )

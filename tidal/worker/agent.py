@@ -95,6 +95,7 @@ class Agent:
         self._step_metrics: list[StepMetrics] = []
         self._step_metrics_dropped = 0
         self.leaving = False  # a preemption notice arrived: leave at the next step boundary
+        self.notice: str | None = None  # where it came from (``announce_leaving``)
         self._closed = False
         self._thread: threading.Thread | None = None
         self.step = 0
@@ -184,6 +185,7 @@ class Agent:
                 step=self.step,
                 generation=self.generation,
                 leaving=self.leaving,
+                notice=self.notice,
                 script_s=self.script_s(),
                 metrics=self._metrics,
                 reports=self._reports,
@@ -370,13 +372,21 @@ class Agent:
             self._checkpoint_failures.append(CheckpointFailure(step=step, error=error[:2000]))
         self._wake.set()
 
+    def announce_leaving(self, why: str) -> None:
+        """A preemption notice (``why``: where from): ask the coordinator, with the next
+        heartbeat (sent now), to let this worker leave, a planned leave at the next step
+        boundary: its peers already hold the state. Safe from a signal handler and from
+        any thread (``cloud_watch``); the first notice's words are kept."""
+        if self.notice is None:
+            self.notice = why[:200]
+        self.leaving = True
+        self._wake.set()
+
     def install_preemption_handler(self) -> None:
-        """SIGTERM becomes a notice: ask the coordinator to let this worker leave (a planned
-        leave at the next step boundary: its peers already hold the state)."""
+        """SIGTERM becomes a notice (``announce_leaving``)."""
 
         def on_sigterm(signum: int, frame: object) -> None:
-            self.leaving = True
-            self._wake.set()
+            self.announce_leaving("SIGTERM")
 
         signal.signal(signal.SIGTERM, on_sigterm)
 

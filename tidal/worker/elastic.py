@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.store_auth import AuthStore
-from tidal.worker import busy, ddp, identity, landing, probes
+from tidal.worker import busy, cloud_watch, ddp, identity, landing, probes
 from tidal.worker import group as grp
 from tidal.worker.agent import Agent
 from tidal.worker.durable import Durable
@@ -58,6 +58,12 @@ class ElasticLoop(ScriptStop):
         self._agent.install_preemption_handler()
         cfg = self._agent.register(max_steps=max_steps).config
         self._cfg = cfg
+        self._cloud_watch = cloud_watch.start(
+            cfg.preemption_notice,
+            self.worker_id,
+            self._agent.announce_leaving,
+            period_s=cfg.preemption_poll_s,
+        )
         self._start_comm(cfg.comm)
         self._durable = Durable(cfg, self._agent)
         self._agent.post_metrics(  # the coordinator's cost projection and policy need these
@@ -156,6 +162,8 @@ class ElasticLoop(ScriptStop):
             if self._watch is not None:
                 self._watch.stop()
             self._notices.close()
+            if self._cloud_watch is not None:
+                self._cloud_watch.close()
             try:
                 self._agent.report_done(step=self.step, completed=self.completed)
             finally:

@@ -244,9 +244,9 @@ class Update:
             self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if self.clip_grad_norm is not None and grad_norm is not None:
             # clip_grad_norm_'s coefficient, on each member's shard
-                coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))
-                for p in params:
-                    getattr(p.grad, "_local_tensor", p.grad).mul_(coef)
+            coef = min(1.0, self.clip_grad_norm / (grad_norm + 1e-6))
+            for p in params:
+                getattr(p.grad, "_local_tensor", p.grad).mul_(coef)
         self._only_here.stepping = True
         try:
             if scaler is not None:
