@@ -235,7 +235,7 @@ def test_errors_back_off_and_are_said_once(server: NoticeServer, caplog) -> None
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         for i, gap in enumerate(gaps[:6]):
             assert gap >= 0.02 * 2**i * 0.9, gaps  # after the (i+1)-th error in a row
-        assert max(gaps[6:9]) < 0.3, gaps  # answering again: back to the period
+        assert max(gaps[6:9]) < 0.5, gaps  # answering again: the period, not 0.64 s
         said = [r.getMessage() for r in caplog.records if r.name == WATCH_LOG]
         assert len(said) == 2, said
         assert "does not answer" in said[0] and "HTTP 500" in said[0]

@@ -14,8 +14,9 @@ Contract:
   provider does not document) ``preemption.retry_delay``: capped exponential backoff with
   jitter. The first error is said once in the worker's log (a warning), and the first
   answer after it once more; nothing else is logged until a notice.
-- a notice is acted on once; the thread then ends. ``close`` stops it (within a request's
-  timeout at most; it is a daemon thread and never holds up the process's exit).
+- a notice is acted on once; the thread then ends. ``close`` stops it (at once between
+  requests, within a request's timeout otherwise; a daemon thread, it never holds up the
+  process's exit).
 - nothing it meets ends the worker: any exception in a poll counts as an error.
 - no proxy: the metadata servers are link-local, and ``HTTP_PROXY`` must not reach them.
 """
@@ -184,10 +185,13 @@ class Watcher:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.2) -> None:
+        """Stop polling. Waits at most ``wait_s`` for the thread: one inside a request ends
+        within the request's timeout on its own, and a worker's end (its done report comes
+        after this) must not wait for an endpoint that does not answer."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.timeout_s + 1)
+            self._thread.join(timeout=wait_s)
 
     def _run(self) -> None:
         with httpx.Client(timeout=self.timeout_s, trust_env=False) as client:
