@@ -34,6 +34,7 @@ MEASUREMENTS = (
     "capacity",
     "fsdp_reshard",
     "tracked_copy",
+    "store_auth",
 )
 
 SIZES = {
@@ -49,19 +50,19 @@ SIZES = {
         tput_steps=300, tput_reps=8, events=48, joins=2, kills=10, peer_kills=3, mb=100, reps=5,
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
-        fsdp_steady=60, tc_steps=600,
+        fsdp_steady=60, tc_steps=600, sa_gens=200,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=2, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
         ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
-        fsdp_steady=30, tc_steps=300,
+        fsdp_steady=30, tc_steps=300, sa_gens=80,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
         ckcpu_reps=1, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=1,
-        fsdp_steady=5, tc_steps=30,
+        fsdp_steady=5, tc_steps=30, sa_gens=10,
     ),
 }  # fmt: skip
 
@@ -82,6 +83,7 @@ GOALS = {
     "control_plane_1024": "Tidal p99 < 50 ms on one core",
     "time_to_capacity_spare": "Tidal <= 1 s",
     "cold_start": "Tidal <= 4 s and below torchrun",
+    "store_auth_reform": "Tidal <= 1.25x unauthenticated (ratio >= 0.8), 0 values per step",
 }
 
 
@@ -112,6 +114,8 @@ def met(r: dict, extra: dict) -> bool | None:
         return t <= 1.0
     if name == "cold_start":
         return t <= 4.0 and ratio > 1
+    if name == "store_auth_reform":
+        return ratio >= 0.8 and extra.get("values_per_step") == 0
     return None
 
 
@@ -390,6 +394,19 @@ def run_tracked_copy(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     return [r | {"peer_name": "floor", "peer_config": res["config"]}], res
 
 
+def run_store_auth(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    from bench import store_auth
+
+    res = store_auth.measure(tmp, generations=size["sa_gens"])
+    log(
+        f"store auth: re-form {res['auth_s'] * 1e3:.2f} ms against {res['raw_s'] * 1e3:.2f} ms "
+        f"unauthenticated; {res['values_per_reform']} values per re-form and member, "
+        f"{res['values_per_step']:g} per step"
+    )
+    r = row("store_auth_reform", res["auth_s"], res["raw_s"], "s", higher_is_better=False)
+    return [r | {"peer_name": "unauthenticated store", "peer_config": res["config"]}], res
+
+
 RUNNERS = {
     "throughput": (run_throughput, ["throughput_ws1", "throughput_ws2"], "samples/s"),
     "rescale": (run_rescale, ["rescale_pause_p50"], "s"),
@@ -432,6 +449,7 @@ RUNNERS = {
         "s",
     ),
     "tracked_copy": (run_tracked_copy, ["tracked_copy_overhead"], "steps/s"),
+    "store_auth": (run_store_auth, ["store_auth_reform"], "s"),
 }
 
 
@@ -472,7 +490,8 @@ def print_table(rows: list[dict], details: dict) -> None:
     )
     for r in rows:
         goal = GOALS.get(r["name"], "")
-        ok = met(r, {"steps_lost": lost}) if goal else None
+        steady = details.get("store_auth", {}).get("values_per_step")
+        ok = met(r, {"steps_lost": lost, "values_per_step": steady}) if goal else None
         mark = "" if ok is None else (" met" if ok else " NOT met")
         print(
             f"{r['name']:<22} {fmt(r['tidal']):>10} {fmt(r['peer']):>14} {r['unit']:<10} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,21 @@ def test_bench_tiny_checkpoint_cpu(tmp_path: Path) -> None:
     for key in ("tidal", "peer", "ratio"):
         assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
     assert "checkpoint_cpu" in proc.stdout
+
+
+def test_bench_tiny_store_auth(tmp_path: Path) -> None:
+    """The re-form row's shape; the steady state seals and checks nothing (no speed is
+    asserted): every re-form authenticated values, no step did."""
+    out = tmp_path / "out.json"
+    proc = run_tiny("store_auth", out, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = json.loads(out.read_text())
+    assert r["name"] == "store_auth_reform" and r["unit"] == "s"
+    assert r["peer_name"] == "unauthenticated store" and "re-form" in r["peer_config"]
+    for key in ("tidal", "peer", "ratio"):
+        assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
+    assert re.search(r"\b(\d+) values per re-form and member, 0 per step", proc.stderr)
+    assert int(re.search(r"(\d+) values per re-form", proc.stderr).group(1)) > 0
 
 
 def test_bench_cli_rejects_unknown_measurement() -> None:
