@@ -1,5 +1,6 @@
 """The heal's blob (``tidal.worker.blob``): every value comes back with its type and its
-bits, as tagged JSON where it can and as weights-only ``torch.save`` bytes where it cannot."""
+bits, as tagged JSON, with raw bytes after it for tensors; anything else is refused, never
+pickled."""
 
 from __future__ import annotations
 
@@ -45,10 +46,19 @@ def same(a, b) -> bool:
         ({"rng": torch.get_rng_state(), "none": torch.empty(0, dtype=torch.uint8)}, blob.JSON),
         ({"groups": ADAM_GROUPS}, blob.JSON),
         ({"py": random.getstate()}, blob.JSON),
-        ({"lr": torch.tensor(0.1)}, blob.TORCH),  # a float tensor: not plain
-        ({"x": torch.Size([2, 3])}, blob.TORCH),  # a tuple's subclass: its type would be lost
-        ({"mixed": {1: "a", "b": 2}}, blob.TORCH),  # keys of two types
-        ({"u8_2d": torch.zeros(2, 2, dtype=torch.uint8)}, blob.TORCH),
+        ({"lr": torch.tensor(0.1)}, blob.RAW),  # a float tensor: its bytes after the JSON
+        ({"x": torch.Size([2, 3])}, blob.JSON),
+        ({"mixed": {1: "a", "b": 2, (3, 4): None}}, blob.JSON),  # keys of several types
+        ({"u8_2d": torch.zeros(2, 2, dtype=torch.uint8)}, blob.RAW),
+        (
+            {
+                "buffers": {"w": torch.randn(3, 4, dtype=torch.float64), "e": torch.ones(0)},
+                "odd": [torch.tensor([True, False]), torch.arange(6).reshape(2, 3).t()],
+                "half": torch.randn(5).to(torch.bfloat16),
+                "rng": torch.get_rng_state(),
+            },
+            blob.RAW,
+        ),
     ],
 )
 def test_every_value_comes_back_with_its_type_and_bits(meta, kind):
@@ -58,12 +68,19 @@ def test_every_value_comes_back_with_its_type_and_bits(meta, kind):
 
 
 def test_a_blob_holding_pickled_code_is_refused():
-    """The fallback is loaded weights-only: a pickle of anything callable is refused, and
-    bytes that neither format wrote are refused by name."""
-    evil = blob.TORCH + pickle.dumps(print, protocol=2)
-    with pytest.raises(pickle.UnpicklingError):
-        blob.decode(evil)
-    with pytest.raises(ValueError, match="not a heal blob"):
-        blob.decode(b"P" + pickle.dumps({}))
+    """No format of a blob unpickles: a pickle under any first byte is refused by name,
+    and so is a value no format carries (never pickled instead)."""
+    for kind in (b"T", b"P", blob.RAW):
+        with pytest.raises(ValueError, match="not a heal blob"):
+            blob.decode(kind + pickle.dumps(print, protocol=2))
     with pytest.raises(ValueError, match="not a heal blob"):
         blob.decode(blob.JSON + b'{"zz": 1}')
+    with pytest.raises(TypeError, match="not a builtin_function_or_method"):
+        blob.encode({"f": print})
+
+
+def test_a_decoded_tensor_owns_its_memory():
+    data = blob.encode({"t": torch.arange(4.0)})
+    got = blob.decode(data)["t"]
+    got.add_(1)  # writable, and not a view of the bytes
+    assert torch.equal(blob.decode(data)["t"], torch.arange(4.0))

@@ -36,7 +36,7 @@ for name in ("adam", "sgd", "sgd_tensor_lr"):
     assert max(p.numel() for p in m.parameters()) >= LARGE  # one travels alone
     if name == "adam":  # plain values: its blob is tagged JSON (``blob``)
         opt = torch.optim.Adam(m.parameters(), 1e-3)
-    else:  # a tensor in the param groups: its blob is torch.save bytes
+    else:  # a tensor in the param groups: its blob carries its raw bytes after the JSON
         lr = torch.tensor(0.1) if name == "sgd_tensor_lr" else 0.1
         opt = torch.optim.SGD(m.parameters(), lr, momentum=0.9)
     if rank == 0:

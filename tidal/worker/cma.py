@@ -112,8 +112,7 @@ class Hold:
 
 
 def offer(tensors: list[torch.Tensor], hold: Hold) -> dict:
-    """What the heal's blob carries for a reader: plain values only (it is loaded with
-    ``weights_only=True``)."""
+    """What the heal's blob carries for a reader: plain values only (``blob``)."""
     host = Host.here()
     assert host is not None  # offerable() said so
     return {

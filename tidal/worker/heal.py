@@ -11,8 +11,7 @@ the step and another before it) take the same path, so a join and a failure shar
 path. Messages live on the group's wire device (``devices.wire_device``: the CPU for gloo,
 whatever the tensors' device; the GPU for NCCL): a tensor elsewhere travels as a copy there
 and lands back in place. The optimizer's structure travels as a small blob (``blob``:
-tagged JSON, or ``torch.save`` bytes loaded with ``weights_only=True``, never arbitrary
-pickles), the tracked objects' as JSON text inside it; their tensors travel raw, into
+tagged JSON and raw tensor bytes, no pickle), the tracked objects' as JSON text inside it; their tensors travel raw, into
 tensors the receivers allocate from that structure. On gloo the heal waits for its messages through the
 worker's ``Waits`` (``waits``), so the abort watch can cut a heal that a lost peer left
 blocked. A receiver on the source's host reads the tensors straight from the source's

@@ -20,7 +20,6 @@ member holding what it held before, for the next generation to try again.
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.tracked import TrackedState
+from tidal.worker import blob as blob_format
 from tidal.worker import shard_plan as plan
 from tidal.worker.guard import Guard
 from tidal.worker.heal import StateLost, _send_blob, check_model
@@ -100,7 +100,7 @@ def heal_sharded(
     if rank == src.member:
         blob = ring.copies.blob if src.slot == plan.Slot.OWN else sm.replicated_blob(held, tracked)
     blob = _send_blob(blob, src.member, [r for r in range(world) if r != src.member])
-    meta = torch.load(io.BytesIO(blob), weights_only=True)
+    meta = blob_format.decode(blob)
     check_model(sm.model_layout(), meta["model"])  # before anything moves (ModelMismatch)
     holders = [s.member for s in decision.sources]
     # Members that hold the whole state at the decided step (after the gather before a

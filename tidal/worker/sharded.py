@@ -27,7 +27,6 @@ Contracts:
 from __future__ import annotations
 
 import copy
-import io
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.tracked import Captured, TrackedState
+from tidal.worker import blob
 from tidal.worker.guard import Guard, GuardedAllGather, GuardedReduceScatter
 from tidal.worker.shard_plan import Layout
 from tidal.worker.shards import check_shardable, shard_range
@@ -153,12 +153,11 @@ class ShardedModel:
 
     # -- the replicated part -------------------------------------------------------------
     def replicated_blob(self, held: Held, tracked: TrackedState | None) -> bytes:
-        """Everything but the row blocks, as a ``torch.save`` blob (loaded with
-        ``weights_only=True``: tensors and plain containers only); copies, so it may be kept."""
+        """Everything but the row blocks, as a heal blob (``blob``: JSON and raw tensor
+        bytes, no pickle); copies, so it may be kept."""
         captured = tracked.capture() if tracked else Captured(skeleton={}, tensors=[])
         keys = self.keys(held.rows)
-        buf = io.BytesIO()
-        torch.save(
+        return blob.encode(
             {
                 "keys": [list(k) for k in keys],
                 "model": self.model_layout(),
@@ -173,10 +172,8 @@ class ShardedModel:
                 "python_rng": random.getstate(),
                 "tracked": captured.to_json(),
                 "tracked_tensors": captured.tensors,
-            },
-            buf,
+            }
         )
-        return buf.getvalue()
 
     # -- a generation's module ------------------------------------------------------------
     def build(
