@@ -235,7 +235,7 @@ def test_a_float_setting_without_a_rule_is_a_programming_error():
 
 
 RUNTIME = dict(store_host="h", store_port=1, store_namespace="ns", store_key="0" * 64,
-               checkpoint_dir="/c", resume_from=None)  # fmt: skip
+               checkpoint_dir="/c", resume_from=None, checkpoint_fence="f1")  # fmt: skip
 
 
 def test_worker_config_takes_every_shared_setting_from_the_spec():

@@ -16,7 +16,7 @@ from tidal.checkpoint import fence, store
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.coordinator.fencing import OldWorker, end_previous_run, settled_rows, to_end
 from tidal.coordinator.supervisor import unsupervised
-from tidal.host.output import Terminal, output_lost
+from tidal.terminal import Terminal, output_lost
 
 
 # -- checkpoint.fence.refusal ----------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_terminal_switches_to_the_log_when_its_pipe_closes(tmp_path: Path) -> No
     stderr went away lands in the log, and the switch is told once."""
     log = tmp_path / "coordinator.log"
     code = (
-        "import sys; from pathlib import Path; from tidal.host.output import Terminal\n"
+        "import sys; from pathlib import Path; from tidal.terminal import Terminal\n"
         f"t = Terminal(Path({str(log)!r}), 'j')\n"
         "sys.stdin.read()\n"  # the parent closes our stderr's reader, then our stdin
         "t.say('tidal: job j stopped at step 7')\n"

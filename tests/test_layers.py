@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "tidal"
 # layers only. Packages of one layer are siblings: they import neither each other.
 LAYERS: list[set[str]] = [
     {"config", "protocol", "store_keys", "store_auth", "access", "tracked", "devices", "pids"},
-    {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics"},
+    {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics", "terminal"},
     {"coordinator", "worker"},
     {"dashboard", "tensorboard", "display", "lookup"},
     {"host", "testing"},

@@ -39,7 +39,7 @@ class Progress:
     """Prints each new event as it happens and a progress line every few seconds.
 
     ``on_lost(cause)``: called once if the terminal is gone (a closed pipe, a hung-up
-    terminal: ``tidal.host.output``); the lines stop then, and the job goes on."""
+    terminal: ``tidal.terminal``); the lines stop then, and the job goes on."""
 
     def __init__(
         self,
@@ -61,7 +61,7 @@ class Progress:
         try:
             self._update(final=final)
         except OSError as exc:
-            from tidal.host.output import gone
+            from tidal.terminal import gone
 
             if not gone(exc):
                 raise

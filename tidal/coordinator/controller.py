@@ -34,7 +34,6 @@ from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.actions import (
     FenceCheckpoints,
-    KillEveryWorker,
     RecordEvent,
     RecordJob,
     RecordWorkers,
@@ -279,9 +278,8 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         successor adopts them (``Executor.close``). Its ``coordinator.json`` stays then: the
         successor rewrites it, and if none comes (the supervisor died too) ``tidal attach``
         takes the workers over at the address and with the token it names."""
-        if kill_workers:  # the job ended: what is left is killed, and recorded as ended
-            self.executor.do(KillEveryWorker(why="the job ended"))
-            for w in self.job.workers.values():
+        if kill_workers:  # the job ended: what is left is recorded as ended, and killed
+            for w in self.job.workers.values():  # by ``Executor.close`` below
                 if w.live:
                     w.state, w.rank = WorkerState.EXITED, None
                     w.exit_code = -9 if w.exit_code is None else w.exit_code

@@ -27,7 +27,7 @@ workers train on until ``--orphan-timeout`` unless ``tidal attach`` takes them o
 A hang-up of ``tidal run``'s terminal (SIGHUP) or a closed output pipe does not end the job
 (``docs/decisions/hangup.md``): the supervisor sends its own lines to the job's
 ``coordinator.log`` from then on and passes the SIGHUP to the coordinator, which does the same
-and records it (``tidal.host.output``).
+and records it (``tidal.terminal``).
 
 The supervisor creates no thread before it forks (a fork copies only the calling thread).
 """
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 from tidal.backends.zygote import Zygote
 
 if TYPE_CHECKING:
-    from tidal.host.output import Terminal
+    from tidal.terminal import Terminal
 
 CRASHED = 70  # the exit code of a coordinator that raised what it could not handle
 MAX_CRASHES = 5

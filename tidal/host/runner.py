@@ -40,9 +40,9 @@ from tidal.coordinator.pacing import loop_wait
 from tidal.coordinator.records import Resume
 from tidal.coordinator.supervisor import Attach, Hosting, Supervision, supervise
 from tidal.dashboard.history import Recorder
-from tidal.host.output import Terminal, gone
 from tidal.host.server import ApiServer
 from tidal.protocol import JobState
+from tidal.terminal import Terminal, gone
 
 
 def run_job(
