@@ -26,6 +26,7 @@ from tidal.coordinator.records import WorkerRecord
 from tidal.protocol import (
     API_PREFIX,
     MAX_STEP,
+    CheckpointView,
     DoneReport,
     HeartbeatRequest,
     JobState,
@@ -135,6 +136,28 @@ def test_a_refused_heartbeat_is_one_line_in_the_worker_log_and_an_event(served, 
     refused = events(coord, "refused")
     assert len(refused) == 1 and "worker 0: heartbeat refused" in refused[0]
     assert "metrics" in refused[0] and "at most 200 characters" in refused[0]
+
+
+def test_a_refused_heartbeat_keeps_the_checkpoint_records_it_carried(served, capsys, tmp_path):
+    """The script's bad metric is dropped; the checkpoint record beside it, Tidal's own, goes
+    with the next heartbeat and reaches the job (issue 51: nothing dropped silently)."""
+    coord, url = served
+    add_workers(coord, 0)
+    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
+    try:
+        agent.register(max_steps=10)
+        with agent._lock:  # both in one heartbeat
+            agent._metrics = {"x" * 300: 1.0}
+            agent._checkpoints.append(CheckpointView(step=4, path=str(tmp_path)))  # it exists
+        deadline = time.monotonic() + 10
+        while not coord.status(fresh=True).checkpoints and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        agent.close()
+    assert [c.step for c in coord.status(fresh=True).checkpoints] == [4]
+    err = capsys.readouterr().err
+    assert "dropped the 1 metrics and 0 per-step records it carried" in err
+    assert "its reports and checkpoint records go again" in err
 
 
 def test_the_line_names_the_reason_when_the_credential_is_refused(served, capsys):

@@ -9,7 +9,9 @@ switch, report a failure, report completion) are blocking round trips.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -40,13 +42,15 @@ from tidal.protocol import (
     WorkerConfig,
     WorkerEnv,
 )
+from tidal.worker import retry
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
 
 # Before its first registration a worker knows no ``orphan_timeout_s``: it waits this long for
 # a coordinator (one restarted by its supervisor answers within a second or two).
 ORPHAN_TIMEOUT_S = 30.0
-RETRY_S = 0.05  # between two tries of a call through a coordinator outage
 # Per-step metric records (``tidal.log``) waiting for the coordinator; a heartbeat carries at
 # most ``protocol.MAX_STEP_RECORDS`` of them. Beyond this many (the coordinator unreachable
 # for long), the oldest are dropped, with one warning.
@@ -146,8 +150,9 @@ class Agent:
 
     def _call(self, client: CoordinatorClient, fn: Callable[[CoordinatorClient], T]) -> T:
         """``fn(client)``, retried through a coordinator outage (unreachable, or a 5xx)
-        until the orphan timeout; a 409 registers again first. Other refusals (4xx) raise."""
-        while True:
+        until the orphan timeout, with capped exponential backoff and jitter
+        (``retry.backoff_s``); a 409 registers again first. Other refusals (4xx) raise."""
+        for attempt in itertools.count():
             epoch = self.epoch
             try:
                 result = fn(client)
@@ -163,7 +168,7 @@ class Agent:
             except httpx.TransportError as exc:
                 error = exc
             self._exit_if_orphaned(error)
-            time.sleep(RETRY_S)
+            time.sleep(retry.backoff_s(attempt, random.random()))
 
     def _exit_if_orphaned(self, error: Exception) -> None:
         if time.monotonic() - self._last_ok > self._orphan_timeout_s and not self._closed:
@@ -219,14 +224,18 @@ class Agent:
                         pass
                     continue
                 if isinstance(exc, CoordinatorError) and 400 <= exc.status < 500:
-                    # Refused: sent again it would be refused again, so what it carried is
-                    # dropped. A worker whose heartbeats keep being refused is killed as hung:
-                    # say why in its log, once per reason.
+                    # Refused: sent again it would be refused again. The script's records
+                    # are dropped, Tidal's own kept (``retry.after_refusal``), and the log
+                    # says which. A worker whose heartbeats keep being refused is killed as
+                    # hung: its log says why, once per reason.
+                    verdict = retry.after_refusal(retry.Refused.of(req))
+                    if verdict.keep_own:
+                        self._requeue(req, own_only=True)
                     line = (
                         f"tidal: warning: the coordinator refused a heartbeat of worker "
                         f"{self.worker_id} (HTTP {exc.status}): {exc}"[:1000]
-                    )
-                    if line != last_refusal:
+                    ) + (f"; {verdict.dropped}" if verdict.dropped else "")
+                    if line != last_refusal:  # once per reason and loss
                         last_refusal = line
                         print(line, file=sys.stderr, flush=True)
                 else:
@@ -236,15 +245,17 @@ class Agent:
             self._wake.wait(latest.interval_s if latest and latest.interval_s else self._interval)
             self._wake.clear()
 
-    def _requeue(self, req: HeartbeatRequest) -> None:
-        """Keep what a heartbeat that was not delivered carried, for the next one."""
+    def _requeue(self, req: HeartbeatRequest, *, own_only: bool = False) -> None:
+        """Keep what a heartbeat that was not delivered carried, for the next one;
+        ``own_only``: Tidal's own records, not the script's metrics."""
         with self._lock:
-            self._metrics = {**req.metrics, **self._metrics}
+            if not own_only:
+                self._metrics = {**req.metrics, **self._metrics}
+                self._step_metrics = req.step_metrics + self._step_metrics
+                self._bound_step_metrics()
             self._reports = req.reports + self._reports
             self._checkpoints = req.checkpoints + self._checkpoints
             self._checkpoint_failures = req.checkpoint_failures + self._checkpoint_failures
-            self._step_metrics = req.step_metrics + self._step_metrics
-            self._bound_step_metrics()
 
     def _set_latest(self, resp: HeartbeatResponse, asked: int) -> None:
         """Keep ``resp`` unless a request sent after it (``asked``: its number) was answered
@@ -429,14 +440,26 @@ class Agent:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        req = self._drain()
         try:
-            self._client.heartbeat(self.worker_id, self._drain())
+            self._client.heartbeat(self.worker_id, req)
             for _ in range(MAX_STEP_OUTBOX // MAX_STEP_RECORDS):  # per-step records left
                 if not self._step_metrics:
                     break
-                self._client.heartbeat(self.worker_id, self._drain())
-        except Exception:  # noqa: BLE001 - the job may be gone already; nothing to save
-            pass
+                req = self._drain()
+                self._client.heartbeat(self.worker_id, req)
+        except Exception as exc:  # noqa: BLE001 - the job may be gone already: say what is lost
+            r = retry.Refused.of(req)
+            log.warning(
+                "worker %s: the last heartbeat at exit was not delivered (%s: %s): %d metrics, "
+                "%d per-step records and %d checkpoint records not recorded by the job",
+                self.worker_id,
+                type(exc).__name__,
+                str(exc)[:300],
+                r.metrics,
+                r.step_records + len(self._step_metrics),
+                len(r.checkpoints),
+            )
         finally:
             self._client.close()
             self._beat_client.close()
