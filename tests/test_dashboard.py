@@ -257,6 +257,41 @@ def test_recorder_samples_changes_and_writes_them_for_later(tmp_path, monkeypatc
     assert got["metrics"][1] == {"loss": 1.5}
 
 
+def test_the_history_says_each_new_failure_and_its_recovery(tmp_path, monkeypatch, capsys):
+    """Never silent after a first warning (issue 51): each new error is said, repeats are
+    not, and recording again is said; what could not be written is written then."""
+    monkeypatch.setattr(history_mod, "SAMPLE_EVERY_S", 0.0)
+    monkeypatch.setattr(history_mod, "WRITE_EVERY_S", 0.0)
+
+    class FakeCoordinator:
+        spec = SimpleNamespace(name="j")
+        step = 0
+
+        def sample(self) -> tuple:
+            return self.step, 1, 1, {}, []
+
+    coord = FakeCoordinator()
+    rec = Recorder(coord, tmp_path)
+    append = rec.store.append
+    errors = [OSError("disk full"), OSError("disk full"), RuntimeError("locked")]
+
+    def failing(*args, **kwargs):
+        if errors:
+            raise errors.pop(0)
+        return append(*args, **kwargs)
+
+    rec.store.append = failing
+    for step in range(5):
+        coord.step = step
+        rec.tick()
+    rec.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "dashboard history" in line]
+    assert len(lines) == 3, lines
+    assert "OSError: disk full" in lines[0] and "RuntimeError: locked" in lines[1]
+    assert "records again, after 3 failed attempts" in lines[2]
+    assert HistoryStore(db_path(tmp_path)).read("j")["step"] == [0, 1, 2, 3, 4, 4]  # + close's
+
+
 # -- served by `tidal dashboard` ------------------------------------------------------------
 def _recorded_job(home: Path, name: str, state: str, *, coordinator_pid: int | None = None):
     db = Database(db_path(home))

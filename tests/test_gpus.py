@@ -340,3 +340,22 @@ def test_workers_sharing_gpus_get_gloo_for_auto(comm, share, worker_comm):
         checkpoint_dir=None,
     )
     assert cfg.comm == worker_comm
+
+
+@pytest.mark.parametrize(
+    ("drivers", "count", "error", "n", "words"),
+    [
+        (["/dev/nvidiactl"], 2, None, 2, None),
+        (["/dev/nvidiactl"], 0, None, 0, "torch.cuda.device_count() is 0"),
+        (["/dev/kfd"], 0, "RuntimeError: driver too old", 0, "RuntimeError: driver too old"),
+    ],
+)
+def test_a_driver_torch_cannot_use_is_said_not_silent(drivers, count, error, n, words):
+    from tidal.backends.gpus import probed
+
+    got, warning = probed(drivers, count, error)
+    assert got == n
+    if words is None:
+        assert warning is None
+    else:
+        assert words in warning and drivers[0] in warning and "train on the CPU" in warning

@@ -10,11 +10,14 @@ On Ray the cluster places workers on GPUs (``--worker-gpus``) and sets
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
 from tidal.config import COMMS, JobSpec
+
+log = logging.getLogger(__name__)
 
 #: Files one of which exists wherever a GPU torch could use exists.
 DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
@@ -31,14 +34,36 @@ def visible_gpus(override: int | None = None) -> int:
         if override < 0:
             raise ValueError(f"a GPU count must be at least 0, got {override}")
         return override
-    if not any(Path(f).exists() for f in DRIVER_FILES):
+    drivers = [f for f in DRIVER_FILES if Path(f).exists()]
+    if not drivers:
         return 0
+    count, error = 0, None
     try:
         import torch
 
-        return int(torch.cuda.device_count())
-    except Exception:  # noqa: BLE001 - a broken driver is no GPU, as torch itself says
-        return 0
+        count = int(torch.cuda.device_count())
+    except Exception as exc:  # noqa: BLE001 - a broken driver: no GPU, and said so
+        error = f"{type(exc).__name__}: {exc}"
+    n, warning = probed(drivers, count, error)
+    if warning is not None:
+        log.warning("%s", warning)
+    return n
+
+
+def probed(drivers: list[str], count: int, error: str | None) -> tuple[int, str | None]:
+    """The GPUs a probe found, and a warning when a GPU driver is there but torch sees none
+    (a broken driver, a CPU build of torch): the workers would train on the CPU, which is
+    never done without a word."""
+    if count > 0 and error is None:
+        return count, None
+    why = (
+        error
+        or "torch.cuda.device_count() is 0 (a CPU build of torch, or a driver torch cannot use)"
+    )
+    return 0, (
+        f"a GPU driver is present ({', '.join(drivers)}) but torch sees no GPU ({why[:300]}): "
+        "the workers train on the CPU"
+    )
 
 
 def assign_gpu(*, n_gpus: int, in_use: Mapping[int, int], share: bool) -> int | None:

@@ -161,7 +161,8 @@ class Recorder:
         self._last_point = 0.0
         self._next_sample = 0.0
         self._last_write = time.monotonic()
-        self._warned = False
+        self._failures = 0  # ticks in a row that failed
+        self._last_error: str | None = None
 
     def tick(self, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -173,9 +174,25 @@ class Recorder:
             if force or now - self._last_write >= WRITE_EVERY_S:
                 self._write(now)
         except Exception as exc:  # noqa: BLE001 - charts must never stop a job
-            if not self._warned:
-                self._warned = True
-                print(f"tidal: warning: dashboard history: {exc}", file=sys.stderr)
+            # Said for each new error, and again once it records again: never silent for
+            # the rest of the job after a first warning.
+            self._failures += 1
+            text = f"{type(exc).__name__}: {exc}"[:500]
+            if text != self._last_error:
+                self._last_error = text
+                print(
+                    f"tidal: warning: dashboard history: {text} (the charts keep the newest "
+                    f"{RING} points in memory until it records again)",
+                    file=sys.stderr,
+                )
+        else:
+            if self._failures:
+                print(
+                    f"tidal: dashboard history records again, after {self._failures} failed "
+                    "attempts",
+                    file=sys.stderr,
+                )
+                self._failures, self._last_error = 0, None
 
     def _sample(self, now: float, force: bool) -> None:
         step, world, target, metrics, values = self.coord.sample()
