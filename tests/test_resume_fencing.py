@@ -74,7 +74,14 @@ def test_resume_ends_orphaned_workers_and_a_finished_job_stays_final(tidal_home:
     assert len(ended) == 2, summarize(status)
 
     folder = job.dir / "checkpoints"
-    fence = json.loads((folder / ".fence").read_text())
+    # Sealed as the coordinator closes, once its workers are gone: a moment after the status
+    # says the job succeeded.
+    deadline = time.monotonic() + 30
+    while True:
+        fence = json.loads((folder / ".fence").read_text())
+        if fence["sealed"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert fence["sealed"] and "succeeded at step 1500" in fence["sealed"], fence
     final = _tree_digest(folder)
     assert any(name.startswith(f"step-{STEPS:08d}/") for name in final), sorted(final)

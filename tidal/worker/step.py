@@ -130,20 +130,25 @@ class Step:
         tr._update.backwards = (tr._update.backwards or 0) + 1
         scaled = tr._update.scale(weighted)
         last = getattr(self, "_last", False)
-        ddp = tr._ddp if last else None
-        if ddp is not None:
+        # A flag, never the wrapper itself: this frame outlives a failed step through the
+        # exception's traceback, and a reference to the generation's DDP here would keep its
+        # autograd hooks on the parameters into the next generation's backward.
+        synced = last and tr._ddp is not None
+        if synced:
             if tr._control.begin_sum(self._items, rank=tr.rank):
                 tr._next_word = None  # known from the sums, once the step is committed
             reduced = tr._control.reduced
         try:
             scaled.backward()
-            if ddp is not None:
+            if synced:
                 tr._control.settle()
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
-            if ddp is None:
+            if not synced:
                 raise
-            self._failed = exc
-        if ddp is not None and self._failed is None and tr._control.reduced == reduced:
+            # Without its traceback: the frames it holds (this one among them) would form a
+            # cycle through ``_failed`` that only the cyclic collector frees.
+            self._failed = exc.with_traceback(None)
+        if synced and self._failed is None and tr._control.reduced == reduced:
             raise GradientsNotReduced(
                 f"step {self.index}: the gradients were not all-reduced, so each worker would "
                 "apply its own: call trainer.model(...) in the loop, not the module passed to "
@@ -152,7 +157,7 @@ class Step:
             )
         if last and self._failed is None and self._items is not None:
             tr._items_mode = True  # every later step carries a word (``_word_due``)
-            tr._update.items = tr._control.items if ddp is not None else self._items
+            tr._update.items = tr._control.items if synced else self._items
         watch = self.trainer._watch
         if last and watch is not None and (aborted := watch.close()) is not None:
             # The watch cut the step's all-reduce: its buffers hold whatever the abort left.
