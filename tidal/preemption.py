@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 
+from tidal import backoff
+
 PROVIDERS = ("aws", "gcp", "azure")
 #: Seconds between two reads while the endpoint answers (AWS asks for 5 s).
 DEFAULT_POLL_S = 5.0
@@ -118,5 +120,4 @@ def retry_delay(
     backoff (``period_s * 2**failures``, at most ``cap_s``) with equal jitter (``jitter``
     in [0, 1): between half and all of it), so that the workers of one machine, which
     failed together, do not retry together."""
-    base = min(cap_s, period_s * 2 ** min(failures, 32))
-    return base * (0.5 + 0.5 * jitter)
+    return backoff.capped(failures, base_s=period_s, cap_s=cap_s, draw=jitter)

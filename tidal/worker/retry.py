@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal import backoff
 from tidal.protocol import HeartbeatRequest
 
-#: ``backoff_s``'s first wait, its growth factor and its cap, in seconds.
-BASE_S, FACTOR, CAP_S = 0.05, 2.0, 1.0
+#: ``backoff_s``'s first wait and its cap, in seconds.
+BASE_S, CAP_S = 0.05, 1.0
 
 
 def backoff_s(attempt: int, draw: float) -> float:
     """The wait before retry ``attempt`` (0 for the first), ``draw`` uniform in [0, 1):
-    ``min(CAP_S, BASE_S * FACTOR**attempt)``, scaled into its upper half by ``draw``."""
-    ceiling = min(CAP_S, BASE_S * FACTOR ** min(attempt, 64))
-    return ceiling * (0.5 + 0.5 * draw)
+    ``backoff.capped`` from ``BASE_S`` to ``CAP_S``."""
+    return backoff.capped(attempt, base_s=BASE_S, cap_s=CAP_S, draw=draw)
 
 
 @dataclass(frozen=True, kw_only=True)
