@@ -208,3 +208,52 @@ def test_a_stall_after_an_overlapped_fault_is_bounded_by_the_larger_bound() -> N
         pauses({"generations": []}, [double, kill, later])
     double.notes.clear()
     assert stall_bounds([double, kill, later]) == [5.0, 2.0, 2.0]
+
+
+def test_each_step_counts_the_samples_of_its_newest_generation_once_per_member() -> None:
+    from bench.chaos.checks import consumed
+
+    lines = [
+        "worker-0:0 1 4 5",
+        "worker-1:0 1 6 7",
+        "worker-0:1 1 8 9",  # step 1 failed in generation 1 ...
+        "worker-1:1 1 10 11",
+        "worker-0:1 2 8 9 10",  # ... and was redone by two members of generation 2
+        "worker-2:1 2 11",
+        "worker-2:1 2 11",  # a member's line written twice: its last counts
+        "worker-1:1 1 99",  # a stopped member of the failed generation, continued late
+    ]
+    assert consumed(lines) == {0: [4, 5, 6, 7], 1: [8, 9, 10, 11]}
+
+
+def _samples_case(tmp_path: Path, job: list[str], ref: list[str], size: int) -> None:
+    from bench.chaos.checks import samples
+
+    (tmp_path / "ref").mkdir()
+    reference = tmp_path / "ref" / "worker-alone-1.safetensors"
+    reference.with_suffix(".json").write_text(json.dumps({"dataset_size": size}))
+    (tmp_path / "ref" / "samples-worker-alone-1.txt").write_text("\n".join(ref) + "\n")
+    (tmp_path / "job").mkdir()
+    for i, text in enumerate(job):
+        (tmp_path / "job" / f"samples-worker-{i}.txt").write_text(text)
+    samples(tmp_path / "job", reference, max_steps=len(ref))
+
+
+@pytest.mark.parametrize(
+    ("job", "ref", "size", "error"),
+    [
+        (["0 1 0 1\n1 1 2\n", "0 1 2 3\n1 1 3\n"], ["0 0 0 1 2 3", "1 0 3 2"], 4, None),
+        (["0 1 0 1\n", "0 1 1 3\n"], ["0 0 0 1 2 3"], 4, "consumed twice"),
+        (["0 1 0 1\n", "0 1 2\n"], ["0 0 0 1 2 3"], 4, "the 1-worker run"),
+        (["0 1 0 1\n"], ["0 0 0 1", "1 0 2 3"], 4, "no member recorded the samples of step 1"),
+        (["0 1 0 1\n1 1 1 2\n"], ["0 0 0 1", "1 0 1 2"], 4, "epoch 0"),
+    ],
+)
+def test_the_samples_check(tmp_path: Path, job: list, ref: list, size: int, error) -> None:
+    from bench.chaos.records import TrialFailure
+
+    if error is None:
+        _samples_case(tmp_path, job, ref, size)
+    else:
+        with pytest.raises(TrialFailure, match=error):
+            _samples_case(tmp_path, job, ref, size)

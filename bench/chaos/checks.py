@@ -17,7 +17,8 @@ JOIN_BOUND_S = 2.0  # a join with no fault before it (``kinds.LOST_S``)
 def params(s: dict, out: Path, reference: Path, max_steps: int) -> None:
     """Every member of the last generation that exited normally wrote its parameters
     (one killed at the very end is excused), and every file written equals the
-    reference."""
+    reference: the parameters, momentum and EMA weights within ``EXACT``, the scheduler's
+    and the scaler's state and the EMA's count exactly."""
     last = set(s["generations"][-1]["members"])
     exited = sorted(w["id"] for w in s["workers"] if w["id"] in last and w["exit_code"] == 0)
     files = sorted(out.glob("worker-*.safetensors"))
@@ -26,10 +27,16 @@ def params(s: dict, out: Path, reference: Path, max_steps: int) -> None:
         raise TrialFailure(
             "params", f"members {exited} exited normally, parameters written by {wrote}"
         )
+    expected = json.loads(reference.with_suffix(".json").read_text())
     for f in files:
         facts = json.loads(f.with_suffix(".json").read_text())
         if facts["step"] != max_steps:
             raise TrialFailure("params", f"{f.name}: final step {facts['step']}")
+        for key in ("scheduler", "scaler", "ema_averaged"):
+            if facts[key] != expected[key]:
+                raise TrialFailure(
+                    "params", f"{f.name}: {key} {facts[key]}, the 1-worker run's {expected[key]}"
+                )
         rel = relative_l2(f, reference)
         if not rel <= EXACT:
             raise TrialFailure("params", f"{f.name} differs from the 1-worker run: {rel:.3e}")
@@ -105,3 +112,54 @@ def pauses(s: dict, events: list[Event]) -> list[dict]:
     if worst is not None:
         raise TrialFailure("pause", json.dumps(worst))
     return pauses
+
+
+def consumed(lines: list[str]) -> dict[int, list[int]]:
+    """Each step's sample ids from members' ``STEP GENERATION ID ...`` lines
+    (``train.py``), taken from the step's newest generation (an attempt that failed is
+    redone in a later one; a resumed job redoes steps after its checkpoint in a later one
+    too) and, within it, each member's last line. ``lines`` are ``(member, line)`` pairs
+    joined as ``"MEMBER:line"``."""
+    newest: dict[int, tuple[int, dict[str, list[int]]]] = {}
+    for entry in lines:
+        member, line = entry.split(":", 1)
+        step, gen, *ids = line.split()
+        key, g = int(step), int(gen)
+        held = newest.get(key)
+        if held is None or g > held[0]:
+            newest[key] = held = (g, {})
+        if g == held[0]:
+            held[1][member] = [int(i) for i in ids]
+    return {k: [i for ids in by.values() for i in ids] for k, (_, by) in newest.items()}
+
+
+def samples(out: Path, reference: Path, max_steps: int) -> None:
+    """Exactly-once consumption across the job's history: every step from 0 to the last
+    consumed the same sample ids as the 1-worker run's step (its members' shares disjoint),
+    and each epoch's window of ``dataset_size`` consumed ids holds each id once."""
+    size = json.loads(reference.with_suffix(".json").read_text())["dataset_size"]
+    mine = consumed(
+        [f"{f.stem}:{line}" for f in out.glob("samples-worker-*.txt") for line in _lines(f)]
+    )
+    (ref_file,) = reference.parent.glob("samples-worker-*.txt")
+    ref = consumed([f"alone:{line}" for line in _lines(ref_file)])
+    history: list[int] = []
+    for step in range(max_steps):
+        got, want = mine.get(step), ref[step]
+        if got is None:
+            raise TrialFailure("samples", f"no member recorded the samples of step {step}")
+        if len(got) != len(set(got)):
+            raise TrialFailure("samples", f"step {step}: a sample consumed twice: {sorted(got)}")
+        if sorted(got) != sorted(want):
+            raise TrialFailure(
+                "samples", f"step {step}: consumed {sorted(got)}, the 1-worker run {sorted(want)}"
+            )
+        history += got
+    for start in range(0, len(history), size):
+        window = history[start : start + size]
+        if len(window) != len(set(window)):
+            raise TrialFailure("samples", f"epoch {start // size}: a sample consumed twice")
+
+
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]

@@ -3,8 +3,9 @@
 Float64, so that a job that went through faults and resizes can be compared with a plain
 1-worker run of the same script to within 1e-12 (``python bench/chaos/train.py`` without
 ``tidal run`` trains alone with the same mathematics: that is the reference). It carries an
-SGD momentum buffer and an LR scheduler, so healing and checkpoints must carry more than
-the parameters.
+SGD momentum buffer, an LR scheduler, a GradScaler and an EMA of the weights (tracked
+state, updated in the step body), so healing, rewinding and checkpoints must carry more
+than the parameters.
 
 ``--pace FILE``: seconds to sleep after each step, re-read every step (default 0 if the
 file is missing). The campaign slows the job down while it injects faults and lets it run
@@ -12,8 +13,11 @@ at full speed once the last fault has recovered; the sleep is outside the mathem
 
 Each member appends ``TIME STEP`` to ``OUT/steps-worker-ID.txt`` for each step it knows
 committed (the campaign's measure of stalls, whether or not the coordinator is up), and each
-member that finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters and
-momentum buffers) and ``OUT/worker-ID.json`` (its final step, the scheduler's epoch).
+member that finishes the job writes ``OUT/worker-ID.safetensors`` (its parameters, momentum
+buffers and EMA weights) and ``OUT/worker-ID.json`` (its final step, the scheduler's and the
+scaler's state, the dataset's size). Each member also appends ``STEP GENERATION ID ...`` to
+``OUT/samples-worker-ID.txt`` as it begins a step's body: the sample ids of its share (the
+check of exactly-once consumption: ``checks.samples``).
 
 The script registers no ``after_step`` hook: a member with hooks always commits its last
 step before leaving (``tidal/worker/leaving.py``), and the campaign's scale-downs are to
@@ -36,6 +40,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import TensorDataset
 
 import tidal
@@ -75,18 +80,24 @@ def main() -> None:
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.8)
+    # Scales by powers of two (exact in float64); grows every 25 steps, so its state moves.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=25)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    dataset = data(args.seed)
     trainer = tidal.Trainer(
         model,
         opt,
-        data(args.seed),
+        dataset,
         global_batch_size=24,
         micro_batch_size=4,  # 6 micro-batches: 1 to 4 members split them differently
         seed=args.seed,
         lr_scheduler=sched,
+        grad_scaler=scaler,
+        state={"ema": ema},
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps_log = None
+    steps_log = samples_log = None
     recorded = -1  # the newest step recorded (module doc)
 
     def record(index: int) -> None:
@@ -98,8 +109,16 @@ def main() -> None:
         steps_log.write(f"{time.time():.4f} {index}\n")
         recorded = index
 
+    def me() -> str:
+        return str(trainer.worker_id) if trainer.worker_id is not None else f"alone-{os.getpid()}"
+
     for step in trainer.run(max_steps=args.max_steps):
         record(step.index - 1)
+        if samples_log is None:
+            samples_log = open(out / f"samples-worker-{me()}.txt", "a", buffering=1)  # noqa: SIM115
+        ids = " ".join(map(str, step.indices.tolist()))
+        samples_log.write(f"{step.index} {trainer.generation} {ids}\n")
+        ema.update_parameters(model)  # in the body: the weights before this step's update
         for x, y in step.micro_batches():
             step.backward(F.cross_entropy(trainer.model(x), y))
         if delay := pace(args.pace):
@@ -107,15 +126,22 @@ def main() -> None:
     if not trainer.completed:
         return
     record(trainer.step - 1)
-    wid = trainer.worker_id if trainer.worker_id is not None else f"alone-{os.getpid()}"
+    wid = me()
     tensors = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    tensors |= {f"ema.{k}": v.contiguous() for k, v in ema.module.state_dict().items()}
     for i, group in enumerate(opt.param_groups):
         for j, param in enumerate(group["params"]):
             buf = opt.state.get(param, {}).get("momentum_buffer")
             if buf is not None:
                 tensors[f"momentum.{i}.{j}"] = buf.contiguous()
     safetensors.torch.save_file(tensors, str(out / f"worker-{wid}.safetensors"))
-    facts = {"step": trainer.step, "scheduler_epoch": sched.last_epoch}
+    facts = {
+        "step": trainer.step,
+        "scheduler": sched.state_dict(),
+        "scaler": scaler.state_dict(),
+        "ema_averaged": int(ema.n_averaged),
+        "dataset_size": len(dataset),
+    }
     (out / f"worker-{wid}.json").write_text(json.dumps(facts))
 
 

@@ -10,8 +10,9 @@ checks run, in this order; the first that fails names the trial's failure:
 ``processes``  no process of the trial outlives the job's end by more than 15 s;
 ``checkpoint`` a job that succeeded has its final step checkpointed (durable.py's contract);
 ``params``     every member that finished (exited 0) wrote parameters equal to the 1-worker
-               reference (relative L2 <= 1e-12 over parameters and momentum) at the final
-               step;
+               reference (relative L2 <= 1e-12 over parameters, momentum and the EMA's
+               weights; the scheduler's and scaler's state exactly) at the final step;
+``samples``    every step consumed the 1-worker run's samples, each once (``checks``);
 ``pause``      no generation's ``pause_s`` and no stall (the longest time no new step was
                committed, from the members' step logs) while a fault recovered exceeded
                the fault's bound (``kinds.py``);
@@ -369,6 +370,7 @@ class Trial:
                     f"{last} (the final step is always checkpointed)",
                 )
             checks.params(s, self.out, self.reference, self.settings.max_steps)
+            checks.samples(self.out, self.reference, self.settings.max_steps)
         pauses = checks.pauses(s, events)
         leftovers = sorted(p.name for p in (self.job.dir / "checkpoints").glob(".tmp-*"))
         if leftovers:  # a write killed half way: harmless, never taken for a checkpoint
