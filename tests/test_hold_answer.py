@@ -228,3 +228,34 @@ def test_a_leaver_that_knows_it_leaves_skips_its_last_update(
     for path in [out, *members]:
         rel = relative_l2(path, reference)
         assert rel <= 1e-12, f"{path.name} differs from the 1-worker run: relative L2 {rel:.3e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_members_held_at_a_scheduled_step_go_to_a_newer_generation_that_needs_them(
+    tidal_home: Home,
+) -> None:
+    """Worker 0 SIGKILLed at step 15 of a 2-worker job scheduled to 3 at step 20: the lone
+    survivor holds at step 20 while its replacement's generation (2 members, opened with the
+    warm spare) waits for it to form, and the third worker waits for that generation to
+    form. The hold is released into it at once (``rules.schedule_settled``); before, the
+    three waited for each other until the 120 s start timeout."""
+    proc, job = tidal_home.run(
+        "deadlock",
+        "--workers",
+        "2",
+        "--max-workers",
+        "3",
+        "--schedule",
+        "20:3",
+        script_args=["--max-steps", "40"],
+        faults="sigkill@worker=0,step=15,phase=allreduce",
+        timeout=140,
+    )
+    status = job.status()
+    assert proc.returncode == 0, summarize(status)
+    gens = [g for g in status["generations"] if g["start_step"] is not None]
+    # the case arose: the survivor alone from step 15, then with its replacement from 20
+    sizes = [(g["world_size"], g["start_step"]) for g in gens]
+    assert (1, 15) in sizes and (2, 20) in sizes, summarize(status)
+    assert max(g["pause_s"] or 0.0 for g in gens) < 10, summarize(status)

@@ -490,16 +490,18 @@ def test_schedule_near(step, near) -> None:
 
 
 @pytest.mark.parametrize(
-    ("held_at", "settled", "members", "target", "waited", "go"),
+    ("held_at", "settled", "members", "target", "waited", "forming", "go"),
     [
-        (None, -1, 2, 2, 0.0, False),  # no schedule applied yet
-        (20, -1, 3, 3, 0.1, True),  # the generation has the target
-        (20, -1, 2, 3, 5.0, False),  # still joining
-        (20, -1, 2, 3, 121.0, True),  # it could not: train on with what it has
-        (20, 20, 3, 3, 0.1, False),  # already settled
+        (None, -1, 2, 2, 0.0, False, False),  # no schedule applied yet
+        (None, -1, 2, 3, 0.0, True, False),  # nobody held
+        (20, -1, 3, 3, 0.1, False, True),  # the generation has the target
+        (20, -1, 2, 3, 5.0, False, False),  # still joining
+        (20, -1, 2, 3, 121.0, False, True),  # it could not: train on with what it has
+        (20, -1, 2, 3, 0.1, True, True),  # a newer generation needs the held to form
+        (20, 20, 3, 3, 0.1, True, False),  # already settled
     ],
 )
-def test_schedule_settled(held_at, settled, members, target, waited, go) -> None:
+def test_schedule_settled(held_at, settled, members, target, waited, forming, go) -> None:
     got = schedule_settled(
         held_at=held_at,
         settled=settled,
@@ -507,6 +509,7 @@ def test_schedule_settled(held_at, settled, members, target, waited, go) -> None
         target=target,
         waited_s=waited,
         timeout_s=120.0,
+        newer_forming=forming,
     )
     assert got is go
 

@@ -211,7 +211,8 @@ class ControlLoop:
 
     def _settle_schedule(self) -> None:
         """Release members held at the last applied --schedule step once the generation has
-        the target count (or it cannot get there within the start timeout)."""
+        the target count (or it cannot get there within the start timeout, or a newer
+        generation needs them to form: ``rules.schedule_settled``)."""
         at = self.spec.schedule[self.job.schedule_done - 1][0] if self.job.schedule_done else None
         if schedule_settled(
             held_at=at,
@@ -220,6 +221,7 @@ class ControlLoop:
             target=self.job.target,
             waited_s=time.monotonic() - self.job.schedule_applied_at,
             timeout_s=self.spec.start_timeout_s,
+            newer_forming=bool(self.job.members) and not self.job.latest.formed,
         ):
             self.job.settled_step = at
 

@@ -356,13 +356,20 @@ def schedule_settled(
     target: int,
     waited_s: float,
     timeout_s: float,
+    newer_forming: bool,
 ) -> bool:
     """Whether members held at scheduled step ``held_at`` may go on: the generation has
     the target count, or it could not get there within the start timeout (the job trains
-    on with what it has rather than wait forever)."""
+    on with what it has rather than wait forever), or ``newer_forming``: a generation newer
+    than the one they hold in is open and not formed. That one cannot form while they hold
+    (they are its members), and no joiner is admitted until it forms (``policy.reconcile``):
+    waiting for the target could only end at the timeout. Seen: the lone survivor of a
+    failure held at step 20 of ``--schedule 20:3``, its replacement's generation opened
+    with 2, the third worker ready and waiting for that one to form: 120 s. Released, they
+    form it and the third joins at a step boundary after it."""
     if held_at is None or held_at <= settled:
         return False
-    return members == target or waited_s > timeout_s
+    return members == target or waited_s > timeout_s or newer_forming
 
 
 # -- a failed collective ---------------------------------------------------------------------
