@@ -103,7 +103,7 @@ def serve(fd: int) -> dict | None:
     # What the imports made (torch's ~10^6 objects) lives as long as each worker: out of the
     # collector's sight, in the zygote and so in every worker forked from it. A full
     # collection no longer walks it, and neither does the one at the worker's exit: 0.6 s
-    # of every exit here (docs/architecture.md, "Worker zygote").
+    # of every exit here (docs/decisions/zygote.md).
     gc.collect()
     gc.freeze()
     wake_r, wake_w = os.pipe()

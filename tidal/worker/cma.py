@@ -5,7 +5,7 @@ Over loopback a gloo transfer costs two copies (into the socket, out of it) on t
 and on a machine whose cores the training fills it shares them with the members' own
 steps: 42 MB took 20 ms between two idle processes and 20 to 30 ms inside a scale-up.
 ``process_vm_readv(2)`` (what MPI libraries use for large messages within a node) moves the
-same bytes with one copy on the receiver's core, ~5.6 GB/s here (``docs/architecture.md``).
+same bytes with one copy on the receiver's core, ~5.6 GB/s here (``docs/decisions/same-host-heal.md``).
 
 The source describes its tensors in the heal's blob (``offer``: its host, pid namespace,
 pid, each tensor's address and length, and its ``Hold`` mark); a receiver that finds itself
