@@ -89,3 +89,74 @@ def test_a_forged_next_generation_connection_key_is_refused_loudly(
     assert later and later[-1]["world_size"] == 3, summarize(status)
     rel = relative_l2(out, reference_params(STEPS, 0, double=True))
     assert rel <= EXACT, f"parameters differ from the 1-worker run: relative L2 {rel:.3e}"
+
+
+def _race(host: str, port: int, stop, counts: dict[str, int]) -> None:
+    """An outsider overwriting, as fast as it can, every key it finds and the same keys of
+    the next two generations, each with the value of another key it read (well-formed,
+    validly tagged for that other key) or, where there is none, noise."""
+    import re
+
+    intruder = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+    while not stop.is_set():
+        try:
+            keys = intruder.list_keys()
+            values = {k: intruder.get(k) for k in keys[:50]}
+            donors = list(values.values()) or [b"\x7f" * 64]
+            for i, key in enumerate(keys):
+                gen = re.search(r"/gen(\d+)/", key)
+                targets = [key]
+                if gen:
+                    n = int(gen[1])
+                    targets += [key.replace(f"/gen{n}/", f"/gen{n + d}/") for d in (1, 2)]
+                for target in targets:
+                    intruder.set(target, donors[(i + 1) % len(donors)])
+                    counts["writes"] += 1
+        except Exception:  # noqa: BLE001 - the store went away with the job, or a key with it
+            counts["errors"] += 1
+            time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_forger_racing_the_members_changes_nothing_silently(
+    tidal_home: Home, tmp_path: Path, reference_params
+) -> None:
+    """An outsider overwrites every key of a live job's store in a loop through a 2 -> 3 ->
+    2 change (and a failure it causes, if any). Whatever it wins, nothing changes silently:
+    a job that succeeds ends equal to the one-worker run (float64), and every refusal is a
+    ``security`` event; a job it stops fails with such an event, never with a wrong
+    result."""
+    import threading
+
+    out = tmp_path / "raced.safetensors"
+    job = tidal_home.start(
+        "raced",
+        "--workers",
+        "2",
+        "--max-workers",
+        "3",
+        "--schedule",
+        "20:3,40:2",
+        script_args=["--max-steps", str(STEPS), "--double", "--save", str(out)],
+    )
+    stop, counts = threading.Event(), {"writes": 0, "errors": 0}
+    while job.coordinator_info() is None or not job.coordinator_info().get("url"):
+        time.sleep(0.02)
+    host = job.coordinator_info()["url"].removeprefix("http://").rsplit(":", 1)[0]
+    racer = threading.Thread(target=_race, args=(host, store_port(job), stop, counts))
+    racer.start()
+    try:
+        job.wait_state("succeeded", "failed", "stopped", timeout=240)
+    finally:
+        stop.set()
+        racer.join(30)
+    status = job.status()
+    assert counts["writes"] > 1000, counts  # it raced the whole job, not a moment of it
+    refusals = event_messages(status, "security")
+    assert all("refused" in m for m in refusals), refusals
+    if status["state"] == "succeeded":
+        rel = relative_l2(out, reference_params(STEPS, 0, double=True))
+        assert rel <= EXACT, f"parameters differ from the 1-worker run: relative L2 {rel:.3e}"
+    else:  # denied service: loudly
+        assert refusals, f"the job {status['state']} with no security event\n{summarize(status)}"
