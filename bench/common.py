@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# pytorch issue 135712: restarted workers otherwise reuse the agent's store with stale gloo
+# addresses and recover badly (or deadlock) on one host (bench.peers).
+from bench.peers import TORCHRUN_ENV  # noqa: F401 - re-exported
+from bench.rows import percentile, row  # noqa: F401 - re-exported
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "bench" / "train_mlp.py"
 MARKER_VAR = "TIDAL_BENCH_OWNER"
-TORCHRUN_ENV = {
-    # pytorch issue 135712: restarted workers otherwise reuse the agent's store with stale
-    # gloo addresses and recover badly (or deadlock) on one host.
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-}
 
 
 def free_port() -> int:
@@ -35,27 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); nan for no values."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def median(values: Sequence[float]) -> float:
+    values = list(values)
     return statistics.median(values) if values else float("nan")
-
-
-def row(name: str, tidal: float, peer: float, unit: str, *, higher_is_better: bool) -> dict:
-    """One result; ``ratio`` above 1 always means Tidal is better."""
-    if higher_is_better:
-        ratio = tidal / peer if peer > 0 else float("nan")
-    else:
-        ratio = peer / tidal if tidal > 0 else float("nan")
-    return {"name": name, "tidal": tidal, "peer": peer, "ratio": ratio, "unit": unit}
 
 
 def log(msg: str) -> None:

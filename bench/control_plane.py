@@ -26,8 +26,9 @@ can. Rows (``ratio`` > 1 when Tidal is better, as every bench row):
   in the same run (ms); ratio = floor / loaded (1.0: load adds no latency);
 - ``control_plane_N_cpu``: the cores the coordinator needs to answer every heartbeat at the
   offered rate (``cores_needed``: its CPU per heartbeat answered in the window, times N /
-  the heartbeat interval); peer: the one-core budget (1.0, not measured); ratio = 1 /
-  cores (above 1: the load fits in one core). The measured CPU share is in the details.
+  the heartbeat interval); no peer (``peer_name`` "none"): the goal is a budget of one
+  core, not a measurement of anything else (docs/decisions/bench-peers.md). The measured
+  CPU share is in the details.
 """
 
 from __future__ import annotations
@@ -41,10 +42,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import Procs, log, row, wait_until
+from bench.common import Procs, log, wait_until
+from bench.rows import failed, row
 from tidal.backends.base import Backend
 
 JOB = "capacity"
+FLOOR_CONFIG = (
+    "the same coordinator after the window, one worker heartbeating alone (the same request, "
+    "the same N-member answer): its p99"
+)
+NO_CPU_PEER = (
+    "none: the goal is a budget (one core answers every heartbeat at the offered rate); "
+    "no other coordinator or floor is measured for CPU"
+)
 SIZES = (256, 1024)  # simulated workers
 
 
@@ -214,16 +224,16 @@ def rows_of(results: dict[int, dict]) -> list[dict]:
     rows = []
     for n, r in sorted(results.items()):
         if "error" in r:  # this size could not be measured: its rows say so ("-")
-            rows += [
-                {"name": f"control_plane_{n}{s}", "tidal": None, "peer": None, "ratio": None,
-                 "unit": u} for s, u in (("", "ms p99"), ("_cpu", "cores"))
-            ]  # fmt: skip
+            rows += [failed(f"control_plane_{n}{s}", u, reason=str(r["error"]))
+                     for s, u in (("", "ms p99"), ("_cpu", "cores"))]  # fmt: skip
             continue
         lat, floor = r["latency_s"]["p99"], r["floor_latency_s"]["p99"]
         rows.append(row(f"control_plane_{n}", lat * 1000, floor * 1000, "ms p99",
-                        higher_is_better=False))  # fmt: skip
-        rows.append(row(f"control_plane_{n}_cpu", cores_needed(r), 1.0, "cores",
-                        higher_is_better=False))  # fmt: skip
+                        higher_is_better=False, peer_name="floor",
+                        peer_config=FLOOR_CONFIG))  # fmt: skip
+        rows.append(row(f"control_plane_{n}_cpu", cores_needed(r), None, "cores",
+                        higher_is_better=False, peer_name="none",
+                        peer_config=NO_CPU_PEER))  # fmt: skip
     return rows
 
 
@@ -265,9 +275,8 @@ def main() -> None:
         if r["tidal"] is None:
             print(f"{r['name']:<22} failed")
             continue
-        print(
-            f"{r['name']:<22} {r['tidal']:>9.3f} {r['peer']:>9.3f} {r['unit']:<8} {r['ratio']:.3g}"
-        )
+        peer, ratio = (float("nan") if v is None else v for v in (r["peer"], r["ratio"]))
+        print(f"{r['name']:<22} {r['tidal']:>9.3f} {peer:>9.3f} {r['unit']:<8} {ratio:.3g}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
         args.json.with_suffix(".details.json").write_text(json.dumps(details, indent=2))

@@ -22,7 +22,7 @@ give the same cost as the training loop sees it (``boundary_costs``), and the jo
 
 Peer, what a torchtitan / DCP user does for a resize: ``torchrun --standalone
 --nproc-per-node N`` on the same model under FSDP2; at the change the job saves
-``get_state_dict`` + ``dcp.save`` and its processes exit; ``torchrun`` starts at the new size,
+``get_state_dict`` + ``dcp.async_save`` (staged, then written) and its processes exit; ``torchrun`` starts at the new size,
 ``dcp.load`` + ``set_state_dict`` and takes its first step. The pause has Tidal's definition:
 from the last step completed before the change (the latest member's) to the first step
 completed after it (the latest member's), from the step records. The checkpoint lives on
@@ -351,6 +351,7 @@ def peer_dcp(changes: int, tmp: Path, *, first: int = 10, spacing: int = 6) -> d
         parts.append(
             {
                 "save_s": latest(pa, "save_end") - latest(pa, "save_begin"),
+                "stage_s": latest(pa, "save_staged") - latest(pa, "save_begin"),
                 "exit_and_relaunch_s": min(p["start"] for p in pb) - latest(pa, "save_end"),
                 "import_and_group_s": latest(pb, "group") - min(p["start"] for p in pb),
                 "build_s": latest(pb, "built") - latest(pb, "group"),
@@ -370,6 +371,7 @@ def peer_dcp(changes: int, tmp: Path, *, first: int = 10, spacing: int = 6) -> d
         "parts_p50": {k: _median([p[k] for p in parts]) for k in (parts[0] if parts else {})},
         "step_s": {w: _median(v) for w, v in step.items()},
         "save_s": [p["save_s"] for p in parts],
+        "stage_s": [p["stage_s"] for p in parts],
         "save_world": worlds[:-1],
     }
 

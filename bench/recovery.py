@@ -4,12 +4,14 @@ Tidal: ``tidal run --workers 2 --max-restarts K``; the bench SIGKILLs the rank-1
 (pid from the status) once both members train, waits until a replacement has joined and
 trained, and repeats. Each kill's recovery is the ``pause_s`` of the generation that
 dropped the dead worker (last step before the kill to the survivor's first committed step
-after it: it includes the step the kill interrupted). Steps lost per kill: the step indices
+after it: it includes the step the kill interrupted), and, at torchrun's world size, the time
+until the group is back at 2 members (``back_at_2_s``: the replacement's first step). Steps lost per kill: the step indices
 begun before the kill that were redone (from the step records and the generation's
 ``start_step``).
 
 Peer: ``torchrun --standalone --nproc-per-node 2 --max-restarts K`` on the same script;
-the bench SIGKILLs rank 1; torchrun restarts both workers. The recovery has the same
+its rendezvous tuned as ``bench.peers`` says; the bench SIGKILLs rank 1; torchrun restarts
+both workers. The recovery has the same
 definition: last step end before the kill to the first step end after it. torchrun keeps no
 state across the restart (the script restarts at step 0: everything since the last
 checkpoint is lost).
@@ -36,7 +38,9 @@ from bench.common import (
     torchrun_cmd,
     wait_until,
 )
+from bench.peers import torchrun_opts
 from bench.rescale import tidal_status
+from bench.rows import back_at_world
 
 
 def tidal_recovery(kills: int, tmp: Path, timeout: float = 120) -> dict:
@@ -92,10 +96,13 @@ def tidal_recovery(kills: int, tmp: Path, timeout: float = 120) -> dict:
         pauses.append(g["pause_s"])
         begun = [r.index for r in recs if r.kind == "B" and r.time < t_kill]
         lost.append(max(begun) + 1 - g["start_step"] if begun else 0)
+    # back at the same world size as torchrun's restart: the replacement's first step at 2
+    same = [g for t in kill_times if (g := back_at_world(recs, t, 2)) is not None]
     step1 = median_step(recs, 1)  # the survivor's first step after a kill is alone
     excess = [p - step1 for p in pauses]
     return {
         "recovery_s": pauses,
+        "back_at_2_s": [b - a for a, b in same],
         "excess_s": excess,
         "step_s": step1,
         "floor_s": median_to_sync(recs, 2) + step1,
@@ -113,6 +120,7 @@ def peer_recovery(kills: int, tmp: Path, timeout: float = 120) -> dict:
             torchrun_cmd(
                 "--standalone",
                 "--nproc-per-node=2",
+                *torchrun_opts(),
                 f"--max-restarts={kills + 2}",
                 str(TRAIN),
                 *("--mode", "ddp", "--steps", "10000000", "--out", str(out)),

@@ -6,7 +6,8 @@ gap, among the members, between their last step before the change and their firs
 after it), read from ``tidal status --json``.
 
 Peer: torchrun elastic, ``--nnodes=1:2 --nproc-per-node=1`` with c10d rendezvous on a free
-port, ``--rdzv-conf=last_call_timeout=1`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. A
+port, its rendezvous tuned for fast elasticity (``bench.peers.TORCHRUN_RDZV_CONF``) and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. A
 second agent joins (1 -> 2) and later leaves (SIGTERM to it: 2 -> 1); torchrun restarts the
 workers each time. The pause has the same definition as Tidal's: from the last step before
 the change to the first step at the new size (from the step records). The time from the
@@ -34,6 +35,8 @@ from bench.common import (
     torchrun_cmd,
     wait_until,
 )
+from bench.peers import torchrun_opts
+from bench.rows import split_by_direction
 from bench.train_mlp import build as build_mlp
 
 
@@ -63,8 +66,7 @@ def tidal_pauses(events: int, tmp: Path, *, first: int = 200, spacing: int = 12)
     status = tidal_status(home, name)
     gens = sorted(status["generations"], key=lambda g: g["id"])[1:]
     pauses = [g["pause_s"] for g in gens if g["pause_s"] is not None]
-    ups = [g["pause_s"] for g in gens if g["pause_s"] is not None and g["world_size"] == 3]
-    downs = [g["pause_s"] for g in gens if g["pause_s"] is not None and g["world_size"] == 2]
+    ups, downs = split_by_direction(sorted(status["generations"], key=lambda g: g["id"]))
     recs = read_records(tmp / "tidal")
     step = {w: median_step(recs, w) for w in (2, 3)}
     excess = [g["pause_s"] - step[g["world_size"]] for g in gens if g["pause_s"] is not None]
@@ -180,7 +182,7 @@ def peer_pauses(joins: int, tmp: Path, timeout: float = 120) -> dict:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=bench-rescale",
-                "--rdzv-conf=last_call_timeout=1",
+                *torchrun_opts(),
                 "--max-restarts=100",
                 str(TRAIN),
                 *("--mode", "ddp", "--steps", "10000000", "--out", str(out)),

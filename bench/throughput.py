@@ -1,6 +1,8 @@
 """Steady-state throughput: the same MLP, data and global batch under torchrun (plain DDP)
-and under ``tidal run``, at one world size. Samples/s over the steady part of the run (the
-first fifth of the steps is skipped), from rank 0's step records."""
+and under ``tidal run``, at one world size. Wall-clock samples/s over a fixed window of
+steps (the first fifth of the steps is skipped, every later step counted:
+``bench.rows.wall_clock_rate``), with the median step beside it, from rank 0's step
+records."""
 
 from __future__ import annotations
 
@@ -13,26 +15,23 @@ from bench.common import (
     TORCHRUN_ENV,
     TRAIN,
     Procs,
-    ends,
     log,
-    median_step,
     read_records,
     tidal_cmd,
     torchrun_cmd,
 )
+from bench.rows import wall_clock_rate
 
 GLOBAL_BATCH = 64
 
 
-def samples_per_s(directory: Path, world: int) -> float:
-    """Global batch over the median time between rank 0's consecutive step ends, past the
-    first fifth of the run. The median, not the mean: the machine is shared, and another
-    process's burst should not count against whichever run it happened to land in."""
-    recs = [r for r in ends(read_records(directory)) if r.rank == 0 and r.world == world]
-    recs = recs[len(recs) // 5 :]
-    if len(recs) < 3:
-        raise RuntimeError(f"too few step records in {directory}")
-    return GLOBAL_BATCH / median_step(recs, world)
+def samples_per_s(directory: Path, world: int) -> dict:
+    """``wall_clock_rate`` of rank 0's records in ``directory``: every step of the window
+    counts (a slow step is the tool's as much as a fast one), the median step kept beside."""
+    try:
+        return wall_clock_rate(read_records(directory), world, GLOBAL_BATCH)
+    except ValueError as exc:
+        raise RuntimeError(f"{exc} in {directory}") from None
 
 
 def start_peer(procs: Procs, world: int, steps: int, tmp: Path) -> tuple[Popen, Path]:
@@ -64,7 +63,7 @@ def start_tidal(procs: Procs, world: int, steps: int, tmp: Path) -> tuple[Popen,
     return proc, out
 
 
-def _run(start, tool: str, world: int, steps: int, tmp: Path, timeout: float) -> float:  # noqa: ANN001
+def _run(start, tool: str, world: int, steps: int, tmp: Path, timeout: float) -> dict:  # noqa: ANN001
     procs = Procs()
     try:
         proc, out = start(procs, world, steps, tmp)
@@ -75,11 +74,11 @@ def _run(start, tool: str, world: int, steps: int, tmp: Path, timeout: float) ->
     return samples_per_s(out, world)
 
 
-def run_peer(world: int, steps: int, tmp: Path, timeout: float) -> float:
+def run_peer(world: int, steps: int, tmp: Path, timeout: float) -> dict:
     return _run(start_peer, "torchrun", world, steps, tmp, timeout)
 
 
-def run_tidal(world: int, steps: int, tmp: Path, timeout: float) -> float:
+def run_tidal(world: int, steps: int, tmp: Path, timeout: float) -> dict:
     return _run(start_tidal, "tidal run", world, steps, tmp, timeout)
 
 
@@ -99,14 +98,22 @@ def measure(world: int, steps: int, tmp: Path, reps: int = 1, timeout: float = 3
             else:
                 peer.append(run_peer(world, steps, d, timeout))
         log(
-            f"throughput ws{world} rep {rep}: tidal {tidal[-1]:.0f}, torchrun {peer[-1]:.0f} samples/s"
+            f"throughput ws{world} rep {rep}: tidal {tidal[-1]['samples_per_s']:.0f}, ddp "
+            f"{peer[-1]['samples_per_s']:.0f} samples/s (wall clock)"
         )
+    rate = [t["samples_per_s"] for t in tidal], [p["samples_per_s"] for p in peer]
+    step = [t["median_step_s"] for t in tidal], [p["median_step_s"] for p in peer]
     return {
-        "tidal": statistics.median(tidal),
-        "peer": statistics.median(peer),
-        "tidal_all": tidal,
-        "peer_all": peer,
-        "pair_ratios": [t / p for t, p in zip(tidal, peer, strict=True)],
+        "tidal": statistics.median(rate[0]),
+        "peer": statistics.median(rate[1]),
+        "tidal_step_s": statistics.median(step[0]),
+        "peer_step_s": statistics.median(step[1]),
+        "tidal_all": rate[0],
+        "peer_all": rate[1],
+        "tidal_step_all": step[0],
+        "peer_step_all": step[1],
+        "windows": {"tidal": tidal, "peer": peer},
+        "pair_ratios": [t / p for t, p in zip(*rate, strict=True)],
     }
 
 

@@ -13,7 +13,7 @@ After every step it appends to ``OUT/copies-PID.jsonl`` each copy the ring took 
 ``--mode dcp``: what a torchtitan / DCP user does for a resize, run under ``torchrun``: FSDP2
 (``fully_shard`` on every Linear, then the root) over gloo; with ``--resume DIR`` it loads
 ``dcp.load`` + ``set_state_dict`` from DIR and continues at the step saved there; at
-``--stop-at S`` (committed steps) it saves ``get_state_dict`` + ``dcp.save`` to ``--save DIR``
+``--stop-at S`` (committed steps) it saves ``get_state_dict`` + ``dcp.async_save`` to ``--save DIR``
 and exits. Each process writes its phases (``OUT/phases-PID.json``: process start, group
 formed, model built, state loaded, first step done, save begun and ended; wall times).
 
@@ -244,7 +244,18 @@ def run_dcp(args: argparse.Namespace, rec: Recorder) -> None:
     if args.save is not None:
         phases["save_begin"] = time.time()
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(args.save))
+        # the DCP user's best (bench.peers.DCP_ASYNC): async_save, the training waits for
+        # the staging only; the upload is waited for before the process exits
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(False, False, True, False))
+        resp = dcp.async_save(
+            {"model": msd, "optim": osd}, checkpoint_id=str(args.save), async_stager=stager
+        )
+        resp.staging_completion.result()
+        phases["save_staged"] = time.time()
+        resp.upload_completion.result()
+        stager.close()
         if rank == 0:
             (args.save / "step.json").write_text(json.dumps({"step": stop}))
         dist.barrier()

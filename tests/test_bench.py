@@ -37,8 +37,8 @@ def test_bench_tiny_state_transfer(tmp_path: Path, cross_memory: bool) -> None:
     copy = ["state_transfer_copy"] if cross_memory else []
     assert [r["name"] for r in rows] == ["state_transfer", *copy]
     for r in rows:
-        assert set(r) == {"name", "tidal", "peer", "ratio", "unit"}
-        assert r["unit"] == "s"
+        assert set(r) == {"name", "tidal", "peer", "ratio", "unit", "peer_name", "peer_config"}
+        assert r["unit"] == "s" and r["peer_name"] == "floor" and r["peer_config"]
         for key in ("tidal", "peer", "ratio"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
     assert all(r["tidal"] == rows[0]["tidal"] for r in rows)  # the same heals, two floors
@@ -120,6 +120,10 @@ def test_bench_tiny_control_plane(tmp_path: Path) -> None:
     ]
     assert [r["unit"] for r in rows] == ["ms p99", "cores"] * len(sizes)
     for r in rows:
+        if r["name"].endswith("_cpu"):  # a budget, no peer (docs/decisions/bench-peers.md)
+            assert r["peer_name"] == "none" and r["peer"] is None and r["tidal"] > 0, r
+            continue
+        assert r["peer_name"] == "floor", r
         for key in ("tidal", "peer", "ratio"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r
     details = json.loads(out.with_suffix(".details.json").read_text())["control_plane"]
@@ -178,6 +182,9 @@ def test_bench_tiny_fsdp_reshard(tmp_path: Path) -> None:
     for name, r in rows.items():
         if name == "fsdp_copy_cost_s":  # a difference of step times: noise can make it <= 0
             assert math.isfinite(r["tidal"]) and r["peer"] > 0, r
+            continue
+        if name == "fsdp_redone_steps":  # a bound, not a peer
+            assert r["peer_name"] == "none" and r["peer"] is None, r
             continue
         for key in ("tidal", "peer", "ratio"):
             assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, r

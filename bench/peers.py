@@ -1,0 +1,82 @@
+"""How each peer is configured: one place, so the commands that run a peer and the
+``peer_config`` its rows print cannot drift apart. Pure constants and builders; the
+reasons for each setting are in docs/decisions/bench-peers.md.
+
+torchrun: its c10d rendezvous tuned for fast elasticity as the
+``torch.distributed.elastic.rendezvous.dynamic_rendezvous.create_handler`` docs describe
+(integer seconds: ``join_timeout``, ``last_call_timeout``, ``close_timeout``,
+``keep_alive_interval``, ``keep_alive_max_attempt``), the agent's ``--monitor-interval``
+at its 0.1 s, and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (pytorch issue 135712).
+"""
+
+from __future__ import annotations
+
+#: torchrun's rendezvous at its fastest that still forms one round per change: a joiner is
+#: admitted 1 s after the minimum is met (0 would let the first agent back complete the
+#: round alone and restart again when the second arrives), a dead agent is declared after
+#: one missed 1 s keep-alive, a closing round waits 1 s.
+TORCHRUN_RDZV_CONF: dict[str, int] = {
+    "join_timeout": 30,
+    "last_call_timeout": 1,
+    "close_timeout": 1,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 1,
+}
+TORCHRUN_MONITOR_INTERVAL = 0.1
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def rdzv_conf_arg(conf: dict[str, int] = TORCHRUN_RDZV_CONF) -> str:
+    """``--rdzv-conf=k=v,...`` in the order given."""
+    return "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def torchrun_opts(conf: dict[str, int] = TORCHRUN_RDZV_CONF) -> list[str]:
+    """The rendezvous and agent options every elastic torchrun peer gets."""
+    return [rdzv_conf_arg(conf), f"--monitor-interval={TORCHRUN_MONITOR_INTERVAL}"]
+
+
+def torchrun_config(launch: str) -> dict:
+    """``peer_config`` of a torchrun row: how it was launched plus the tuned rendezvous."""
+    return {
+        "launch": launch,
+        "rdzv_backend": "c10d",
+        "rdzv_conf": dict(TORCHRUN_RDZV_CONF),
+        "monitor_interval_s": TORCHRUN_MONITOR_INTERVAL,
+        "env": dict(TORCHRUN_ENV),
+        "script": "bench/train_mlp.py --mode ddp (DDP over gloo, restarts at step 0)",
+    }
+
+
+TORCHRUN_ELASTIC = torchrun_config("--nnodes=1:2 --nproc-per-node=1, one agent per node")
+TORCHRUN_STANDALONE = torchrun_config("--standalone --nproc-per-node=2 --max-restarts=K")
+
+#: plain DDP: the throughput peer (no elasticity, nothing but the training).
+DDP = {
+    "launch": "torchrun --standalone --nproc-per-node=N",
+    "script": "bench/train_mlp.py --mode ddp",
+    "ddp": "DistributedDataParallel(model), gloo, default bucket (25 MB)",
+    "threads": "torch.set_num_threads(1), OMP_NUM_THREADS=1",
+    "data": "the same tensors, permutation and global batch (64)",
+}
+
+#: DCP's asynchronous save at its best on a CPU-only host (``torch.distributed.checkpoint``
+#: ``async_save``): a ``DefaultStager`` kept for the whole run (its ``StateDictStager``
+#: caches the staging storages: the buffers are reused from the second save on), staging
+#: in its background thread, the training waiting for the staging only before the next
+#: optimizer update (as Tidal's writer does), the write in DCP's thread executor. Pinned
+#: memory and non-blocking copies need an accelerator (torch refuses them without one).
+DCP_ASYNC = {
+    "api": "torch.distributed.checkpoint.async_save",
+    "async_checkpointer_type": "THREAD",
+    "async_stager": "DefaultStager reused across saves (cached staging storages)",
+    "staging_options": {
+        "use_pinned_memory": False,
+        "use_shared_memory": False,
+        "use_async_staging": True,
+        "use_non_blocking_copy": False,
+    },
+    "wait": "staging_completion before the next optimizer update",
+    "storage": "FileSystemWriter (DCP's default for a path)",
+    "pinned_memory": "not applicable: CPU-only torch (pinning requires an accelerator)",
+}
