@@ -32,6 +32,9 @@ def run_torchft(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     reason = unavailable()
     if reason is not None:
         return skipped(reason), {"skipped": reason}
-    from bench.torchft_measure import measure
-
+    try:
+        from bench.torchft_measure import measure
+    except ImportError:
+        reason = "torchft imports, but the bench's TorchFT measurement is not written yet"
+        return skipped(reason), {"skipped": reason}
     return measure(size, tmp)
