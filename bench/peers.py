@@ -14,13 +14,14 @@ from __future__ import annotations
 #: torchrun's rendezvous at its fastest that still forms one round per change: a joiner is
 #: admitted 1 s after the minimum is met (0 would let the first agent back complete the
 #: round alone and restart again when the second arrives), a dead agent is declared after
-#: one missed 1 s keep-alive, a closing round waits 1 s.
+#: three missed 1 s keep-alives (one missed beat, 1 x 1, dropped a loaded agent's own
+#: membership: its first rendezvous never completed), a closing round waits 1 s.
 TORCHRUN_RDZV_CONF: dict[str, int] = {
     "join_timeout": 30,
     "last_call_timeout": 1,
     "close_timeout": 1,
     "keep_alive_interval": 1,
-    "keep_alive_max_attempt": 1,
+    "keep_alive_max_attempt": 3,
 }
 TORCHRUN_MONITOR_INTERVAL = 0.1
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
