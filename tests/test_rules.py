@@ -125,6 +125,75 @@ R3, HOURLY2 = parse_max_restarts(3), parse_max_restarts("2/h")
             "worker 3 exited with code 1: ValueError: x",
             None,
         ),
+        # exited 0 before it ever joined (no Trainer, or its run never iterated): the script's
+        # bug, every worker shares it; the job fails at once, no replacement (issue 50)
+        (
+            dict(returncode=0, how="exited with code 0", joined=False, script="train.py"),
+            FAILED,
+            "worker 3 exited 0 without joining the job",
+            False,
+            False,
+            "train.py exited 0 without running a tidal.Trainer (did it run its main?)",
+            None,
+        ),
+        # ... the same while others train (it was no member), and with restarts spent
+        (
+            dict(
+                returncode=0,
+                how="exited with code 0",
+                joined=False,
+                script="train.py",
+                failures=99,
+                max_restarts=R3,
+                alive_others=2,
+                target=3,
+            ),
+            FAILED,
+            "worker 3 exited 0 without joining the job",
+            False,
+            False,
+            "train.py exited 0 without running a tidal.Trainer (did it run its main?)",
+            None,
+        ),
+        # ... not when it was asked to leave before joining (a spare retired), nor once the
+        # job is decided, nor when the coordinator killed it
+        (
+            dict(returncode=0, how="exited with code 0", joined=False, retired=True),
+            EXITED,
+            "worker 3 exited",
+            False,
+            False,
+            None,
+            None,
+        ),
+        (
+            dict(returncode=0, how="exited with code 0", joined=False, job_decided=True),
+            FAILED,
+            "worker 3 failed (exited with code 0)",
+            False,
+            False,
+            None,
+            None,
+        ),
+        (
+            dict(returncode=0, how="", joined=False, kill_reason="missed heartbeats"),
+            FAILED,
+            "worker 3 failed (missed heartbeats)",
+            True,
+            False,
+            None,
+            None,
+        ),
+        # a worker that joined and exited 0 unasked stays a lost worker, as before
+        (
+            dict(returncode=0, how="exited with code 0", joined=True, was_member=True),
+            FAILED,
+            "worker 3 failed (exited with code 0)",
+            True,
+            True,
+            None,
+            None,
+        ),
         # a positive code the coordinator caused (it killed it as hung) is a lost worker
         (
             dict(

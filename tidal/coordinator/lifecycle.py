@@ -152,6 +152,8 @@ class Lifecycle:
                 kill_reason=w.kill_reason,
                 job_decided=self.job.outcome is not None or self.job.script_stop is not None,
                 status_known=ex.known,
+                joined=w.last_heartbeat is not None or w.state not in NOT_STARTED,
+                script=os.path.basename(self.spec.script),
                 failures=self.job.failures,
                 max_restarts=limit,
                 recent=tuple(self.job.loss_times),

@@ -35,6 +35,8 @@ class ExitFacts:
     kill_reason: str | None = None
     job_decided: bool = False
     status_known: bool = True  # False: gone, its exit status unreadable (``Exit.known``)
+    joined: bool = True  # it registered (its script iterated ``Trainer.run``)
+    script: str = "the script"  # its file name, for the job's error line
     failures: int = 0  # lost workers so far, this one not counted
     max_restarts: RestartLimit = DEFAULT_LIMIT
     recent: tuple[float, ...] = ()  # wall times of earlier losses (``restarts.keep_recent``)
@@ -63,6 +65,10 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
       Any other end while leaving is noted, but costs nothing: it was leaving anyway.
     - A script that raised (a positive code the coordinator did not cause) fails the job:
       every worker runs the same code, so a replacement would fail the same way.
+    - A script that exited 0 without ever joining the job (it made no ``Trainer``, or never
+      iterated ``trainer.run``: a ``__main__`` guard that calls nothing, an early return)
+      fails the job at once for the same reason, naming the likely cause
+      (``docs/decisions/exit-before-joining.md``); a replacement would exit the same way.
     - Gone with its exit status unknown (an adopted worker, not our child) once it was asked
       to leave or the job was decided, and not killed by us: an exit.
     - Anything else (a signal, a lost machine, a kill for missed heartbeats) is a lost
@@ -95,6 +101,15 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
     message = f"worker {w} failed ({why})" + (f": {f.detail}" if f.detail else "")
     if f.job_decided:
         return ExitVerdict(state=WorkerState.FAILED, kind="failure", message=message)
+    if f.returncode == 0 and not f.joined and f.kill_reason is None:
+        return ExitVerdict(
+            state=WorkerState.FAILED,
+            kind="failure",
+            message=f"worker {w} exited 0 without joining the job",
+            fail_job=(
+                f"{f.script} exited 0 without running a tidal.Trainer (did it run its main?)"
+            ),
+        )
     if f.returncode > 0 and f.kill_reason is None:
         return ExitVerdict(
             state=WorkerState.FAILED,
