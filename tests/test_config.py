@@ -119,6 +119,10 @@ def test_every_float_setting_refuses_non_finite_negative_and_huge_values(cls, na
     [
         ({"heartbeat_timeout_s": 0.0}, "--heartbeat-timeout must be positive"),
         ({"collective_timeout_s": 0.0}, "--collective-timeout must be positive"),
+        ({"start_timeout_s": 0.0}, "--start-timeout must be positive"),
+        ({"start_timeout_s": -5.0}, "--start-timeout must be positive"),
+        ({"start_timeout_s": float("nan")}, "--start-timeout must be a finite number"),
+        ({"start_timeout_s": 1e10}, "--start-timeout must be at most 1e"),
         ({"checkpoint_interval_s": 0.0}, "--checkpoint-interval must be positive"),
         ({"deadline_s": 0.0}, "--deadline must be positive"),
         ({"budget": 0.0}, "--budget must be positive"),
@@ -280,3 +284,31 @@ def test_the_cli_parses_its_flags_without_the_heavy_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_start_timeout_is_a_flag_that_reaches_the_spec():
+    """``--start-timeout`` (issue 50): the 120 s the job waits for its first generation was a
+    spec field without a flag; now it is one, validated by the spec, said in ``run --help``."""
+    values = vars(_run_parser().parse_args(["--start-timeout", "7.5", "x.py"]))
+    given = dict(name="j", script="/x.py", max_workers=1, schedule=(), capacity_trace=None)
+    assert from_flags(JobSpec, values, **given, deadline_s=None).start_timeout_s == 7.5
+    default = vars(_run_parser().parse_args(["x.py"]))["start_timeout"]
+    assert default == JobSpec(name="j", script="/x.py").start_timeout_s == 120.0
+    assert "--start-timeout" in _run_parser().format_help()
+
+
+def test_cli_refuses_a_bad_start_timeout_in_one_line_and_records_nothing(tmp_path):
+    home = tmp_path / "home"
+    script = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", "--start-timeout", "0"]
+        + ["--home", str(home), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "tidal: error: --start-timeout must be positive, got 0.0"
+    ]
+    assert not (home / "tidal.db").exists() and not (home / "jobs").exists()

@@ -431,7 +431,7 @@ def test_capacity_victims(alive, members, cap, victims) -> None:
 @pytest.mark.parametrize(
     ("pending", "waited", "why"),
     [
-        (True, 121.0, "no generation formed within 120 s; see the worker logs"),
+        (True, 121.0, "no generation formed within 120 s (--start-timeout); see the worker logs"),
         (True, 119.0, None),
         (False, 500.0, None),  # running: the start is over
     ],
@@ -444,7 +444,8 @@ def test_start_timed_out_says_the_failed_collectives_that_kept_it_from_forming()
     failed = S(step=0, count=7, last="worker 1: RuntimeError: boom")
     why = start_timed_out(pending=True, waited_s=121.0, start_timeout_s=120.0, failed=failed)
     assert why == (
-        "no generation formed within 120 s; the collective at step 0 failed 7 times in a row "
+        "no generation formed within 120 s (--start-timeout); the collective at step 0 failed 7 "
+        "times in a row "
         "(last: worker 1: RuntimeError: boom)"
     )
     running = start_timed_out(pending=False, waited_s=500.0, start_timeout_s=120.0, failed=failed)

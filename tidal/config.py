@@ -261,7 +261,20 @@ class JobSpec:
     collective_timeout_s: float = field(
         default=120.0, metadata=flag("--collective-timeout", "seconds (default {default})")
     )
-    start_timeout_s: float = field(default=120.0, metadata=flag(label="the start timeout"))
+    # How long the job waits for its first generation (every initial worker started, its
+    # script imported, its Trainer registered, the group formed) before it fails; also how
+    # long members held at a --schedule step wait for the joiners (``rules.start_timed_out``,
+    # ``rules.schedule_settled``).
+    start_timeout_s: float = field(
+        default=120.0,
+        metadata=flag(
+            "--start-timeout",
+            "seconds the job waits for its first generation to form (the workers started, "
+            "their scripts imported, their Trainers joined) before it fails, and members held "
+            "at a --schedule step wait for joiners before going on without them "
+            "(default {default})",
+        ),
+    )
     # How long a worker trains on without reaching any coordinator before it exits: its
     # coordinator is restarted by its supervisor within a second or two, or re-attached by
     # ``tidal attach`` (``WorkerConfig.orphan_timeout_s``).

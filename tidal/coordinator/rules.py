@@ -212,7 +212,7 @@ def start_timed_out(
     why no generation formed, and "see the worker logs" alone would hide it."""
     if not (pending and waited_s > start_timeout_s):
         return None
-    why = f"no generation formed within {start_timeout_s:.0f} s"
+    why = f"no generation formed within {start_timeout_s:g} s (--start-timeout)"
     if failed is not None:
         step, count, last = failed
         return f"{why}; the collective at step {step} failed {count} times in a row (last: {last})"
