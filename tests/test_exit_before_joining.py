@@ -64,9 +64,7 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_script_that_never_runs_its_main_fails_at_once(
-    tidal_home: Home, tmp_path: Path
-) -> None:
+def test_a_script_that_never_runs_its_main_fails_at_once(tidal_home: Home, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(NO_MAIN)
     proc, job = tidal_home.run("nomain", "--workers", "2", script=script, timeout=60)
