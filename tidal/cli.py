@@ -193,7 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resume.add_argument("job")
     resume.add_argument("--workers", type=int, help="default: the job's recorded --workers")
-    resume.add_argument("--max-workers", type=int, help="default: the job's recorded --max-workers")
+    resume.add_argument(
+        "--max-workers",
+        type=int,
+        help="default: the job's recorded --max-workers, raised to a larger --workers "
+        "(given with a larger --workers: refused, as by run)",
+    )
     _add_launch_flags(resume)
     resume.set_defaults(fn=cmd_resume)
 

@@ -15,8 +15,9 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidal.config import JobSpec, from_flags, parse_schedule
 from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
@@ -210,6 +211,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         if state == JobState.SUCCEEDED:
             raise CliError(f"job {args.job!r} already succeeded; nothing to resume")
+        # The counts first: a refusal must come before the previous run's workers are ended.
+        spec_dict.update(
+            resume_counts(spec_dict, workers=args.workers, max_workers=args.max_workers)
+        )
+        spec = JobSpec.from_dict(spec_dict)  # run's validation: one line, nothing changed
         path, warnings = newest_good(job_dir(home, args.job).path / "checkpoints")
         for line in warnings:
             print(f"tidal: warning: {line}", file=sys.stderr)
@@ -227,23 +233,28 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except BaseException:
         os.close(lock)
         raise
-    workers = args.workers if args.workers is not None else spec_dict["workers"]
-    spec_dict.update(
-        workers=workers,
-        max_workers=max(workers, args.max_workers or spec_dict["max_workers"]),
-        min_workers=min(spec_dict["min_workers"], workers),
-    )
-    try:
-        spec = JobSpec.from_dict(spec_dict)
-    except BaseException:
-        os.close(lock)
-        raise
     resume = Resume(path=str(path), step=step, warnings=warnings, ended=ended)
     print(
-        f"{spec.name}: resuming from {path.name} (step {step}) with {workers} workers",
+        f"{spec.name}: resuming from {path.name} (step {step}) with {spec.workers} workers",
         file=sys.stderr,
     )
     return launch(spec, home, args, resume, lock)
+
+
+def resume_counts(
+    saved: Mapping[str, Any], *, workers: int | None, max_workers: int | None
+) -> dict[str, int]:
+    """The worker counts a resume runs with: the job's recorded ``workers``, ``max_workers``
+    and ``min_workers`` (``saved``, its spec's dict) with ``tidal resume``'s ``--workers`` and
+    ``--max-workers`` over them. Contract: what is given is kept as given, never raised or
+    lowered to fit, so ``JobSpec`` refuses what ``tidal run`` would (``--workers 2
+    --max-workers 1``: ``need --min-workers <= --workers <= --max-workers``); without
+    ``--max-workers`` the recorded one is raised to a larger ``--workers`` (``run``'s
+    default: the largest count asked for); ``--min-workers`` is lowered to a smaller
+    ``--workers`` (resume has no ``--min-workers`` flag to say it with)."""
+    n = workers if workers is not None else int(saved["workers"])
+    top = max_workers if max_workers is not None else max(n, int(saved["max_workers"]))
+    return {"workers": n, "max_workers": top, "min_workers": min(int(saved["min_workers"]), n)}
 
 
 def detach(
