@@ -3,7 +3,7 @@
 import pytest
 
 from tidal.policy.reconcile import START_DEFER_S, Pool, reconcile
-from tidal.policy.schedule import future_peak
+from tidal.policy.schedule import future_peak, ignored, reachable
 
 
 def test_first_generation_waits_for_the_whole_initial_group():
@@ -122,3 +122,30 @@ def test_future_peak_looks_only_ahead():
     assert future_peak(sched, 40) == 2
     assert future_peak(sched, 100) == 2
     assert future_peak(sched, 160) == 0
+
+
+@pytest.mark.parametrize(
+    ("sched", "step", "length", "peak"),
+    [
+        (((500, 3),), 0, 200, 0),  # past the end: no spares (issue 50)
+        (((200, 3),), 0, 200, 0),  # at the end: the job is over at step 200
+        (((199, 3),), 0, 200, 3),  # the last step's change still comes
+        (((500, 3),), 0, None, 3),  # the length not known yet: counted, as before
+        (((40, 2), (500, 4)), 0, 200, 2),  # only the reachable entries
+        (((40, 2), (500, 4)), 40, 200, 0),
+        (((40, 2), (100, 3)), 0, 0, 0),  # run(0): nothing is reachable
+    ],
+)
+def test_future_peak_ignores_entries_at_or_past_the_jobs_length(sched, step, length, peak):
+    assert future_peak(sched, step, length) == peak
+
+
+def test_reachable_and_the_lines_for_the_ignored_entries():
+    sched = ((40, 2), (200, 3), (500, 1))
+    assert reachable(sched, 200) == ((40, 2),)
+    assert reachable(sched, None) == sched
+    assert ignored(sched, 200) == [
+        "--schedule entry 200:3 is at or past the job's last step (Trainer.run(200)): ignored",
+        "--schedule entry 500:1 is at or past the job's last step (Trainer.run(200)): ignored",
+    ]
+    assert ignored(sched, 1000) == []

@@ -30,6 +30,7 @@ from tidal.coordinator.rules import (
     schedule_near,
 )
 from tidal.coordinator.stop_rules import accept_stop
+from tidal.policy.schedule import ignored as schedule_ignored
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,
@@ -95,6 +96,8 @@ class Effects:
         w.pid, w.host, w.last_heartbeat = req.pid, req.host, time.time()
         if req.max_steps is not None and self.job.job_length is None:
             self.job.job_length = req.max_steps
+            for line in schedule_ignored(self.spec.schedule, req.max_steps):
+                self.event("scale", line)  # and its spares are retired (``_reconcile``)
         elif req.max_steps is not None and req.max_steps != self.job.job_length:
             self.event(
                 "worker",

@@ -190,7 +190,8 @@ class ControlLoop:
                 # --spares warm ones always; more if a scheduled scale-up will need them
                 spares=max(
                     self.spec.spares,
-                    future_peak(self.spec.schedule, self.job.step) - self.job.target,
+                    future_peak(self.spec.schedule, self.job.step, self.job.job_length)
+                    - self.job.target,
                 ),
                 forming=not self.job.generations,
                 settling=settling,
