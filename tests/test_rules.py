@@ -166,6 +166,21 @@ R3, HOURLY2 = parse_max_restarts(3), parse_max_restarts("2/h")
             None,
             None,
         ),
+        (  # the backend's own word on the end: not the script's doing
+            dict(
+                returncode=0,
+                how="cancelled before Ray placed it",
+                joined=False,
+                reason="cancelled before Ray placed it",
+                was_member=False,
+            ),
+            FAILED,
+            "worker 3 failed (cancelled before Ray placed it)",
+            True,
+            False,
+            None,
+            None,
+        ),
         (
             dict(returncode=0, how="exited with code 0", joined=False, job_decided=True),
             FAILED,

@@ -69,6 +69,8 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
       iterated ``trainer.run``: a ``__main__`` guard that calls nothing, an early return)
       fails the job at once for the same reason, naming the likely cause
       (``docs/decisions/exit-before-joining.md``); a replacement would exit the same way.
+      Not when the backend gave the end a reason of its own (Ray's "cancelled before Ray
+      placed it"): the script did not choose it.
     - Gone with its exit status unknown (an adopted worker, not our child) once it was asked
       to leave or the job was decided, and not killed by us: an exit.
     - Anything else (a signal, a lost machine, a kill for missed heartbeats) is a lost
@@ -101,7 +103,7 @@ def judge_exit(f: ExitFacts) -> ExitVerdict:
     message = f"worker {w} failed ({why})" + (f": {f.detail}" if f.detail else "")
     if f.job_decided:
         return ExitVerdict(state=WorkerState.FAILED, kind="failure", message=message)
-    if f.returncode == 0 and not f.joined and f.kill_reason is None:
+    if f.returncode == 0 and not f.joined and f.kill_reason is None and not f.reason:
         return ExitVerdict(
             state=WorkerState.FAILED,
             kind="failure",
