@@ -15,7 +15,7 @@ from e2e_helpers import Home, event_messages, summarize
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_spares_for_a_schedule_entry_past_the_end_are_retired(tidal_home: Home) -> None:
     job = tidal_home.start(
         "past",
@@ -30,9 +30,9 @@ def test_spares_for_a_schedule_entry_past_the_end_are_retired(tidal_home: Home) 
 
     def spares_gone(s: dict) -> bool:  # whichever registered first is the member
         states = sorted(w["state"] for w in s["workers"])
-        return s["step"] > 20 and states == ["exited", "exited", "running"]
+        return s["step"] > 0 and states == ["exited", "exited", "running"]
 
-    status = job.wait_for(spares_gone, timeout=60, what="the spares retired while it trains")
+    status = job.wait_for(spares_gone, timeout=90, what="the spares retired while it trains")
     assert (
         event_messages(status, "scale").count(
             "--schedule entry 500000:3 is at or past the job's last step (Trainer.run(100000)): "
