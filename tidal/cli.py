@@ -89,40 +89,55 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    """Every job of the home; with a damaged ``tidal.db`` (``db.DamagedJournal``), the jobs
+    whose records still read are listed, the others marked ``damaged``, and the one line
+    that says so ends the command (exit 1)."""
+    from tidal.coordinator.db import DamagedJournal
+
     home = resolve_home(args.home)
     check_home(home)
-    if not db_path(home).exists():  # a home that does not exist (yet) has no jobs
-        rows: list[JobStatus] = []
-    else:
-        db = database(home)
+    rows: list[JobStatus | str] = []  # a name alone: a job whose records cannot be read
+    damage = None
+    if db_path(home).exists():  # a home that does not exist (yet) has no jobs
+        db = database(home, check=False)
         try:
-            names = db.job_names()
+            damage = db.damage()
+            try:
+                names = db.job_names()
+            except DamagedJournal:  # the jobs' own folders name them
+                jobs_dir = home / "jobs"
+                names = sorted(p.name for p in jobs_dir.iterdir()) if jobs_dir.is_dir() else []
         finally:
             db.close()
-        rows = [get_status(home, n) for n in names]
+        for n in names:
+            try:
+                rows.append(get_status(home, n, check=False))
+            except DamagedJournal as exc:
+                rows.append(n)
+                damage = damage or str(exc)
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "name": s.name,
-                        "state": s.state.value,
-                        "step": s.step,
-                        "world_size": s.world_size,
-                        "target_workers": s.target_workers,
-                        "created": s.created,
-                        "script": s.script,
-                    }
-                    for s in rows
-                ],
-                indent=2,
-            )
-        )
+        print(json.dumps([_job_row(s) for s in rows], indent=2))
     else:
         from tidal.display import print_jobs
 
         print_jobs(rows)
+    if damage is not None:
+        raise CliError(damage)
     return 0
+
+
+def _job_row(s: JobStatus | str) -> dict:
+    if isinstance(s, str):
+        return {"name": s, "state": "damaged"}
+    return {
+        "name": s.name,
+        "state": s.state.value,
+        "step": s.step,
+        "world_size": s.world_size,
+        "target_workers": s.target_workers,
+        "created": s.created,
+        "script": s.script,
+    }
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -200,11 +200,15 @@ def print_status(s: JobStatus) -> None:
         console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {escape(e.message)}")
 
 
-def print_jobs(rows: list[JobStatus]) -> None:
+def print_jobs(rows: list[JobStatus | str]) -> None:
+    """A name alone: a job whose records cannot be read (a damaged ``tidal.db``)."""
     table = Table()
     for col in ("name", "state", "step", "workers", "created"):
         table.add_column(col)
     for s in rows:
+        if isinstance(s, str):
+            table.add_row(s, "damaged", "-", "-", "-")
+            continue
         table.add_row(
             s.name,
             s.state.value,

@@ -184,6 +184,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     home = resolve_home(args.home)
     job_dir(home, args.job)  # first: one line for a name that is no job's
     check_home(home)
+    restore_record(home, args.job)
     if not db_path(home).exists():
         raise CliError(f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
     db = database(home)
@@ -255,6 +256,34 @@ def resume_counts(
     n = workers if workers is not None else int(saved["workers"])
     top = max_workers if max_workers is not None else max(n, int(saved["max_workers"]))
     return {"workers": n, "max_workers": top, "min_workers": min(int(saved["min_workers"]), n)}
+
+
+def restore_record(home: Path, name: str) -> None:
+    """A job with no record in ``tidal.db`` (the damaged file moved aside) but with its
+    spec's copy (``JobDir.spec_file``) and checkpoints: its record again, from that copy, so
+    it resumes from its newest checkpoint (``docs/decisions/damaged-journal.md``)."""
+    from tidal.coordinator.db import Database
+    from tidal.protocol import EventView
+
+    jd = job_dir(home, name)
+    spec = jd.read_spec()
+    if spec is None or not (jd.path / "checkpoints").is_dir():
+        return
+    if db_path(home).exists():
+        db = database(home)
+        try:
+            if db.has_job(name):
+                return
+        finally:
+            db.close()
+    db = Database(db_path(home))
+    try:
+        db.create_job(name=name, spec=spec, target=spec["workers"])
+        why = f"job {name}'s record rebuilt from {jd.spec_file} (no record in {db_path(home)})"
+        db.add_event(name, EventView(time=time.time(), kind="job", message=why))
+    finally:
+        db.close()
+    print(f"tidal: {why}", file=sys.stderr)
 
 
 def detach(

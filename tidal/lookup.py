@@ -23,14 +23,15 @@ class CliError(Exception):
     """One line for stderr; the command exits 1."""
 
 
-def database(home: Path):
-    """The home's records, for reading (a read-only home still reads)."""
+def database(home: Path, *, check: bool = True):
+    """The home's records, for reading (a read-only home still reads); ``check`` False: no
+    ``quick_check`` of the file at the open (``Database``)."""
     from tidal.coordinator.db import Database
 
     check_home(home)
     if not db_path(home).exists():
         raise CliError(f"no jobs in {home} (set --home or $TIDAL_HOME)")
-    return Database(db_path(home), readonly=True)
+    return Database(db_path(home), readonly=True, check=check)
 
 
 def job_client(home: Path, name: str) -> CoordinatorClient | None:
@@ -49,7 +50,7 @@ def job_client(home: Path, name: str) -> CoordinatorClient | None:
     return client
 
 
-def get_status(home: Path, name: str) -> JobStatus:
+def get_status(home: Path, name: str, *, check: bool = True) -> JobStatus:
     from tidal.coordinator.db import UnknownJob
     from tidal.protocol import JobState
 
@@ -62,7 +63,7 @@ def get_status(home: Path, name: str) -> JobStatus:
             client.close()
     if not db_path(home).exists():
         raise CliError(f"unknown job {name!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
-    db = database(home)
+    db = database(home, check=check)
     try:
         status = db.load_status(name)
     except UnknownJob:

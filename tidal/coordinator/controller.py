@@ -99,6 +99,7 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
             db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = db.max_ids(spec.name)
             self._gen_base, self._worker_base = gen, wid + 1
+        self.jobdir.write_spec(spec.to_dict())
         journal = Journal(db, spec.name)  # the only writer of the job's records
         journal.load(
             unwritten=JobRow(

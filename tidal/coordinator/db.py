@@ -127,6 +127,34 @@ class UnknownJob(LookupError):
     pass
 
 
+class DamagedJournal(HomeError):
+    """The home's ``tidal.db`` is damaged: SQLite finds it corrupt or not a database. The
+    message is one line naming the file and what to do (``damaged_line``)."""
+
+
+# SQLITE_CORRUPT and SQLITE_NOTADB (the primary codes: the low byte of an extended one)
+DAMAGE_CODES = frozenset({11, 26})
+READ_BUSY_S = 5  # a reader waits this long for a writer's lock, not SQLite's 30 s default here
+WRITE_BUSY_S = 30
+
+
+def is_damage(exc: sqlite3.Error) -> bool:
+    """SQLite says the file itself is damaged (not full, locked or read-only)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in DAMAGE_CODES
+
+
+def damaged_line(path: Path, reason: str) -> str:
+    """The one line for a damaged journal (``docs/decisions/damaged-journal.md``)."""
+    reason = " ".join(reason.replace("*** in database main ***", "").split())
+    return (
+        f"{path} is damaged ({reason}); Tidal left it as it is, and the checkpoints under "
+        f"{path.parent / 'jobs'} are intact: move it aside (`mv {path} {path}.damaged`), then "
+        "`tidal resume NAME` resumes a job from its newest checkpoint "
+        "(docs/decisions/damaged-journal.md)"
+    )
+
+
 def _storage_error(exc: sqlite3.Error) -> bool:
     """The storage failed (full, read-only, I/O, corrupt), as opposed to a bug in a query."""
     return isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError
@@ -138,29 +166,66 @@ class Database:
     ``readonly``: the caller only reads (``tidal status``, ``tidal jobs``). If the file or
     its folder cannot be written, it is opened read-only, or, when the folder cannot even
     hold SQLite's shared-memory file, read as it is on disk (``immutable``: nobody can be
-    writing to a folder that nobody can write)."""
+    writing to a folder that nobody can write).
 
-    def __init__(self, path: Path, *, readonly: bool = False) -> None:
+    A damaged file (``is_damage``) raises ``DamagedJournal`` wherever SQLite notices it: at
+    the open, where ``PRAGMA quick_check`` runs (it reads every page: ~1 ms per 100 KiB
+    here), or at a read; it is never written to, repaired or replaced."""
+
+    def __init__(self, path: Path, *, readonly: bool = False, check: bool = True) -> None:
+        """``check`` False: no ``quick_check`` at the open (``tidal jobs`` reads what it
+        can of a damaged file, then asks ``damage``)."""
         self.path = path
         self.broken: str | None = None  # why writes stopped (one line), once one failed
         self._lock = threading.Lock()
         try:
             if not readonly:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = self._open_for_reading(path) if readonly else self._open(path)
+            self._conn = (
+                self._open_for_reading(path, check) if readonly else self._open(path, check=check)
+            )
+            self._columns = {
+                table: {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+                for table in ("jobs", "workers", "generations")
+            }
         except OSError as exc:
             raise HomeError(os_error_line("write", exc)) from None
         except sqlite3.Error as exc:
+            if is_damage(exc):
+                raise DamagedJournal(damaged_line(path, str(exc))) from None
             raise HomeError(f"cannot open {path}: {exc}") from None
-        self._columns = {
-            table: {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-            for table in ("jobs", "workers", "generations")
-        }
+
+    def damage(self) -> str | None:
+        """The one line if ``quick_check`` finds the file damaged, else None."""
+        with self._lock:
+            try:
+                self._check_intact(self._conn, self.path)
+            except DamagedJournal as exc:
+                return str(exc)
+            except sqlite3.Error as exc:
+                return damaged_line(self.path, str(exc)) if is_damage(exc) else None
+        return None
 
     @staticmethod
-    def _open(path: Path) -> sqlite3.Connection:
-        conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+    def _check_intact(conn: sqlite3.Connection, path: Path) -> None:
+        """``DamagedJournal`` unless ``PRAGMA quick_check`` finds the file sound."""
+        rows = conn.execute("PRAGMA quick_check(1)").fetchall()
+        if rows != [("ok",)]:
+            raise DamagedJournal(damaged_line(path, str(rows[0][0]) if rows else "no answer"))
+
+    @classmethod
+    def _open(
+        cls, path: Path, busy_s: float = WRITE_BUSY_S, *, check: bool = True
+    ) -> sqlite3.Connection:
+        empty = path.exists() and path.stat().st_size == 0
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=busy_s)
         try:
+            if empty and any(path.parent.glob("jobs/*/checkpoints")):
+                # A journal truncated to nothing beside jobs that wrote checkpoints: not a
+                # new home (SQLite would take it as one, and every job would be unknown).
+                raise DamagedJournal(damaged_line(path, "the file is empty"))
+            if check:
+                cls._check_intact(conn, path)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(SCHEMA + STEP_SCHEMA)
@@ -174,21 +239,33 @@ class Database:
         return conn
 
     @classmethod
-    def _open_for_reading(cls, path: Path) -> sqlite3.Connection:
+    def _open_for_reading(cls, path: Path, check: bool = True) -> sqlite3.Connection:
         try:
-            return cls._open(path)
+            return cls._open(path, READ_BUSY_S, check=check)
         except sqlite3.Error as exc:
+            if is_damage(exc):
+                raise
             error = exc
         for mode in ("mode=ro", "immutable=1"):
             conn = sqlite3.connect(
-                f"file:{quote(str(path))}?{mode}", uri=True, check_same_thread=False
+                f"file:{quote(str(path))}?{mode}",
+                uri=True,
+                check_same_thread=False,
+                timeout=READ_BUSY_S,
             )
             try:
+                if check:
+                    cls._check_intact(conn, path)
                 conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
                 return conn
             except sqlite3.Error as exc:
                 conn.close()
+                if is_damage(exc):
+                    raise
                 error = exc
+            except DamagedJournal:
+                conn.close()
+                raise
         raise error
 
     def close(self) -> None:
@@ -257,6 +334,8 @@ class Database:
             except sqlite3.Error as exc:
                 if not _storage_error(exc):
                     raise
+                if is_damage(exc):
+                    raise DamagedJournal(damaged_line(self.path, str(exc))) from None
                 raise HomeError(f"cannot read {self.path}: {exc}") from None
 
     def has_job(self, name: str) -> bool:

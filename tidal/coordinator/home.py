@@ -88,6 +88,27 @@ class JobDir:
             return None
 
     @property
+    def spec_file(self) -> Path:
+        """A copy of the job's spec beside its checkpoints: with it ``tidal resume`` rebuilds
+        the job's record when ``tidal.db`` was damaged and moved aside."""
+        return self.path / "spec.json"
+
+    def write_spec(self, spec: dict) -> None:
+        """Atomic; a copy, so a folder that cannot take it is no error (the records say why)."""
+        tmp = self.spec_file.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(spec))
+            os.replace(tmp, self.spec_file)
+        except OSError:
+            pass
+
+    def read_spec(self) -> dict | None:
+        try:
+            return json.loads(self.spec_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @property
     def lock_file(self) -> Path:
         return self.path / "lock"
 
