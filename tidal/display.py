@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from tidal.coordinator.checkpoint_rules import final_checkpoint_note, newest_line
 from tidal.protocol import JobState, JobStatus, RecoveryPath
 
 if TYPE_CHECKING:
@@ -73,7 +74,8 @@ class Progress:
         now = time.monotonic()
         if not final and now - self._last < 0.25:
             return
-        status = self.coord.executor.db.load_status(self.coord.spec.name) if final else None
+        # The state in memory, not the records': they may not take the end (a full disk).
+        state = self.coord.job.state if final else None
         events = self._new_events()
         for e in events:
             self.console.print(f"[dim]{_fmt_time(e.time)}[/dim] {e.kind:<10} {escape(e.message)}")
@@ -87,8 +89,8 @@ class Progress:
             for key in ("loss", "accuracy"):
                 if key in m:
                     parts.append(f"{key} {m[key]:.4g}")
-            if status is not None:
-                parts.append(status.state.value)
+            if state is not None:
+                parts.append(state.value)
             self.console.print(f"[bold]{escape(self.coord.spec.name)}[/bold] " + " | ".join(parts))
 
     def _new_events(self) -> list:
@@ -122,13 +124,40 @@ def print_outcome(coord: Coordinator) -> int:
         ]
     except Exception:  # noqa: BLE001 - the records may be unreadable; say what is known
         reasons = []
+    note = final_note(coord)
     if state == JobState.FAILED:
         why = reasons[-1] if reasons else f"at step {coord.job.step}; see `tidal status {name}`"
+        if note is not None and "newest checkpoint" not in why:
+            why += f"; {newest_line(newest_on_disk(coord))}"
         line = f"tidal: error: job {name} failed: {why}"
     else:
         line = f"tidal: job {name} {state.value} at step {coord.job.step}"
+        if note is not None:
+            line += f"; {note}"
     print(line, file=sys.stderr, flush=True)
     return 1
+
+
+def newest_on_disk(coord: Coordinator) -> int | None:
+    """The newest checkpoint's step in the job's checkpoint folder (None: none there)."""
+    from tidal.checkpoint.layout import found_on_disk
+
+    if coord.checkpoint_dir is None:
+        return None
+    try:
+        return max((step for step, _, _ in found_on_disk(coord.checkpoint_dir)), default=None)
+    except OSError:
+        return None
+
+
+def final_note(coord: Coordinator) -> str | None:
+    """What a job's end line adds when its final checkpoint failed (``checkpoint_rules``)."""
+    return final_checkpoint_note(
+        step=coord.job.step,
+        failed=coord.job.checkpoint_failed,
+        written=coord.job.checkpointed,
+        newest_on_disk=newest_on_disk(coord),
+    )
 
 
 def print_status(s: JobStatus) -> None:

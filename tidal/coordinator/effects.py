@@ -22,6 +22,7 @@ from tidal.coordinator.actions import (
     RecordGeneration,
     RecordJob,
 )
+from tidal.coordinator.checkpoint_rules import streak_verdict
 from tidal.coordinator.records import ReformRequest
 from tidal.coordinator.rules import (
     completion_refused,
@@ -163,6 +164,14 @@ class Effects:
         if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
             self.job.outcome = None
             self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
+        elif self.job.outcome is None and self.job.stop_requested_at is None:
+            # Too many in a row: the job fails rather than train on unprotected
+            # (``checkpoint_rules``; ``docs/decisions/full-disk.md``).
+            written = self.job.checkpointed
+            newest = max(written, default=self.resume.step if self.resume else None)
+            why = streak_verdict(self.job.checkpoint_failed, written, newest_on_disk=newest)
+            if why is not None:
+                self._decide(JobState.FAILED, why)
 
     def _on_step_report(self, r: StepReport) -> None:
         gens = self.job.generations

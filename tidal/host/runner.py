@@ -125,7 +125,7 @@ def _host(
     stop_requested: bool = False,
     terminal: Terminal | None = None,
 ) -> int:
-    from tidal.display import Progress, print_outcome
+    from tidal.display import Progress, final_note, print_outcome
 
     if terminal is None:
         terminal = Terminal(job_dir(home, spec.name).path / "coordinator.log", spec.name)
@@ -226,6 +226,8 @@ def _host(
                 recorder.tick()
             wait_s, _ = loop_wait(settled=coord.settled())
             coord.wake.wait(wait_s, coord.executor.wake_fds())
+        if coord.executor.db.broken:  # what its records will say, if they can take it
+            coord.job.state = JobState.FAILED
         try:
             progress.update(final=True)
         except HomeError:
@@ -253,6 +255,8 @@ def _host(
     if broken:
         if not stopping_for_db:  # it broke during the job's last tick
             say(f"tidal: error: {broken}")
+        if ended and (note := final_note(coord)) is not None:  # the job's end, said last
+            say(f"tidal: error: job {spec.name} failed at step {coord.job.step}: {note}")
         return 1
     return code
 
