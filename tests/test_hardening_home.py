@@ -142,19 +142,20 @@ def test_checkpoints_that_cannot_be_written_fail_the_run_in_one_line(tidal_home:
 def test_checkpoints_that_fail_then_recover_leave_a_success_with_a_warning(tidal_home: Home):
     checkpoints = tidal_home.path / "jobs" / "flaky" / "checkpoints"
     checkpoints.parent.mkdir(parents=True)
-    checkpoints.write_text("not a folder\n")  # the checkpoints of steps 10 and 20 fail
-    # Worker 0 stops itself before step 30: the write of step 20 has ended then (a save waits
-    # for the one before it), the write of step 30 may be in flight (it fails or not).
+    checkpoints.write_text("not a folder\n")  # the checkpoint of step 10 fails
+    # Worker 0 stops itself before step 20: the write of step 10 has ended then (a save waits
+    # for the one before it), the write of step 20 may be in flight (it fails or not); fewer
+    # than three in a row fail (three fail the job: reliability 30).
     proc = tidal_home.popen(
         "run", "--quiet", "--name", "flaky", "--checkpoint-every", "10", str(DIGITS),
-        "--max-steps", "60", faults="sigstop@worker=0,step=30",
+        "--max-steps", "60", faults="sigstop@worker=0,step=20",
     )  # fmt: skip
     try:
         job = tidal_home.job("flaky")
         worker = worker_pid(job, 0)
         wait_stopped(worker, timeout=90)
         checkpoints.unlink()
-        checkpoints.mkdir()  # the disk is back: 40, 50 and the last one (60) are written
+        checkpoints.mkdir()  # the disk is back: 30 to the last one (60) are written
         os.kill(worker, signal.SIGCONT)
         out, err = proc.communicate(timeout=90)
     finally:
@@ -163,10 +164,10 @@ def test_checkpoints_that_fail_then_recover_leave_a_success_with_a_warning(tidal
     lines = err.strip().splitlines()
     assert proc.returncode == 0 and len(lines) == 1, err
     assert lines[0].startswith("tidal: warning: job flaky succeeded, but "), lines
-    assert "checkpoint(s) could not be written (steps 10, 20" in lines[0], lines
+    assert "checkpoint(s) could not be written (steps 10" in lines[0], lines
     status = job.status()
     assert status["state"] == "succeeded", summarize(status)
-    assert status["checkpoint_failures"] in (2, 3), summarize(status)
+    assert status["checkpoint_failures"] in (1, 2), summarize(status)
     assert [c["step"] for c in status["checkpoints"]] == [40, 50, 60], summarize(status)
     tidal_home.assert_no_processes()
 

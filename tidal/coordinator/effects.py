@@ -164,7 +164,13 @@ class Effects:
         if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
             self.job.outcome = None
             self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
-        elif self.job.outcome is None and self.job.stop_requested_at is None:
+        elif (
+            self.job.outcome is None
+            and self.job.stop_requested_at is None
+            and (
+                f.step != self._int_metric("max_steps")  # the final one: ``_finish`` decides
+            )
+        ):
             # Too many in a row: the job fails rather than train on unprotected
             # (``checkpoint_rules``; ``docs/decisions/full-disk.md``).
             written = self.job.checkpointed
