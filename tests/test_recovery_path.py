@@ -156,7 +156,7 @@ def test_a_read_only_home_written_before_the_columns_is_read(tmp_path, monkeypat
     path = tmp_path / "tidal.db"
     old_home(path)
 
-    def refused(path):
+    def refused(*args, **kwargs):
         raise sqlite3.OperationalError("attempt to write a readonly database")
 
     monkeypatch.setattr(Database, "_open", staticmethod(refused))  # opened with mode=ro
