@@ -81,3 +81,53 @@ DCP_ASYNC = {
     "storage": "FileSystemWriter (DCP's default for a path)",
     "pinned_memory": "not applicable: CPU-only torch (pinning requires an accelerator)",
 }
+
+#: TorchFT (0.2.0) tuned for fast recovery, as its README's lighthouse and its ``train_ddp``
+#: example set it up, the timeouts shortened where they bound only a failure. The lighthouse
+#: runs in the bench process (``torchft.coordination.LighthouseServer``); each replica group
+#: is one process (``bench/torchft_replica.py``) with one ``Manager``. A dead replica leaves
+#: the quorum when its heartbeats stop for ``heartbeat_timeout_ms`` (the survivor's next
+#: quorum waits that long: with two replicas, one alone is not more than half of the healthy
+#: ones until the dead one's beats expire), and the quorum is re-evaluated every
+#: ``quorum_tick_ms``; ``join_timeout_ms`` only bounds the wait for a heartbeating replica
+#: that has not asked for a quorum yet (the README's 10 s suits slow pods, not one host).
+TORCHFT_LIGHTHOUSE: dict[str, int | str] = {
+    "bind": "[::]:0",
+    "min_replicas": 1,
+    "join_timeout_ms": 100,
+    "quorum_tick_ms": 10,
+    "heartbeat_timeout_ms": 500,
+}
+#: One ``Manager`` per replica group (group world size 1, its own ``TCPStore``):
+#: ``use_async_quorum=False`` because each replica's share of the global batch depends on
+#: the quorum's size (so the quorum is needed before the forward anyway, and a healing
+#: replica then participates in its first step); ``init_sync=False`` as the docs say when
+#: every replica seeds its model identically; ``PGTransport`` over the gloo group as in
+#: ``train_ddp``; seconds below.
+TORCHFT_MANAGER: dict[str, float | int | bool] = {
+    "min_replica_size": 1,
+    "use_async_quorum": False,
+    "init_sync": False,
+    "timeout_s": 30,
+    "quorum_timeout_s": 60,
+    "connect_timeout_s": 10,
+    "heartbeat_interval_s": 0.1,
+    "pg_gloo_timeout_s": 5,
+    "pg_transport_timeout_s": 10,
+}
+
+
+def torchft_config(measured: str) -> dict:
+    """``peer_config`` of a TorchFT row: what was measured plus the full configuration."""
+    return {
+        "measured": measured,
+        "version": "torchft 0.2.0",
+        "lighthouse": "torchft.coordination.LighthouseServer in the bench process",
+        "lighthouse_conf": dict(TORCHFT_LIGHTHOUSE),
+        "manager": dict(TORCHFT_MANAGER),
+        "replica": "one process per replica group (bench/torchft_replica.py): torchft "
+        "ProcessGroupGloo, PGTransport, torchft DistributedDataParallel, Optimizer wrapper",
+        "model": "bench/train_mlp.py's MLP, SGD(lr=0.01, momentum=0.9), one thread a process",
+        "data": "global batch 64 split over the quorum's participants (contiguous shares)",
+        "threads": "torch.set_num_threads(1), OMP_NUM_THREADS=1",
+    }
