@@ -16,7 +16,9 @@ batch (64, split into contiguous shares over the quorum's participants) through 
 
 For each committed step it appends ``TIME STEP PARTICIPANTS`` to
 ``DIR/steps-N-PID.txt`` (``TIME`` = ``time.time()`` once the optimizer wrapper has
-committed; ``STEP`` = the manager's step the batch was taken at).
+committed; ``STEP`` = the manager's step the batch was taken at), and writes the time its
+``Manager`` is made (the replica ready: torch imported, model built, heartbeats starting)
+to ``DIR/ready-N-PID.txt``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,33 @@ from bench.peers import TORCHFT_LIGHTHOUSE, TORCHFT_MANAGER
 from bench.train_mlp import build
 
 torch.set_num_threads(1)  # several replicas share two cores
+
+
+def ddp_class():
+    """torchft's ``DistributedDataParallel`` with its comm hook's failure path completed.
+
+    In torchft 0.2.0 (and on its main branch at 73dafea) the hook asserts on the work's
+    inner future, which is unset when the all-reduce failed: on CPU gloo a peer's death
+    raises in ``work.wait()`` (the manager records the error and returns False), and the
+    assertion then kills the survivor too. This hook does the same all-reduce and, when it
+    failed, hands DDP the bucket as it is: the manager has the error, ``should_commit``
+    answers False and the step is not committed, which is what torchft intends.
+    """
+    from torchft import DistributedDataParallel
+
+    class DDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):  # noqa: ANN001, ANN205 - torch's comm hook signature
+            work = state.allreduce(bucket.buffer())
+            if work.wait():
+                inner = getattr(work.get_future(), "_fut", None)
+                if inner is not None:
+                    return inner
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+    return DDP
 
 
 def lighthouse() -> None:
@@ -67,7 +96,7 @@ def main() -> None:
         parser.error("--replica and --out are required")
 
     from torch.distributed import TCPStore
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
     conf = TORCHFT_MANAGER
@@ -104,14 +133,15 @@ def main() -> None:
             pg, timeout=sec("pg_transport_timeout_s"), device=torch.device("cpu")
         ),
     )
-    ddp = DistributedDataParallel(manager, model)
+    ddp = ddp_class()(manager, model)
     opt = Optimizer(manager, sgd)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"ready-{args.replica}-{os.getpid()}.txt").write_text(f"{time.time():.6f}\n")
 
     x_all, y_all = data.tensors
     g = args.global_batch_size
     per_epoch = len(data) // g
     perms: dict[int, torch.Tensor] = {}
-    args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / f"steps-{args.replica}-{os.getpid()}.txt", "a", buffering=1)  # noqa: SIM115
     while manager.current_step() < args.steps:
         opt.zero_grad()  # the quorum (synchronous here), healing a replica that is behind
