@@ -9,8 +9,8 @@ those lines (``parse_steps``), as Tidal's come from ``bench/train_mlp.py``'s rec
 - recovery (``torchft_recovery``, against Tidal's ``recovery_p50``): two replicas train, the
   bench SIGKILLs replica 1's process and at once launches a replacement (as Tidal's
   ``--max-restarts`` does); the recovery is the last committed step before the kill to the
-  survivor's first committed step after it (Tidal: the ``pause_s`` of the generation that
-  dropped the dead worker, the same two moments). The time until the replacement's first
+  survivor's first committed step in a quorum without the dead replica (Tidal: the
+  ``pause_s`` of the generation that dropped the dead worker, the same two moments). The time until the replacement's first
   step at two replicas (``back_at_2_s``, Tidal's ``recovery_same_world_p50`` definition)
   and from the kill itself are kept in the details.
 - join (``torchft_join``, against Tidal's ``time_to_capacity_cold``): from one replica, the
@@ -75,15 +75,19 @@ def ready_time(directory: Path, pid: int) -> float | None:
 
 def recovery_times(recs: list[Rec], t_kill: float, victim: int) -> dict | None:
     """After SIGKILL of process ``victim`` at ``t_kill``: ``recovery_s`` (the last commit
-    before the kill to a survivor's first commit after it: a process that committed before
-    the kill and is not the victim), ``kill_to_commit_s`` (the kill to that commit) and
-    ``back_at_2_s`` (the last commit before the kill to a new process's first commit at two
-    replicas, None until then). None until the survivor's commit."""
+    before the kill to a survivor's first commit in a quorum without the victim: a process
+    that committed before the kill and is not the victim, at fewer replicas than the last
+    commit before the kill; a step whose all-reduce ended before the kill may still commit
+    after it at the old size, as Tidal's interrupted step, and does not end the recovery),
+    ``kill_to_commit_s`` (the kill to that commit) and ``back_at_2_s`` (the last commit
+    before the kill to a new process's first commit at two replicas, None until then). None
+    until the survivor's commit."""
     before = [r for r in recs if r.time < t_kill]
     if not before:
         return None
     old = {r.pid for r in before} - {victim}
-    after = [r for r in recs if r.time > t_kill and r.pid in old]
+    size = max(before, key=lambda r: r.time).world
+    after = [r for r in recs if r.time > t_kill and r.pid in old and r.world < size]
     if not after:
         return None
     last, first = max(r.time for r in before), min(r.time for r in after)
@@ -256,7 +260,7 @@ def measure(size: dict, tmp: Path) -> tuple[list[dict], dict]:
             higher_is_better=False, peer_name="torchft", tidal_samples=a, peer_samples=b,
             peer_config=cfg("SIGKILL of one of 2 replicas (a replacement launched at once, as "
                             "Tidal's restart): the last committed step before the kill to the "
-                            "survivor's first committed step (world 1); Tidal: recovery_p50's "
+                            "survivor's first committed step in a quorum without it (world 1); Tidal: recovery_p50's "
                             "pause_s, the same moments")),
         row("torchft_join", percentile(c, 50), percentile(d, 50), "s",
             higher_is_better=False, peer_name="torchft", tidal_samples=c, peer_samples=d,

@@ -40,7 +40,9 @@ def test_a_step_log_is_parsed_into_commits_and_cut_lines_are_skipped() -> None:
 
 
 def test_recovery_is_last_commit_before_the_kill_to_the_survivors_first_after_it() -> None:
-    survivor = commits(10, 0, (1.0, 5, 2), (1.1, 6, 2), (2.5, 7, 1), (2.6, 8, 1))
+    # step 7's all-reduce ended before the kill: it commits after it at 2, and the
+    # recovery ends at the first commit of the quorum without the victim
+    survivor = commits(10, 0, (1.0, 5, 2), (1.1, 6, 2), (1.25, 7, 2), (2.5, 8, 1), (2.6, 9, 1))
     victim = commits(11, 1, (1.0, 5, 2), (1.12, 6, 2))
     recs = sorted(survivor + victim, key=lambda r: r.time)
     got = recovery_times(recs, 1.2, 11)
@@ -48,8 +50,8 @@ def test_recovery_is_last_commit_before_the_kill_to_the_survivors_first_after_it
     assert got["recovery_s"] == pytest.approx(2.5 - 1.12)
     assert got["kill_to_commit_s"] == pytest.approx(2.5 - 1.2)
     assert got["back_at_2_s"] is None  # no replacement yet
-    replacement = commits(12, 2, (4.0, 9, 2))
-    recs = sorted(recs + replacement + commits(10, 0, (4.0, 9, 2)), key=lambda r: r.time)
+    replacement = commits(12, 2, (4.0, 10, 2))
+    recs = sorted(recs + replacement + commits(10, 0, (4.0, 10, 2)), key=lambda r: r.time)
     assert recovery_times(recs, 1.2, 11)["back_at_2_s"] == pytest.approx(4.0 - 1.12)
 
 
@@ -58,6 +60,8 @@ def test_no_recovery_until_a_survivor_commits() -> None:
     assert recovery_times(recs, 1.2, 11) is None
     # the victim's own late line does not count as the survivor's
     assert recovery_times(recs + commits(11, 1, (1.3, 6, 2)), 1.2, 11) is None
+    # nor the survivor's commit of the step in flight at the old size
+    assert recovery_times(recs + commits(10, 0, (1.3, 6, 2)), 1.2, 11) is None
     assert recovery_times(commits(10, 0, (2.0, 6, 1)), 1.2, 11) is None  # nothing before
 
 
