@@ -84,8 +84,8 @@ DCP_ASYNC = {
 
 #: TorchFT (0.2.0) tuned for fast recovery, as its README's lighthouse and its ``train_ddp``
 #: example set it up, the timeouts shortened where they bound only a failure. The lighthouse
-#: runs in the bench process (``torchft.coordination.LighthouseServer``); each replica group
-#: is one process (``bench/torchft_replica.py``) with one ``Manager``. A dead replica leaves
+#: (``torchft.coordination.LighthouseServer``) runs in a process of its own; each replica
+#: group is one process (``bench/torchft_replica.py``) with one ``Manager``. A dead replica leaves
 #: the quorum when its heartbeats stop for ``heartbeat_timeout_ms`` (the survivor's next
 #: quorum waits that long: with two replicas, one alone is not more than half of the healthy
 #: ones until the dead one's beats expire), and the quorum is re-evaluated every
@@ -122,11 +122,12 @@ def torchft_config(measured: str) -> dict:
     return {
         "measured": measured,
         "version": "torchft 0.2.0",
-        "lighthouse": "torchft.coordination.LighthouseServer in the bench process",
+        "lighthouse": "torchft.coordination.LighthouseServer, a process of its own",
         "lighthouse_conf": dict(TORCHFT_LIGHTHOUSE),
         "manager": dict(TORCHFT_MANAGER),
         "replica": "one process per replica group (bench/torchft_replica.py): torchft "
-        "ProcessGroupGloo, PGTransport, torchft DistributedDataParallel, Optimizer wrapper",
+        "ProcessGroupGloo, PGTransport, torchft DistributedDataParallel (its comm hook's "
+        "failure path completed: docs/decisions/bench-peers.md), Optimizer wrapper",
         "model": "bench/train_mlp.py's MLP, SGD(lr=0.01, momentum=0.9), one thread a process",
         "data": "global batch 64 split over the quorum's participants (contiguous shares)",
         "threads": "torch.set_num_threads(1), OMP_NUM_THREADS=1",
