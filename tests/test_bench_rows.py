@@ -129,3 +129,19 @@ def test_every_measurement_expects_named_rows() -> None:
     assert len(names) == len(set(names))
     assert {"rescale_join_p50", "rescale_leave_p50", "recovery_same_world_p50",
             "checkpoint_stall_floor_pct", "torchft_recovery"} <= set(names)  # fmt: skip
+
+
+def test_the_results_plot_draws_each_row_with_samples_on_both_sides(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from bench.results import plot
+
+    rows = [
+        {"name": "recovery_p50", "unit": "s", "peer_name": "torchrun",
+         "_samples": {"tidal": [0.07, 0.08, 0.09], "peer": [3.1, 3.4]}},  # fmt: skip
+        {"name": "no_peer", "unit": "s", "peer_name": "none", "_samples": {"tidal": [1.0]}},
+    ]
+    path = plot(rows, tmp_path / "run.png")
+    assert path == tmp_path / "run.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot(rows[1:], tmp_path / "none.png") is None  # no row with both sides: nothing
+    assert not (tmp_path / "none.png").exists()
