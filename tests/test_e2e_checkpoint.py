@@ -30,6 +30,10 @@ def kill_everything(job) -> None:
     status = job.poll()
     info = job.coordinator_info()
     pids = [info["supervisor_pid"], info["pid"]] + [w["pid"] for w in status["workers"] if w["pid"]]
+    # Only this home's processes: a worker that ended earlier left its pid in the records,
+    # and pids are reused (pid_max 32768 here): a stale one may name anyone's process.
+    ours = set(job.home.live_processes())
+    pids = [pid for pid in pids if pid in ours]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

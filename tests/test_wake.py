@@ -77,6 +77,23 @@ def test_pidwatch_sees_an_exit_as_zombie_and_wakes_on_it() -> None:
     assert watch.gone() == set()
 
 
+def test_pidwatch_signals_through_the_pidfd_and_never_after_the_end() -> None:
+    """``send`` reaches the watched process; once it ended (reaped: its pid free for any
+    new process to take), a ``send`` reaches nobody and raises nothing."""
+    proc = _sleeper()
+    watch = PidWatch()
+    try:
+        watch.add(proc.pid)
+        watch.send(proc.pid, signal.SIGTERM)
+        assert proc.wait(10) == -signal.SIGTERM
+        watch.send(proc.pid, signal.SIGKILL)  # ended and reaped: nothing, no error
+        assert watch.is_gone(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+        watch.close()
+
+
 def test_pidwatch_a_pid_already_gone_is_gone_at_once() -> None:
     proc = _sleeper()
     proc.kill()

@@ -373,11 +373,8 @@ class LocalBackend(Backend):
             except ProcessLookupError:
                 pass
         pid = self._watched.get(worker_id)
-        if pid is not None and not self._pids.is_gone(pid):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        if pid is not None:
+            self._pids.send(pid, sig)
 
     def alive(self) -> list[int]:
         """Workers whose exit ``poll`` has not reported yet: one that ended

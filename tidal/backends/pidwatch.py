@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import signal
 
 from tidal.pids import alive
 
@@ -80,6 +81,22 @@ class PidWatch:
             self._ended.add(pid)
             return True
         return False
+
+    def send(self, pid: int, sig: int) -> None:
+        """Signal watched ``pid`` if its process has not ended. Through its pidfd, the
+        signal reaches that process or nobody, never another that took the pid after it
+        ended (pids are reused: pid_max is 32768 on many machines, and a busy one wraps it
+        in minutes); without one, ``kill`` after the ``/proc`` check."""
+        if self.is_gone(pid):
+            return
+        fd = self._fds.get(pid)
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:  # ended meanwhile
+            self._ended.add(pid)
 
     def fds(self) -> list[int]:
         """Pidfds of the watched processes not yet seen gone: readable when one ends."""
