@@ -140,3 +140,37 @@ def test_a_coordinator_that_crashes_leaves_its_workers_to_the_next(
     assert sent == [] and left == [True]
     Coordinator(spec, tmp_path / "b").close()
     assert sent == [(0, signal.SIGKILL), (1, signal.SIGKILL)] and left == [True]
+
+
+def test_the_notice_counter_moves_by_set_and_survives_a_forged_value() -> None:
+    """A real ``TCPStore`` as the coordinator hosts it: ``Notify`` moves the unsealed counter
+    and sets the count's wake key; a value an outsider wrote that is no count is overwritten
+    (the store's ``add`` on it closed the coordinator's connection: it crashed); a count a
+    member's ``close`` moved is gone past; and members still read it with ``add(key, 0)``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tests.ranks import free_port
+    from tidal.coordinator.actions import Notify
+    from tidal.coordinator.executor import Executor
+    from tidal.store_auth import AuthStore, derive_key
+    from tidal.store_keys import notice_key, notice_wake_key
+
+    port = free_port()
+    timeout = datetime.timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
+    store = AuthStore(server, derive_key("t" * 32))
+    outsider = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    ex = Executor(backend=None, store=store, namespace="ns", journal=None)
+    key = notice_key("ns")
+
+    ex.do(Notify())
+    ex.do(Notify())
+    assert outsider.add(key, 0) == 2 and outsider.check([notice_wake_key("ns", 2)])
+    outsider.set(key, b"\x7f not a count")
+    ex.do(Notify())  # no error: the counter is set past this executor's own count
+    assert outsider.add(key, 0) == 3 and outsider.check([notice_wake_key("ns", 3)])
+    outsider.add(key, 4)  # a member's close (and then some)
+    ex.do(Notify())
+    assert outsider.add(key, 0) == 8 and outsider.check([notice_wake_key("ns", 8)])

@@ -112,6 +112,7 @@ def _race(host: str, port: int, stop, counts: dict[str, int]) -> None:
                 for target in targets:
                     intruder.set(target, donors[(i + 1) % len(donors)])
                     counts["writes"] += 1
+            time.sleep(0.005)  # a round every few ms: the members still get the cores
         except Exception:  # noqa: BLE001 - the store went away with the job, or a key with it
             counts["errors"] += 1
             time.sleep(0.01)
@@ -138,6 +139,8 @@ def test_a_forger_racing_the_members_changes_nothing_silently(
         "3",
         "--schedule",
         "20:3,40:2",
+        "--start-timeout",
+        "30",  # a forger that denies the first generation for good: a failure within 30 s
         script_args=["--max-steps", str(STEPS), "--double", "--save", str(out)],
     )
     stop, counts = threading.Event(), {"writes": 0, "errors": 0}
