@@ -4,8 +4,8 @@
 ``--mode tidal``: ``tidal.Trainer(..., sharding="fsdp")`` (or ``--sharding ddp``) under
 ``tidal run``. Once per generation, a few steps in, each member appends to
 ``OUT/mem-PID.jsonl`` what it holds: the bytes of its rows of the parameters and of the
-optimizer state (``trainer._fsdp.sharded.held()``) and of its neighbour copies
-(``trainer._fsdp.ring.copies``: its own snapshot and its neighbour's shard; none alone).
+optimizer state (``trainer._parts.sharded.fsdp.sharded.held()``) and of its neighbour copies
+(``trainer._parts.sharded.fsdp.ring.copies``: its own snapshot and its neighbour's shard; none alone).
 After every step it appends to ``OUT/copies-PID.jsonl`` each copy the ring took since
 (``CopyLog``: the snapshot's and the exchange's seconds). The parameters must be float32
 (``check_float32``: else the worker exits).
@@ -95,7 +95,7 @@ def memory_facts(trainer) -> dict | None:
     keeps (whatever ``ring.copies`` holds: a lone member should keep none). None until
     AdamW's state exists and, at 2+ members, until the first exchange of this layout has
     completed (the copy is taken as every generation forms and exchanged on a thread)."""
-    fsdp = trainer._fsdp
+    fsdp = trainer._parts.sharded.fsdp
     if fsdp is None or fsdp.module is None:
         return None
     held = fsdp.sharded.held()
@@ -133,7 +133,7 @@ class CopyLog:
         self.last: tuple | None = None
 
     def __call__(self, trainer) -> None:
-        fsdp = trainer._fsdp
+        fsdp = trainer._parts.sharded.fsdp
         if self.path is None or fsdp is None:
             return
         ring = fsdp.ring

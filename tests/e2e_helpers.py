@@ -61,7 +61,10 @@ def call_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str, var: st
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(site)
     log = tmp_path / f"{var.lower()}.txt"
-    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    # Before the rest of the path, not instead of it: a checkout on PYTHONPATH stays the
+    # code the job runs.
+    rest = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks)] + ([rest] if rest else [])))
     monkeypatch.setenv(var, str(log))
     return log
 

@@ -4,7 +4,7 @@ and a change asked for between two words (``tidal scale``) still takes effect.
 
 A real job (``examples/digits.py``: steps of a few milliseconds, so words are many steps
 apart); a ``sitecustomize`` of this test's own, on the workers' ``PYTHONPATH``, wraps
-``Trainer._before_sync`` to append, for each step, whether it carried a word (the library
+``ElasticLoop.before_sync`` to append, for each step, whether it carried a word (the library
 reads nothing of it)."""
 
 from __future__ import annotations
@@ -17,20 +17,21 @@ from e2e_helpers import Home, call_log, summarize
 
 SITE = """
 import os
-from tidal.worker import runtime as _runtime
+from tidal.worker import elastic as _elastic
 
 # Once per process (the zygote's interpreter may run this again: then it is wrapped already).
-if os.environ.get("CADENCE_LOG") and not hasattr(_runtime.Trainer._before_sync, "logged"):
-    _plain = _runtime.Trainer._before_sync
+if os.environ.get("CADENCE_LOG") and not hasattr(_elastic.ElasticLoop.before_sync, "logged"):
+    _plain = _elastic.ElasticLoop.before_sync
 
-    def _before_sync(self, step):
-        word = self._ddp is not None and (self._next_word is None or step.index >= self._next_word)
+    def before_sync(self, step):
+        m = self.parts.membership
+        word = m.ddp is not None and (self.next_word is None or step.index >= self.next_word)
         with open(os.environ["CADENCE_LOG"], "a") as f:
-            f.write(f"{self.worker_id} {self.generation} {step.index} {word:d}\\n")
+            f.write(f"{self.parts.link.worker_id} {m.generation} {step.index} {word:d}\\n")
         return _plain(self, step)
 
-    _before_sync.logged = True
-    _runtime.Trainer._before_sync = _before_sync
+    before_sync.logged = True
+    _elastic.ElasticLoop.before_sync = before_sync
 """
 
 

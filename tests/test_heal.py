@@ -243,7 +243,7 @@ def read_one(offer, tensors):  # the direct read is cut after the first tensor
     raise OSError("cut by the test")
 
 if rank == 0:
-    setattr(heal_mod, "_send_blob" if cut == "blob" else "_send_tensors", die)
+    setattr(heal_mod, "send_blob" if cut == "blob" else "_send_tensors", die)
     if cut == "tensors":  # through the group: no direct read offered
         cma.offerable = lambda tensors: False
 elif cut == "read":
@@ -280,7 +280,7 @@ def test_a_heal_cut_while_receiving_says_the_state_is_a_mix(cut, cross_memory):
 
 SCRIPT_BLOB = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker.heal import BLOB_FIRST, _send_blob
+from tidal.worker.heal import BLOB_FIRST, send_blob
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
@@ -288,7 +288,7 @@ sizes = [0, 1, BLOB_FIRST - 8, BLOB_FIRST - 7, 3 * BLOB_FIRST + 5]
 got = []
 for n in sizes:
     blob = bytes((i * 7 + n) % 251 for i in range(n)) if rank == 1 else None
-    back = _send_blob(blob, 1, [0, 2])
+    back = send_blob(blob, 1, [0, 2])
     got.append([len(back), back == bytes((i * 7 + n) % 251 for i in range(n))])
 print(json.dumps(got))
 """

@@ -1,6 +1,6 @@
 """A scheduled change costs its members one round trip to the coordinator, not two: the
-answer that releases a hold is the one ``Membership._join`` forms the next generation from
-(``_join(answer=...)``), with no ``fetch`` after it.
+answer that releases a hold is the one ``Membership.join`` forms the next generation from
+(``join(answer=...)``), with no ``fetch`` after it.
 
 A real job (``examples/digits.py`` under ``tidal run --schedule``); a ``sitecustomize`` of
 this test's own, on the workers' ``PYTHONPATH``, wraps ``Agent.fetch`` and ``Agent._beat``
@@ -124,7 +124,7 @@ def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
     tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A generation's first step's report waits in the outbox for the next commit
-    (``Reports._send_report``), but the coordinator admits a joiner only once that report
+    (``PauseClock.send_report``), but the coordinator admits a joiner only once that report
     says the generation formed: a member holding at the very next step sends it first.
     With the heartbeat thread's own beats a minute apart (this test's ``sitecustomize``), a
     report left for the next beat would hold the change at step 11 back by up to a minute
@@ -148,15 +148,16 @@ from tidal.worker import membership as _membership
 # a newer generation than its own, as it would on a machine whose steps are longer than a
 # round trip (a digits step takes a millisecond); then the library decides, logged. Once
 # per process, as above.
-if os.environ.get("LEAVER_LOG") and not hasattr(_membership.Membership._leaves_uncommitted, "w"):
-    _decide = _membership.Membership._leaves_uncommitted
+if os.environ.get("LEAVER_LOG") and not hasattr(_membership.Membership.leaves_uncommitted, "w"):
+    _decide = _membership.Membership.leaves_uncommitted
 
     def _waited(self, step, max_steps):
         seen = "-"
-        if step in self._cfg.hold_steps and step < max_steps:
+        link = self.parts.link
+        if step in link.cfg.hold_steps and step < max_steps:
             seen, deadline = "timeout", time.monotonic() + 10.0
             while time.monotonic() < deadline:
-                latest = self._agent.latest()
+                latest = link.agent.latest()
                 if latest is not None and (
                     latest.generation is None or latest.generation.id > self.generation
                 ):
@@ -164,13 +165,13 @@ if os.environ.get("LEAVER_LOG") and not hasattr(_membership.Membership._leaves_u
                     break
                 time.sleep(0.001)
         why = _decide(self, step, max_steps)
-        if step in self._cfg.hold_steps:
+        if step in link.cfg.hold_steps:
             with open(os.environ["LEAVER_LOG"], "a") as f:
-                f.write(f"{self.worker_id} {step} {'leave' if why else 'commit'} {seen}\\n")
+                f.write(f"{link.worker_id} {step} {'leave' if why else 'commit'} {seen}\\n")
         return why
 
     _waited.w = True
-    _membership.Membership._leaves_uncommitted = _waited
+    _membership.Membership.leaves_uncommitted = _waited
 
     # Every member that finishes the job writes its parameters (the script saves rank 0's).
     from safetensors.torch import save_file

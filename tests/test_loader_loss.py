@@ -95,7 +95,7 @@ def train(data: Dataset, *, persistent: bool, kill_at: tuple[int, int] | None = 
         steps.close()  # as the loop's end would, even when it raised
         assert children() <= before, "a loader process outlived the run"
     params = [p.detach().clone() for p in model.parameters()]
-    return seen, params, trainer._pipeline
+    return seen, params, trainer._parts.loader.pipeline
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])

@@ -197,7 +197,7 @@ def test_an_early_stop_alone_commits_as_under_tidal_run(how, before, steps) -> N
 
 class _S:  # the attributes ``commits_on_break`` reads of a step
     def __init__(self, consumed: bool, failed: Exception | None) -> None:
-        self._consumed, self._failed = consumed, failed
+        self.consumed, self.failed = consumed, failed
 
 
 @pytest.mark.parametrize(

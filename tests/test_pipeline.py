@@ -112,7 +112,7 @@ def test_a_dataloader_stands_for_its_dataset_and_settings() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(Ids(), batch_size=4, shuffle=True, collate_fn=ids_of)
     trainer = tidal.Trainer(model, opt, loader, global_batch_size=12, micro_batch_size=4)
-    assert trainer.dataset is loader.dataset and trainer._pipeline.collate is ids_of
+    assert trainer.dataset is loader.dataset and trainer._parts.loader.pipeline.collate is ids_of
     seen = []
     for step in trainer.run(max_steps=5):  # one epoch: every id once, in Tidal's order
         for batch in step.micro_batches():

@@ -27,7 +27,7 @@ from tidal.dashboard.sources import HomeSource
 from tidal.protocol import MAX_STEP_RECORDS, HeartbeatRequest, StepMetrics, worker_token
 from tidal.worker import agent as agent_mod
 from tidal.worker.agent import Agent, WorkerEnv
-from tidal.worker.runtime import Trainer
+from tidal.worker.elastic import post_step_metrics
 
 NAN, INF = float("nan"), float("inf")
 
@@ -204,8 +204,9 @@ def test_log_refuses_an_unknown_reduction_in_one_line() -> None:
 def test_who_reports_a_logged_value(last_rank, reduce, sent) -> None:
     posted = []
     agent = SimpleNamespace(post_step_metrics=lambda *a: posted.append(a))
-    trainer = SimpleNamespace(_agent=agent, _last_rank=last_rank, step=12, generation=3)
-    Trainer._log(trainer, {"loss": 0.5}, reduce)
+    post_step_metrics(
+        agent, last_rank=last_rank, step=12, generation=3, metrics={"loss": 0.5}, reduce=reduce
+    )
     assert posted == ([(12, 3, {"loss": 0.5})] if sent else [])
 
 

@@ -209,7 +209,7 @@ def test_an_unclipped_norm_nobody_reads_is_never_measured():
     model, opt, data = _setup()
     trainer = tidal.Trainer(model, opt, data, global_batch_size=8)
     _train(trainer, 1)
-    assert trainer._update.grad_norm is None  # no pass over the gradients was paid
+    assert trainer._parts.update.grad_norm is None  # no pass over the gradients was paid
     assert trainer.grad_norm is None  # the first read turns it on ...
     _train(trainer, 2)
     assert trainer.grad_norm > 0  # ... for the steps after it

@@ -110,8 +110,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wid = trainer.worker_id if trainer.worker_id is not None else os.getpid()
-    if trainer._fsdp is not None:  # a test reads the member's own rows
-        held = trainer._fsdp.sharded.held()
+    if trainer._parts.sharded.fsdp is not None:  # a test reads the member's own rows
+        held = trainer._parts.sharded.fsdp.sharded.held()
         world, rank = held.layout.world, held.layout.rank
         tensors = {".".join(k): v.contiguous() for k, v in held.rows.items()}
     else:

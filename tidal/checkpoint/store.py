@@ -88,7 +88,7 @@ class Written:
 
 
 # -- taking a snapshot ---------------------------------------------------------------------
-def _rng_meta() -> dict:
+def rng_meta() -> dict:
     import random
 
     version, state, gauss = random.getstate()
@@ -207,7 +207,7 @@ def begin_snapshot(
     return PendingSnapshot(
         step=step,
         buffers=buffers,
-        meta={**meta, "step": step, "time": time.time(), **_rng_meta()},
+        meta={**meta, "step": step, "time": time.time(), **rng_meta()},
         tracked=tracked.capture() if tracked else Captured(skeleton={}, tensors=[]),
         pool=pool,
     )

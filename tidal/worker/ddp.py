@@ -25,7 +25,7 @@ gradients is seen at once).
 The word's fourth float is this member's item count for token-weighted losses
 (``step.backward(loss, items=n)``): summed with the flags, it is the global batch's item
 count, the divisor of the summed gradients (``update``). A job whose steps use ``items=``
-carries a word on every step (``Trainer._word_due``). The word is float64, so counts are
+carries a word on every step (``ElasticLoop.word_due``). The word is float64, so counts are
 exact up to 2**53.
 
 The gradients' hook is one ``ProcessGroup.allreduce`` per bucket with no other Python;
@@ -313,3 +313,9 @@ def warm_up(module: torch.nn.Module) -> None:
         _ddp(module)
     finally:
         dist.destroy_process_group()
+
+
+def rebuild_buckets(wrapper: torch.nn.parallel.DistributedDataParallel) -> Callable[[], object]:
+    """DDP's one-time bucket rebuild (a broadcast it would otherwise make inside the first
+    forward after the first backward), as a call to make between steps."""
+    return wrapper.reducer._rebuild_buckets

@@ -26,6 +26,7 @@ class Durable:
     def __init__(self, cfg: WorkerConfig, agent: Agent) -> None:
         self.cfg = cfg
         self._last_time = time.monotonic()
+        self.stall_pending = False  # a checkpoint began: its stall is still to be posted
         self._writer: AsyncCheckpointer | None = None
         if cfg.checkpoint_dir is not None:
             self._writer = AsyncCheckpointer(
@@ -82,7 +83,9 @@ class Durable:
         meta: dict,
         tracked: TrackedState | None = None,
     ) -> None:
-        """Begin a checkpoint of ``step`` (unless it is the one last written)."""
+        """Begin a checkpoint of ``step`` (unless it is the one last written); its stall is
+        posted after the next commit (``take_stall``)."""
+        self.stall_pending = True
         if self._writer is None or self._writer.last_step == step:
             return
         self._last_time = time.monotonic()
@@ -101,6 +104,11 @@ class Durable:
     @property
     def last_stall_s(self) -> float:
         return self._writer.last_stall_s if self._writer is not None else 0.0
+
+    def take_stall(self) -> float:
+        """The last checkpoint's stall of the training, to post once."""
+        self.stall_pending = False
+        return self.last_stall_s
 
     def wait(self) -> None:
         if self._writer is not None:

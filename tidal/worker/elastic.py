@@ -1,10 +1,10 @@
 """The elastic loop: a ``Trainer`` under ``tidal run``, from registration to its done report.
 
-A mixin of ``Trainer`` (``runtime``), which holds the state and the step boundary
-(``_before_sync``, ``_commit``); joining, forming and leaving generations are
+One part of a ``Trainer`` (``parts``): the step boundary (``before_sync``, ``commit``), alone
+or not, and the loop under ``tidal run``; joining, forming and leaving generations are
 ``membership``'s. Contracts:
 
-- A step is committed only when this member's all-reduce completed (``Step._failed`` is
+- A step is committed only when this member's all-reduce completed (``Step.failed`` is
   None); a failed step's tracked state is rewound, the member leaves the generation,
   reports the failure and joins the next one, where the step is redone after healing.
 - A change takes effect only at a step boundary every member reached: after a step whose
@@ -25,214 +25,287 @@ A mixin of ``Trainer`` (``runtime``), which holds the state and the step boundar
 from __future__ import annotations
 
 import atexit
-import datetime
-import os
-import time
-import urllib.parse
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from tidal import devices
-from tidal.store_auth import AuthStore
-from tidal.worker import busy, cloud_watch, ddp, identity, landing, probes
-from tidal.worker import group as grp
-from tidal.worker.agent import Agent
-from tidal.worker.durable import Durable
+from tidal.protocol import Role
+from tidal.worker import busy, ddp, landing, probes
 from tidal.worker.leaving import LEFT_BEFORE_UPDATE
 from tidal.worker.step import Step
-from tidal.worker.stopping import LoopStep, ScriptStop, writes_final
-from tidal.worker.watch import AbortWatch, Facts
+from tidal.worker.stopping import LoopStep, commits_on_break, writes_final
+
+if TYPE_CHECKING:
+    from tidal.worker.agent import Agent
+    from tidal.worker.parts import Parts
+    from tidal.worker.runtime import Trainer
 
 
-class ElasticLoop(ScriptStop):
-    _timeout_gen: int | None = None  # the generation whose group got ``busy.long_timeout``
+def post_step_metrics(
+    agent: Agent | None,
+    *,
+    last_rank: int | None,
+    step: int,
+    generation: int,
+    metrics: dict[str, float],
+    reduce: str | None,
+) -> None:
+    """Record ``metrics`` for ``step``: the step in flight inside the loop (committed after
+    the loop body), the final count after it. Only a member of its last generation speaks
+    (a worker removed from the job does not), and only rank 0 unless ``reduce``."""
+    if agent is None or last_rank is None or (reduce is None and last_rank != 0):
+        return
+    agent.post_step_metrics(step, generation, metrics)
 
-    def _run_elastic(self, max_steps: int) -> Iterator[Step]:
-        assert self._env is not None
-        ddp.warm_up(self.module)
-        if self._sharding == "ddp":  # memory a heal's optimizer state lands in, touched now
-            self._landing = landing.prepare(self.optimizer)
-        self._agent = Agent(self._env)
-        self._agent.install_preemption_handler()
-        cfg = self._agent.register(max_steps=max_steps).config
-        self._cfg = cfg
-        self._cloud_watch = cloud_watch.start(
-            cfg.preemption_notice,
-            self.worker_id,
-            self._agent.announce_leaving,
-            period_s=cfg.preemption_poll_s,
+
+class ElasticLoop:
+    """The step boundary and the elastic loop of one Trainer (module doc)."""
+
+    def __init__(self, parts: Parts, trainer: Trainer) -> None:
+        self.parts = parts
+        self.trainer = trainer  # what each ``Step`` hands the script
+        self.completed = False  # the job did its ``max_steps`` steps
+        #: The index of the next step that carries a control word (``before_sync``); None
+        #: while a word's sums are awaited. Every generation starts with one
+        #: (``generation_formed``).
+        self.next_word: int | None = 0
+        self.items_mode = False  # the steps count items (``Step.backward(items=)``)
+        self.timeout_gen: int | None = None  # the generation given ``busy.long_timeout``
+
+    def step(self, index: int) -> LoopStep:
+        """The ``Step`` the loop yields for step ``index``."""
+        m = self.parts.membership
+        indices = self.parts.loader.shard(index, m.rank, m.world_size)
+        return LoopStep(self.trainer, index, indices, parts=self.parts)
+
+    # -- the step boundary ------------------------------------------------------------
+    def generation_formed(self, step: int) -> None:
+        """A generation formed at committed step ``step``: its first step carries a word."""
+        self.next_word = step
+
+    def word_sent(self) -> None:
+        """The step's control word rides on its all-reduce: the next one's step is known
+        from its sums, once the step is committed."""
+        self.next_word = None
+
+    def counts_items(self) -> None:
+        """A step counted items (``items=``): every later step carries a word."""
+        self.items_mode = True
+
+    def word_due(self, index: int) -> bool:
+        """Whether step ``index`` carries a control word (``ddp`` module doc): a job whose
+        steps use ``items=`` sums its item count on every step's word."""
+        return self.items_mode or self.next_word is None or index >= self.next_word
+
+    def before_sync(self, step: Step) -> None:
+        """Set the control word for this step's all-reduce from the newest answer, if the
+        step carries one (``ddp`` module doc: a generation's first step, then every
+        ``ControlWord.every`` steps; a sharded step always carries its flags)."""
+        parts = self.parts
+        m, link = parts.membership, parts.link
+        if m.ddp is None and parts.sharded.live is None:
+            return
+        index, gen = step.index, m.generation
+        control = m.control
+        control.before_allreduce = lambda: probes.point("allreduce", index, gen)
+        if m.ddp is not None and not self.word_due(index):
+            control.skip()
+            return
+        latest = link.newest_answer(m.rank)
+        newer = latest is not None and (
+            latest.role != Role.MEMBER
+            or (latest.generation is not None and latest.generation.id > m.generation)
         )
-        self._start_comm(cfg.comm)
-        self._durable = Durable(cfg, self._agent)
-        self._agent.post_metrics(  # the coordinator's cost projection and policy need these
-            {"max_steps": max_steps, "global_batch_size": self.sampler.global_batch_size}
+        if newer and index + 1 in link.cfg.hold_steps:
+            # The commit reaches a --schedule step: every member holds there and forms from
+            # the hold's answer (no second round trip), even when it already knows the
+            # change (applied a step ahead: ``rules.schedule_ahead``) as this word is set.
+            newer = False
+        stop = latest is not None and latest.stop
+        every = ddp.control_every(parts.clock.step_s) if m.rank == 0 else 0
+        control.set(switch=newer, stop=stop, every=every)
+        if m.ddp is not None:  # started by the last micro-batch's ``backward``
+            self.next_word = None  # known from the sums, once the step is committed
+        parts.sharded.word(newer, latest)
+
+    def commit(self) -> None:
+        """Apply the step in flight and do what follows a committed step: the generation's
+        first step's report, the rate, the checkpoint's stall."""
+        parts = self.parts
+        link, update, clock, m = parts.link, parts.update, parts.clock, parts.membership
+        if link.durable is not None:
+            link.durable.quiesce()  # a snapshot may still be copying what the step changes
+            if link.durable.stall_pending and link.agent is not None:
+                link.agent.post_metrics({"checkpoint_stall_s": link.durable.take_stall()})
+        update.commit(grad_norm=parts.sharded.grad_norm)
+        now = clock.committed(m.generation)
+        clock.send_report(link.agent)  # the generation's first step's, one step on
+        if clock.first_pending and link.agent is not None:
+            link.debug(f"first step {update.step} in gen {m.generation}")
+            m.buckets_pending = m.ddp is not None
+            probes.point("first", update.step - 1, m.generation)
+            link.agent.post_report(
+                clock.first_report(
+                    generation=m.generation, step=update.step, now=now, recovery=m.recovery
+                )
+            )
+        clock.ended(now, m.generation)
+        if link.agent is not None:
+            link.agent.step = update.step
+            rate = clock.rate(
+                step=update.step,
+                rank=m.rank,
+                world_size=m.world_size,
+                global_batch_size=parts.loader.global_batch_size,
+            )
+            if rate is not None:
+                link.agent.post_metrics(rate)
+
+    def log(self, metrics: dict[str, float], reduce: str | None = None) -> None:
+        """``tidal.log``: record ``metrics`` for the step in flight (``post_step_metrics``)."""
+        m = self.parts.membership
+        post_step_metrics(
+            self.parts.link.agent,
+            last_rank=m.last_rank,
+            step=self.parts.update.step,
+            generation=m.generation,
+            metrics=metrics,
+            reduce=reduce,
         )
-        resumed = self._durable.resume(
-            self.module, self.optimizer, self._tracked, data_order=identity.data_order(self.sampler)
+
+    def checkpoint(self) -> None:
+        """Rank 0's checkpoint of the committed step (``durable``)."""
+        parts = self.parts
+        objects, step = parts.objects, parts.update.step
+        parts.link.durable.save(
+            step=step,
+            module=objects.module,
+            optimizer=objects.optimizer,
+            tracked=objects.tracked,
+            meta={"world_size": parts.membership.world_size, **parts.loader.position(step)},
+        )
+
+    # -- standalone -------------------------------------------------------------------
+    def run_alone(self, max_steps: int) -> Iterator[Step]:
+        """Train alone, with the same mathematics (no group, no coordinator)."""
+        parts = self.parts
+        update, stop = parts.update, parts.stop
+        while update.step < max_steps and not stop.asked:
+            step = self.step(update.step)
+            update.begin()
+            try:
+                yield step
+            except GeneratorExit:  # left in the body: as under tidal run (``stopping``)
+                if commits_on_break(step):
+                    self.commit()
+                raise
+            self.commit()
+        self.completed = update.step >= max_steps
+
+    # -- under tidal run --------------------------------------------------------------
+    def run_elastic(self, max_steps: int) -> Iterator[Step]:
+        """Register, join, train and leave (module doc)."""
+        parts = self.parts
+        objects, link, update, m = parts.objects, parts.link, parts.update, parts.membership
+        sharded, stop, clock, tracked = parts.sharded, parts.stop, parts.clock, objects.tracked
+        ddp.warm_up(objects.module)
+        if objects.sharding == "ddp":  # memory a heal's optimizer state lands in, touched now
+            m.landing = landing.prepare(objects.optimizer)
+        link.register(max_steps)
+        link.agent.post_metrics(  # the coordinator's cost projection and policy need these
+            {"max_steps": max_steps, "global_batch_size": parts.loader.global_batch_size}
+        )
+        resumed = link.durable.resume(
+            objects.module, objects.optimizer, tracked, data_order=parts.loader.data_order()
         )
         if resumed is not None:
-            self.step, self._has_state = resumed, True
-            self._landing = []  # its own state, loaded, is the landing now: not twice
-            self._agent.step = resumed
-        if self._sharding == "fsdp":  # the module becomes the template: after any resume
-            self._start_sharded(cfg)
-        self._connect_store()
+            update.restore(resumed)
+            m.landing = []  # its own state, loaded, is the landing now: not twice
+            link.agent.step = resumed
+        if objects.sharding == "fsdp":  # the module becomes the template: after any resume
+            sharded.start()
+        link.connect_store()
         finished = False
         try:
-            member = self._join()
-            while member and self.step < max_steps and not self._stopping:
-                if self._buckets_pending and not self._settle_buckets():
-                    member = self._join()
+            member = m.join()
+            while member and update.step < max_steps and not m.stopping:
+                if m.buckets_pending and not m.settle_buckets():
+                    member = m.join()
                     continue
-                if self._timeout_gen != self.generation and self._fsdp is None:
-                    busy.long_timeout(self._backend)  # the watch bounds the steps (``busy``)
-                    self._timeout_gen = self.generation
-                index = self.step
-                probes.point("step", index, self.generation)
-                step = LoopStep(self, index, self.sampler.shard(index, self.rank, self.world_size))
-                mark = self._tracked.mark() if self._tracked else None
-                self._update.begin()
+                if self.timeout_gen != m.generation and sharded.fsdp is None:
+                    busy.long_timeout(link.backend)  # the watch bounds the steps (``busy``)
+                    self.timeout_gen = m.generation
+                index = update.step
+                probes.point("step", index, m.generation)
+                step = self.step(index)
+                mark = tracked.mark() if tracked else None
+                update.begin()
                 try:
                     yield step
                 except GeneratorExit:  # the script left the loop in the body (``stopping``)
-                    self._left_in(step, mark)
+                    stop.left_in(step, mark)
                     raise
-                if step._failed is not None:
+                if step.failed is not None:
                     if mark is not None:  # the step is redone: what it moved moves back
-                        self._tracked.rewind(mark)
-                    self._leave_group(failed=True)
-                    member = self._fail_step(step._failed)
+                        tracked.rewind(mark)
+                    m.leave_group(failed=True)
+                    member = stop.fail_step(step.failed)
                     continue
-                self._time_split(step)
-                if (why := self._leaves_uncommitted(index + 1, max_steps)) is not None:
+                clock.time_split(step.started, m.control)
+                if (why := m.leaves_uncommitted(index + 1, max_steps)) is not None:
                     print(  # one line a leaver: what bench.chaos counts
-                        f"tidal: worker {self.worker_id} {LEFT_BEFORE_UPDATE} {index} of "
-                        f"generation {self.generation}: {why}",
+                        f"tidal: worker {link.worker_id} {LEFT_BEFORE_UPDATE} {index} of "
+                        f"generation {m.generation}: {why}",
                         flush=True,
                     )
                     if mark is not None:  # as after a failed step: the step is not applied
-                        self._tracked.rewind(mark)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self._leave_group()
-                    member = self._join()
+                        tracked.rewind(mark)
+                    objects.optimizer.zero_grad(set_to_none=True)
+                    m.leave_group()
+                    member = m.join()
                     continue
-                held = self._hold_soon(index + 1, max_steps)
-                self._commit()
-                if self._next_word is None:  # the step carried a word: when the next rides
-                    self._next_word = index + self._control.every
-                if self._fsdp is None and self._durable.due(self.step) and self.rank == 0:
-                    self._checkpoint()
-                if not (self._sharded_checkpoint_taken() and self._copies_taken()):
-                    member = self._join()
+                held = m.hold_soon(index + 1, max_steps)
+                self.commit()
+                if self.next_word is None:  # the step carried a word: when the next rides
+                    self.next_word = index + m.control.every
+                if sharded.fsdp is None and link.durable.due(update.step) and m.rank == 0:
+                    self.checkpoint()
+                if not (sharded.checkpoint_taken() and sharded.copies_taken()):
+                    member = m.join()
                     continue
-                if self._stop_asked:  # ``trainer.stop()`` in this step's body
+                if stop.asked:  # ``trainer.stop()`` in this step's body
                     break
-                if self._control.stop:
-                    self._stopping = True
-                elif self.step >= max_steps:
+                if m.control.stop:
+                    m.stopping = True
+                elif update.step >= max_steps:
                     break
-                elif self._control.switch or (
-                    self.step in self._cfg.hold_steps and self._hold(self.step, held)
+                elif m.control.switch or (
+                    update.step in link.cfg.hold_steps and m.hold(update.step, held)
                 ):
                     # Held at this step (no switch): form from the answer that released it.
-                    answer = None if self._control.switch else self._hold_answer[1]
-                    self._gather_for_leavers()
-                    self._leave_group()
-                    member = self._join(answer)
-            if member and self._fsdp is not None and not self._stop_asked:  # the group lives
-                self._sharded_checkpoint_taken(final=True)
-                self._gather_final()
-            self.completed = self.step >= max_steps
-            finished = member or self._stopping
+                    answer = None if m.control.switch else m.hold_answer[1]
+                    sharded.gather_for_leavers()
+                    m.leave_group()
+                    member = m.join(answer)
+            if member and sharded.fsdp is not None and not stop.asked:  # the group lives
+                sharded.checkpoint_taken(final=True)
+                sharded.gather_final()
+            self.completed = update.step >= max_steps
+            finished = member or m.stopping
         finally:
-            self._send_report()  # before the done report, as a later step would have sent it
-            stopped = self._report_script_stop()  # before leaving: peers find it as they fail
-            self._leave_group()
+            clock.send_report(link.agent)  # before the done report, as a later step would
+            stopped = stop.report_script_stop()  # before leaving: peers find it as they fail
+            m.leave_group()
             if writes_final(
                 finished=finished,
-                last_rank=self._last_rank,
-                sharded=self._fsdp is not None,
+                last_rank=m.last_rank,
+                sharded=sharded.fsdp is not None,
                 answer=stopped,
-                stop_step=self._stop_step(),
+                stop_step=stop.stop_step(),
             ):
-                self._checkpoint()
-            self._durable.wait()
-            if self._watch is not None:
-                self._watch.stop()
-            self._notices.close()
-            if self._cloud_watch is not None:
-                self._cloud_watch.close()
+                self.checkpoint()
+            link.durable.wait()
+            link.stop_watchers()
             try:
-                self._agent.report_done(step=self.step, completed=self.completed)
+                link.agent.report_done(step=update.step, completed=self.completed)
             finally:
-                atexit.register(self._agent.close)
-
-    def _start_comm(self, comm: str) -> None:
-        """Choose the process groups' backend (``devices.resolve_comm``) and start the abort
-        watch (``watch``). On gloo the watch fails the waits it gives up on and cuts the
-        group's connections (``waits``); on NCCL it aborts the communicators, and the worker
-        takes its device, torch's watchdog told to do nothing."""
-        self._backend = devices.resolve_comm(comm, self.device)
-        if self._backend != "nccl":
-            self._control.waits = self._waits
-            self._watch = AbortWatch(self._watch_facts, self._cut_group)
-        else:
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # the watch handles errors
-            torch.cuda.set_device(self.device)
-            self._watch = AbortWatch(self._watch_facts, grp.abort_group)
-        watch = self._watch
-        self._agent.script_s = lambda: busy.script_s(
-            watch.script_s(), in_group=self._ddp is not None
-        )
-
-    def _cut_group(self) -> None:
-        """The gloo watch's abort: the training thread's wait fails, the peers' see the
-        connections close."""
-        self._waits.abort("the abort watch cut a collective a peer left")
-        grp.cut_group()
-
-    def _other_ports(self) -> tuple[int, ...]:
-        """The ports of this worker's connections besides its group's: the coordinator's
-        API (the store's is known to ``form_group``)."""
-        port = urllib.parse.urlsplit(self._env.url).port
-        return (port,) if port is not None else ()
-
-    def _watch_facts(self, open_s: float | None) -> Facts:
-        latest = self._agent.latest() if self._agent else None
-        dropped = False
-        if latest is not None and latest.generation is not None:
-            gen = latest.generation
-            dropped = gen.id > self.generation and not set(self._members) <= set(gen.members)
-        peers_busy = latest is not None and busy.peers_busy(
-            busy=latest.busy,
-            members=self._members,
-            me=self.worker_id,
-            answer_age_s=time.monotonic() - self._agent.latest_at,
-            interval_s=latest.interval_s or self._cfg.heartbeat_interval_s,
-        )
-        return Facts(
-            open_s=open_s,
-            step_s=self._step_s,
-            dropped=dropped,
-            timeout_s=self._cfg.collective_timeout_s,
-            busy=peers_busy,
-            stopped=latest is not None and latest.stop,
-        )
-
-    def _connect_store(self) -> None:
-        """A client of the store named by the newest registration (a restarted coordinator
-        serves a new one: ``Agent.epoch`` tells), authenticating values with its key."""
-        cfg = self._agent.config
-        self._store_epoch = self._agent.epoch
-        self._cfg = cfg
-        self._agreed = False  # a new store holds no settings yet: agree again (``identity``)
-        client = dist.TCPStore(
-            cfg.store_host,
-            cfg.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
-        )
-        # Every value read through it is authenticated; c10d's keys too (``store_auth``).
-        self._store = AuthStore(client, cfg.store_key)
+                atexit.register(link.agent.close)

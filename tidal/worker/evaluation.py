@@ -38,7 +38,7 @@ from tidal.protocol import Role
 from tidal.worker import probes
 
 if TYPE_CHECKING:
-    from tidal.worker.runtime import Trainer
+    from tidal.worker.parts import Parts
 
 log = logging.getLogger(__name__)
 
@@ -108,71 +108,82 @@ def batch_key(namespace: str, gen: int, step: int, call: int, batch: int) -> str
 
 
 # -- the executor -------------------------------------------------------------------------
-def evaluate(
-    trainer: Trainer, fn: Callable[[Any], Mapping[str, Any]], dataset: Any, batch_size: int
-) -> dict[str, float]:
-    """``trainer.evaluate``: see the module doc."""
-    if not (callable(getattr(dataset, "__len__", None)) and hasattr(dataset, "__getitem__")):
-        raise ValueError("evaluate: the dataset must be map-style (__len__ and __getitem__)")
-    parts = batches(len(dataset), batch_size)
-    collate = trainer._pipeline.collate or default_collate
+class Evaluator:
+    """``trainer.evaluate`` for one Trainer, as one of its parts: see the module doc."""
 
-    def compute(b: int) -> Result:
-        batch = collate([dataset[i] for i in parts[b]])
-        with torch.no_grad():
-            return batch_result(fn(to_device(batch, trainer.device)), len(parts[b]))
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        #: ((generation, step), calls) of ``evaluate`` in the step in flight: the call's
+        #: number in its keys.
+        self.calls: tuple[tuple[int, int] | None, int] = (None, 0)
 
-    shared = trainer._ddp is not None and trainer._store is not None and trainer.world_size > 1
-    if not shared:
-        return combine([compute(b) for b in range(len(parts))])
-    return combine(_shared(trainer, compute, len(parts)))
+    def evaluate(
+        self, fn: Callable[[Any], Mapping[str, Any]], dataset: Any, batch_size: int
+    ) -> dict[str, float]:
+        """``trainer.evaluate``: see the module doc."""
+        if not (callable(getattr(dataset, "__len__", None)) and hasattr(dataset, "__getitem__")):
+            raise ValueError("evaluate: the dataset must be map-style (__len__ and __getitem__)")
+        cut = batches(len(dataset), batch_size)
+        collate = self.parts.loader.collate or default_collate
+        device = self.parts.objects.device
 
+        def compute(b: int) -> Result:
+            batch = collate([dataset[i] for i in cut[b]])
+            with torch.no_grad():
+                return batch_result(fn(to_device(batch, device)), len(cut[b]))
 
-def _shared(trainer: Trainer, compute: Callable[[int], Result], count: int) -> list[Result]:
-    step, gen, rank, world = trainer.step, trainer.generation, trainer.rank, trainer.world_size
-    calls = trainer._eval_calls
-    call = calls[1] + 1 if calls[0] == (gen, step) else 0
-    trainer._eval_calls = ((gen, step), call)
-    store, ns = trainer._store, trainer._cfg.store_namespace
-    keys = [batch_key(ns, gen, step, call, b) for b in range(count)]
-    results: dict[int, Result] = {}
-    for b in range(count):
-        if owner(b, world) == rank:
-            results[b] = compute(b)
-            store.set(keys[b], json.dumps(results[b]))
-            probes.point("evaluate", step, gen)
-    started, pause = time.monotonic(), 0.001
-    warned = started
-    while len(results) < count:
-        missing = [b for b in range(count) if b not in results]
-        for b in missing:
-            if store.check([keys[b]]):
-                n, sums = json.loads(store.get(keys[b]))
-                results[b] = (n, sums)
-        missing = [b for b in missing if b not in results]
-        if not missing:
-            break
-        for b in take_over(missing, trainer._members, _dropped(trainer), world_size=world):
-            results[b] = compute(b)
-            store.set(keys[b], json.dumps(results[b]))
-        if time.monotonic() - warned > WARN_AFTER_S:
-            warned = time.monotonic()
-            log.warning(
-                "evaluate: waited %.0f s for %d batches of live members: every member must "
-                "call trainer.evaluate alike",
-                warned - started,
-                len(missing),
-            )
-        time.sleep(pause)
-        pause = min(POLL_MAX_S, pause * 2)
-    return [results[b] for b in range(count)]
+        m, link = self.parts.membership, self.parts.link
+        shared = m.ddp is not None and link.store is not None and m.world_size > 1
+        if not shared:
+            return combine([compute(b) for b in range(len(cut))])
+        return combine(self._shared(compute, len(cut)))
 
+    def _shared(self, compute: Callable[[int], Result], count: int) -> list[Result]:
+        m, link = self.parts.membership, self.parts.link
+        step, gen, rank, world = self.parts.update.step, m.generation, m.rank, m.world_size
+        calls = self.calls
+        call = calls[1] + 1 if calls[0] == (gen, step) else 0
+        self.calls = ((gen, step), call)
+        store, ns = link.store, link.cfg.store_namespace
+        keys = [batch_key(ns, gen, step, call, b) for b in range(count)]
+        results: dict[int, Result] = {}
+        for b in range(count):
+            if owner(b, world) == rank:
+                results[b] = compute(b)
+                store.set(keys[b], json.dumps(results[b]))
+                probes.point("evaluate", step, gen)
+        started, pause = time.monotonic(), 0.001
+        warned = started
+        while len(results) < count:
+            missing = [b for b in range(count) if b not in results]
+            for b in missing:
+                if store.check([keys[b]]):
+                    n, sums = json.loads(store.get(keys[b]))
+                    results[b] = (n, sums)
+            missing = [b for b in missing if b not in results]
+            if not missing:
+                break
+            for b in take_over(missing, m.members, self._dropped(), world_size=world):
+                results[b] = compute(b)
+                store.set(keys[b], json.dumps(results[b]))
+            if time.monotonic() - warned > WARN_AFTER_S:
+                warned = time.monotonic()
+                log.warning(
+                    "evaluate: waited %.0f s for %d batches of live members: every member "
+                    "must call trainer.evaluate alike",
+                    warned - started,
+                    len(missing),
+                )
+            time.sleep(pause)
+            pause = min(POLL_MAX_S, pause * 2)
+        return [results[b] for b in range(count)]
 
-def _dropped(trainer: Trainer) -> set[int]:
-    """This generation's members the coordinator's newest answer leaves out."""
-    latest = trainer._agent.latest() if trainer._agent is not None else None
-    if latest is None or latest.generation is None or latest.generation.id <= trainer.generation:
-        return set()
-    if latest.role == Role.EXIT:
-        return set()
-    return set(trainer._members) - set(latest.generation.members)
+    def _dropped(self) -> set[int]:
+        """This generation's members the coordinator's newest answer leaves out."""
+        m = self.parts.membership
+        latest = self.parts.link.latest()
+        if latest is None or latest.generation is None or latest.generation.id <= m.generation:
+            return set()
+        if latest.role == Role.EXIT:
+            return set()
+        return set(m.members) - set(latest.generation.members)

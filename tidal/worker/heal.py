@@ -116,7 +116,7 @@ def _wait(works: list[dist.Work], waits: Waits | None) -> None:
 BLOB_FIRST = 128 << 10
 
 
-def _send_blob(
+def send_blob(
     blob: bytes | None,
     src: int,
     receivers: list[int],
@@ -282,7 +282,7 @@ def heal(
         )
         with cma.allow(direct is not None):  # readable until each receiver said it is done
             try:
-                _send_blob(meta, source, receivers, wire, waits)
+                send_blob(meta, source, receivers, wire, waits)
                 readers = _hear_reads(source, receivers, wire, waits) if direct else set()
             finally:  # from here on the tensors may change: a read not done is refused
                 hold.release()
@@ -290,7 +290,7 @@ def heal(
         if rest:
             _send_tensors(sending, source, rest, wire, waits)
         return HealResult(source=source, step=best, sent=True)
-    meta = blob.decode(_send_blob(None, source, receivers, wire, waits))
+    meta = blob.decode(send_blob(None, source, receivers, wire, waits))
     shipped = json.loads(meta["tracked"])
     # Into its own optimizer's tensors and the landing, where they fit.
     check_model(model_layout(module), meta["model"])

@@ -46,6 +46,11 @@ TENSORS, MAP, STREAM = "tensors", "map", "stream"
 
 @dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
+    """DataLoader's loading settings, with DataLoader's meanings: the one place a
+    ``Trainer``'s ``collate_fn`` ... ``worker_init_fn`` keywords (or a DataLoader passed as
+    the data: ``unwrap``) are kept and checked. Which samples a step consumes never depends
+    on them. Built once: each refusal a ``ValueError`` that says what to pass instead."""
+
     collate_fn: Callable[[list[Any]], Any] | None = None
     num_workers: int = 0
     pin_memory: bool = False
@@ -56,15 +61,23 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         n = self.num_workers
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {n!r}")
+            raise ValueError(
+                f"num_workers must be an integer >= 0 (0: load in this process), got {n!r}"
+            )
         if n == 0 and (self.prefetch_factor is not None or self.persistent_workers):
             raise ValueError(
-                "prefetch_factor and persistent_workers need num_workers > 0 (as in DataLoader)"
+                "prefetch_factor and persistent_workers need num_workers > 0 (as in "
+                "DataLoader): pass num_workers=N, or leave them out"
             )
-        if self.prefetch_factor is not None and self.prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be at least 1, got {self.prefetch_factor}")
-        if self.collate_fn is not None and not callable(self.collate_fn):
-            raise ValueError("collate_fn must be callable")
+        f = self.prefetch_factor
+        if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1):
+            raise ValueError(f"prefetch_factor must be an integer >= 1 (or None), got {f!r}")
+        for name in ("pin_memory", "persistent_workers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("collate_fn", "worker_init_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"{name} must be callable (or None), got {getattr(self, name)!r}")
 
 
 def classify(data: Any) -> str:

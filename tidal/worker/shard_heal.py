@@ -31,7 +31,7 @@ from tidal.tracked import TrackedState
 from tidal.worker import blob as blob_format
 from tidal.worker import shard_plan as plan
 from tidal.worker.guard import Guard
-from tidal.worker.heal import StateLost, _send_blob, check_model
+from tidal.worker.heal import StateLost, check_model, send_blob
 from tidal.worker.ring import Ring
 from tidal.worker.sharded import Key, ShardedModel
 from tidal.worker.shards import from_whole, reshard
@@ -99,7 +99,7 @@ def heal_sharded(
     blob = None
     if rank == src.member:
         blob = ring.copies.blob if src.slot == plan.Slot.OWN else sm.replicated_blob(held, tracked)
-    blob = _send_blob(blob, src.member, [r for r in range(world) if r != src.member])
+    blob = send_blob(blob, src.member, [r for r in range(world) if r != src.member])
     meta = blob_format.decode(blob)
     check_model(sm.model_layout(), meta["model"])  # before anything moves (ModelMismatch)
     holders = [s.member for s in decision.sources]

@@ -155,7 +155,7 @@ def _replicated(sm, held, *, step, world, position, tracked) -> dict:  # noqa: A
     }
     captured = tracked.capture() if tracked else None
     meta = {**position, "world_size": world, "step": step, "time": time.time()}
-    meta |= {**store._rng_meta(), "keys": keys}
+    meta |= {**store.rng_meta(), "keys": keys}
     return {
         "replicated": replicated,
         "optimizer_meta": {"param_groups": groups, "state": state},

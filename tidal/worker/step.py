@@ -31,6 +31,7 @@ import torch
 from tidal.devices import to_device
 
 if TYPE_CHECKING:
+    from tidal.worker.parts import Parts
     from tidal.worker.runtime import Trainer
 
 
@@ -53,23 +54,23 @@ def item_count(items: Any) -> float:
     return n
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
-
-
 class Step:
     """This worker's share of one global step."""
 
-    def __init__(self, trainer: Trainer, index: int, indices: torch.Tensor) -> None:
+    def __init__(
+        self, trainer: Trainer, index: int, indices: torch.Tensor, *, parts: Parts
+    ) -> None:
         self.trainer = trainer
         self.index = index
         self.indices = indices
-        self._failed: Exception | None = None
+        self.parts = parts
+        #: Why this member's share of the step failed (its collective), or None.
+        self.failed: Exception | None = None
+        self.started = time.perf_counter()  # when the step was handed to the loop
         self._items: float | None = None  # this member's item count so far (``items=``)
         self._backwards = 0
         self._n_micro = 0
-        self._started = time.perf_counter()
+        self._last = False  # the last micro-batch is in flight
 
     @property
     def samples(self) -> int:
@@ -78,48 +79,53 @@ class Step:
     def micro_batches(self) -> Iterator[Any]:
         """Collated micro-batches of this worker's share. Run forward and ``backward`` of
         each inside the loop: all but the last accumulate without communication."""
-        tr = self.trainer
-        pieces = tr.sampler.micro_batches(self.indices)
-        batches = tr._pipeline.batches(self.index, tr.rank, tr.world_size, pieces)
-        fsdp = tr._fsdp if tr._fsdp is not None and tr._fsdp.module is not None else None
+        parts = self.parts
+        membership, loader = parts.membership, parts.loader
+        pieces, batches = loader.micro_batches(
+            self.index, self.indices, membership.rank, membership.world_size
+        )
+        fsdp = parts.sharded.live
+        device, watch = parts.objects.device, parts.link.watch
         for i, (piece, batch) in enumerate(zip(pieces, batches, strict=True)):
-            if self._failed is not None:
+            if self.failed is not None:
                 return
-            batch = to_device(batch, tr.device, non_blocking=tr._non_blocking)
+            batch = to_device(batch, device, non_blocking=loader.non_blocking)
             self._n_micro = len(piece)
             if fsdp is not None:
                 fsdp.micro_batch(last=i == len(pieces) - 1)
-            if i < len(pieces) - 1 and tr._ddp is not None:
-                with tr._ddp.no_sync():
+            ddp = membership.ddp
+            if i < len(pieces) - 1 and ddp is not None:
+                with ddp.no_sync():
                     yield batch
             else:
                 self._last = True
-                tr._before_sync(self)
-                if tr._watch is not None and tr._ddp is not None:
-                    tr._watch.open()  # through the control word's read (``backward``)
+                parts.loop.before_sync(self)
+                if watch is not None and membership.ddp is not None:
+                    watch.open()  # through the control word's read (``backward``)
                 yield batch
 
     def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
         """Backward of a micro-batch's loss (module doc): without ``items``, ``loss`` is its
         per-sample mean, weighted by its share of the global batch; with ``items=n``,
         ``loss`` is the sum of its ``n`` items' losses."""
-        if self._failed is not None:
+        if self.failed is not None:
             return
-        tr = self.trainer
+        parts = self.parts
+        membership, update = parts.membership, parts.update
         if items is None:
             if self._items is not None:
                 raise ValueError(
                     "step.backward: every micro-batch of a step needs items= once one has it "
                     "(the update divides the step's loss sum by its item count)"
                 )
-            weighted = loss * (self._n_micro / tr.sampler.global_batch_size)
+            weighted = loss * (self._n_micro / parts.loader.global_batch_size)
         else:
             if self._items is None and self._backwards:
                 raise ValueError(
                     "step.backward: items= on some micro-batches of a step but not on others; "
                     "pass it on every one (or on none)"
                 )
-            if tr._sharding != "ddp":
+            if parts.objects.sharding != "ddp":
                 raise ValueError(
                     "step.backward(loss, items=n) is not supported with sharding='fsdp' yet: "
                     "use sharding='ddp', or a per-sample mean loss"
@@ -127,46 +133,47 @@ class Step:
             self._items = (self._items or 0.0) + item_count(items)
             weighted = loss
         self._backwards += 1
-        tr._update.backwards = (tr._update.backwards or 0) + 1
-        scaled = tr._update.scale(weighted)
-        last = getattr(self, "_last", False)
+        update.backwards = (update.backwards or 0) + 1
+        scaled = update.scale(weighted)
+        last = self._last
+        control = membership.control
         # A flag, never the wrapper itself: this frame outlives a failed step through the
         # exception's traceback, and a reference to the generation's DDP here would keep its
         # autograd hooks on the parameters into the next generation's backward.
-        synced = last and tr._ddp is not None
+        synced = last and membership.ddp is not None
         if synced:
-            if tr._control.begin_sum(self._items, rank=tr.rank):
-                tr._next_word = None  # known from the sums, once the step is committed
-            reduced = tr._control.reduced
+            if control.begin_sum(self._items, rank=membership.rank):
+                parts.loop.word_sent()  # the next word's step known from the sums
+            reduced = control.reduced
         try:
             scaled.backward()
             if synced:
-                tr._control.settle()
+                control.settle()
         except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
             if not synced:
                 raise
             # Without its traceback: the frames it holds (this one among them) would form a
-            # cycle through ``_failed`` that only the cyclic collector frees.
-            self._failed = exc.with_traceback(None)
-        if synced and self._failed is None and tr._control.reduced == reduced:
+            # cycle through ``failed`` that only the cyclic collector frees.
+            self.failed = exc.with_traceback(None)
+        if synced and self.failed is None and control.reduced == reduced:
             raise GradientsNotReduced(
                 f"step {self.index}: the gradients were not all-reduced, so each worker would "
                 "apply its own: call trainer.model(...) in the loop, not the module passed to "
                 "the Trainer; if you do, a parameter took no part in the loss: pass "
                 "ddp_kwargs={'find_unused_parameters': True}"
             )
-        if last and self._failed is None and self._items is not None:
-            tr._items_mode = True  # every later step carries a word (``_word_due``)
-            tr._update.items = tr._control.items if synced else self._items
-        watch = self.trainer._watch
+        if last and self.failed is None and self._items is not None:
+            parts.loop.counts_items()  # every later step carries a word (``word_due``)
+            update.items = control.items if synced else self._items
+        watch = parts.link.watch
         if last and watch is not None and (aborted := watch.close()) is not None:
             # The watch cut the step's all-reduce: its buffers hold whatever the abort left.
-            self._failed = self._failed or RuntimeError(f"collective aborted: {aborted}")
-        fsdp = self.trainer._fsdp
-        if fsdp is not None and fsdp.module is not None:
+            self.failed = self.failed or RuntimeError(f"collective aborted: {aborted}")
+        fsdp = parts.sharded.live
+        if fsdp is not None:
             # FSDP's collectives never raise (``guard``): a failure is found here, and the
             # last micro-batch ends with the step's control all-reduce.
-            if getattr(self, "_last", False) and fsdp.guard.failed is None:
-                self.trainer._end_sharded_step()
+            if last and fsdp.guard.failed is None:
+                parts.sharded.end_step()
             if fsdp.guard.failed is not None:
-                self._failed = fsdp.guard.failed
+                self.failed = fsdp.guard.failed

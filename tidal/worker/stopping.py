@@ -14,7 +14,7 @@ Contracts:
   in a blocking call and before it leaves its group, at which committed step it stops
   (``Agent.report_stop``; ``tidal.coordinator.stop_rules``). Its peers' next collective
   then fails (it left), or their answer says ``stop``: a member that sees the stop after a
-  failed step ends there (``_fail_step``) instead of reporting a failure, so no generation
+  failed step ends there (``ScriptStop.fail_step``) instead of reporting a failure, so no generation
   is opened and nothing is replaced. Members that all break at the same step simply all
   report it; the first report fixes the stop and its checkpoint's writer.
 - **The final checkpoint.** Written by the member the coordinator names (the first to
@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.client import CoordinatorError
 from tidal.protocol import StopAnswer
 from tidal.worker.step import Step
+
+if TYPE_CHECKING:
+    from tidal.worker.parts import Parts
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +41,17 @@ class LoopStep(Step):
     """The ``Step`` the loop yields: a ``Step`` that notes when its micro-batches were all
     consumed (``commits_on_break``)."""
 
-    _consumed = False
+    consumed = False  # every micro-batch was handed to the loop's body
 
     def micro_batches(self) -> Iterator[Any]:
         yield from super().micro_batches()
-        self._consumed = True
+        self.consumed = True
 
 
 def commits_on_break(step: Step) -> bool:
     """Whether the step whose body the loop was left in is committed (module doc): all of
     its micro-batches consumed (each backward run in the loop's body) and nothing failed."""
-    return getattr(step, "_consumed", False) and step._failed is None
+    return getattr(step, "consumed", False) and step.failed is None
 
 
 def writes_final(
@@ -74,65 +77,66 @@ def writes_final(
 
 
 class ScriptStop:
-    """The Trainer's side of an early stop (a mixin; module doc)."""
+    """The Trainer's side of an early stop, as one of its parts (module doc)."""
 
-    #: ``trainer.stop()`` was called, or the loop was left inside a step's body.
-    _stop_asked = False
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        #: ``trainer.stop()`` was called, or the loop was left inside a step's body.
+        self.asked = False
 
     def stop(self) -> None:
-        """End the job after the current step: called in a step's body, that step is
-        committed and ``run()`` returns instead of yielding the next one. Under ``tidal run``
-        it ends the whole job, on every member at the same committed step (final checkpoint
-        included when checkpointing is on); the job succeeds if the script then exits 0.
-        Leaving the loop with ``break`` does the same, the step in whose body it happened
-        committed iff all its micro-batches' backwards completed (module doc)."""
-        self._stop_asked = True
+        """``trainer.stop()``: end the job after the current step."""
+        self.asked = True
 
-    def _left_in(self, step: Step, mark: Any) -> None:
+    def left_in(self, step: Step, mark: Any) -> None:
         """The loop was left inside ``step``'s body (the generator closed at its ``yield``):
         commit the step or drop it (``commits_on_break``); the job ends here."""
-        self._stop_asked = True
+        self.asked = True
         if commits_on_break(step):
-            self._commit()
+            self.parts.loop.commit()
             return
         if mark is not None:
-            self._tracked.rewind(mark)
-        self.optimizer.zero_grad(set_to_none=True)
+            self.parts.objects.tracked.rewind(mark)
+        self.parts.objects.optimizer.zero_grad(set_to_none=True)
 
-    def _report_script_stop(self) -> StopAnswer | None:
+    def report_script_stop(self) -> StopAnswer | None:
         """If this member's script ended the job, tell the coordinator (blocking) before it
         leaves its group; the answer names the stop step and the checkpoint's writer."""
-        if not self._stop_asked or self._agent is None or self._last_rank is None:
+        link, membership = self.parts.link, self.parts.membership
+        if not self.asked or link.agent is None or membership.last_rank is None:
             return None
+        step = self.parts.update.step
         try:
-            answer = self._agent.report_stop(
-                generation=self.generation, step=self.step, writes=self._fsdp is None
+            answer = link.agent.report_stop(
+                generation=membership.generation, step=step, writes=self.parts.sharded.fsdp is None
             )
         except CoordinatorError as exc:  # refused: it ends alone, as before
-            log.warning("tidal: worker %s: the stop was refused: %s", self.worker_id, exc)
+            log.warning("tidal: worker %s: the stop was refused: %s", link.worker_id, exc)
             return None
         log.info(
             "tidal: worker %s: the script stopped the job at step %s (job stops at %s)",
-            self.worker_id,
-            self.step,
+            link.worker_id,
+            step,
             answer.step,
         )
         return answer
 
-    def _fail_step(self, error: Exception) -> bool:
+    def fail_step(self, error: Exception) -> bool:
         """After a failed step, the member having left its group: False if a member's
         script stopped the job (the failure is that member leaving: nothing to report, the
         job ends at this member's committed step); otherwise report the failure and join the
-        next generation (``_join``, given the answer fetched here: no round trip added)."""
-        self._notices.mark()  # before the answer, which ``_join`` takes as fetched
-        answer = self._agent.fetch()
+        next generation (``Membership.join``, given the answer fetched here: no round trip
+        added)."""
+        link, membership = self.parts.link, self.parts.membership
+        link.notices.mark()  # before the answer, which ``join`` takes as fetched
+        answer = link.agent.fetch()
         if answer.stop_step is not None:
-            self._stopping = True
+            membership.stopping = True
             return False
-        self._report_failure(self.generation, error)
-        return self._join(answer)
+        membership.report_failure(membership.generation, error)
+        return membership.join(answer)
 
-    def _stop_step(self) -> int | None:
+    def stop_step(self) -> int | None:
         """The step a member's script stopped the job at, per the newest answer."""
-        latest = self._agent.latest() if self._agent is not None else None
+        latest = self.parts.link.latest()
         return latest.stop_step if latest is not None else None

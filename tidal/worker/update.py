@@ -163,6 +163,12 @@ class Update:
     #: Without clipping, the norm costs a pass over the gradients: measured from the first
     #: time the script reads it (``Trainer.grad_norm``), not on every job's hot path.
     measure_norm: bool = field(default=False, init=False, repr=False)
+    #: Committed steps: the next step's index (``commit``; a heal, resume or roll-back
+    #: sets it with ``restore``).
+    step: int = field(default=0, init=False)
+    #: This member holds the job's state at ``step`` (False before its first heal, resume
+    #: or step, and after a heal cut while it received: ``forget``).
+    has_state: bool = field(default=False, init=False)
     _only_here: _OnlyHere = field(init=False, repr=False)
     _scaler: dict[str, Callable[..., Any]] | None = field(default=None, init=False, repr=False)
     _epoch_at_begin: int | None = field(default=None, init=False, repr=False)
@@ -209,6 +215,21 @@ class Update:
         """A step's body is about to run: note where the scheduler stands."""
         self._epoch_at_begin = getattr(self.lr_scheduler, "last_epoch", None)
         self.backwards, self.items = 0, None
+
+    def commit(self, *, grad_norm: float | None = None) -> None:
+        """Apply the step in flight (``apply``) and count it committed."""
+        self.apply(self.step, grad_norm=grad_norm)
+        self.step += 1
+        self.has_state = True
+
+    def restore(self, step: int) -> None:
+        """This member now holds the job's state at committed step ``step`` (healed,
+        resumed, rolled back)."""
+        self.step, self.has_state = step, True
+
+    def forget(self) -> None:
+        """What this member holds is no source for anyone (a heal cut mid-transfer)."""
+        self.has_state = False
 
     def apply(self, index: int, *, grad_norm: float | None = None) -> None:
         """Apply committed step ``index``: see the module contract. ``grad_norm``: the norm
