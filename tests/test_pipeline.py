@@ -91,11 +91,31 @@ def test_an_input_that_is_no_dataset_is_one_line(data, match) -> None:
         ({"persistent_workers": True}, "need num_workers > 0"),
         ({"num_workers": 1, "prefetch_factor": 0}, "prefetch_factor"),
         ({"collate_fn": 3}, "collate_fn"),
+        ({"worker_init_fn": "seed"}, "worker_init_fn must be callable"),
+        ({"pin_memory": 1}, "pin_memory must be True or False"),
+        ({"num_workers": 1, "prefetch_factor": 2.5}, "prefetch_factor must be an integer"),
     ],
 )
 def test_loader_options_are_checked_once(kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         LoaderOptions(**kw)
+
+
+def test_the_trainers_loading_keywords_are_the_loader_options_fields() -> None:
+    """One source: the Trainer's DataLoader keywords are exactly ``LoaderOptions``' fields,
+    with the same defaults, and a bad one is refused by the Trainer in the same words."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(tidal.Trainer.__init__).parameters
+    for field in dataclasses.fields(LoaderOptions):
+        assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
+        assert params[field.name].default == field.default, field.name
+    model = torch.nn.Linear(2, 1)
+    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="need num_workers > 0"):
+        tidal.Trainer(model, opt, data, global_batch_size=4, persistent_workers=True)
 
 
 def test_a_stream_with_loader_workers_is_refused() -> None:

@@ -139,7 +139,7 @@ class JobLink:
         cfg = self.agent.config
         self.store_epoch = self.agent.epoch
         self.cfg = cfg
-        self.parts.membership.agreed = False
+        self.parts.membership.store_changed()
         client = dist.TCPStore(
             cfg.store_host,
             cfg.store_port,

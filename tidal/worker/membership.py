@@ -77,6 +77,10 @@ class Membership:
         # makes that collective itself, at the step boundary (``settle_buckets``).
         self.buckets_pending = False
 
+    def store_changed(self) -> None:
+        """The job's store is a new one: it holds no settings yet, agree again."""
+        self.agreed = False
+
     def report_failure(
         self, generation: int, exc: Exception, kind: FailureKind = FailureKind.COLLECTIVE
     ) -> None:

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 
 class Parts:
-    """One Trainer's parts (module doc). Filled once by the Trainer's constructor; a part's
-    own constructor keeps this object and reads no other part yet."""
+    """One Trainer's parts (module doc). Filled once by the Trainer's constructor, in the
+    order above; a part's constructor keeps this object and reads only the parts made
+    before it."""
 
     objects: Objects
     loader: Loader
