@@ -109,7 +109,9 @@ class Trainer:
         state carried. ``data``: a map-style dataset, a torch ``IterableDataset`` or a stream with
         ``iter_from(position)``, or a ``DataLoader`` standing for its dataset and loading
         settings (``pipeline``). ``collate_fn`` ... ``worker_init_fn`` have DataLoader's
-        meanings; the samples each step consumes never depend on them. ``lr_scheduler`` is stepped once after each committed step; ``grad_scaler`` scales
+        meanings, kept and checked as one ``pipeline.LoaderOptions``; the samples each step
+        consumes never depend on them. ``lr_scheduler`` is stepped once after each
+        committed step; ``grad_scaler`` scales
         each micro-batch's loss in ``step.backward`` and unscales, checks and steps
         (``update.Update``); ``clip_grad_norm`` clips the synchronised gradients to that
         norm; ``state`` names more objects to carry (an EMA model, your own counters): see
