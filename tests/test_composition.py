@@ -172,5 +172,5 @@ def test_the_checks_can_fail() -> None:
     tree = ast.parse(source)
     (c,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "C"]
     assert _tidal_bases(c, {"A", "B", "C"}) == ["A", "B"]
-    found = [name for _, name in private_uses(source, "probe.py")]
-    assert found == ["_hidden", "_members"] or sorted(found) == ["_hidden", "_members"], found
+    found = sorted(name for _, name in private_uses(source, "probe.py"))
+    assert found == ["_hidden", "_members"], found  # ``other._own``: defined in the module
