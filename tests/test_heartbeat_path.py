@@ -16,6 +16,7 @@ import pytest
 from tidal.coordinator.answers import Answers
 from tidal.coordinator.pacing import heartbeat_interval
 from tidal.coordinator.records import WorkerRecord, changed_rows
+from tidal.coordinator.snapshot import WorkerRow
 from tidal.host.hot_path import HeartbeatHotPath
 from tidal.protocol import (
     API_PREFIX,
@@ -297,6 +298,7 @@ BASE = (3, 100, "h", "running", 0, 1000.0, None, "n")
     ],
 )
 def test_a_flush_writes_the_rows_that_changed(saved, row, written):
+    row, saved = WorkerRow(*row), None if saved is None else WorkerRow(*saved)
     assert changed_rows([row], {} if saved is None else {saved[0]: saved}) == (
         [row] if written else []
     )

@@ -17,6 +17,7 @@ from tidal.coordinator.rules import (
     REFORMS_WITHOUT_PROGRESS,
     ExitFacts,
     HealthFacts,
+    Kill,
     capacity_victims,
     completion_refused,
     effective_target,
@@ -36,6 +37,7 @@ from tidal.coordinator.rules import (
     wind_down,
 )
 from tidal.coordinator.rules import Streak as S
+from tidal.coordinator.verdicts import Act
 from tidal.protocol import WorkerState
 from tidal.restarts import parse_max_restarts
 
@@ -426,7 +428,7 @@ RUNNING, STANDBY, STOPPING, STARTING = (
 )
 def test_to_kill(worker, kill) -> None:
     got = to_kill([worker], heartbeat_timeout_s=10.0, stop_grace_s=30.0)
-    assert got == ([] if kill is None else [(1, *kill)])
+    assert got == ([] if kill is None else [Kill(worker_id=1, kind=kill[0], reason=kill[1])])
 
 
 @pytest.mark.parametrize(
@@ -470,32 +472,32 @@ def test_start_timed_out_says_the_failed_collectives_that_kept_it_from_forming()
 @pytest.mark.parametrize(
     ("checkpoint", "action", "text"),
     [
-        (None, "fail", "no live worker holds the training state of step 57"),
-        (50, "roll back", "rolling back to the checkpoint of step 50 (7 steps redone)"),
-        (57, "roll back", "(0 steps redone)"),
+        (None, Act.FAIL, "no live worker holds the training state of step 57"),
+        (50, Act.ROLL_BACK, "rolling back to the checkpoint of step 50 (7 steps redone)"),
+        (57, Act.ROLL_BACK, "(0 steps redone)"),
     ],
 )
 def test_roll_back(checkpoint, action, text) -> None:
-    got, why = roll_back(lost_step=57, checkpoint_step=checkpoint)
-    assert got == action and text in why
+    got = roll_back(lost_step=57, checkpoint_step=checkpoint)
+    assert got.act is action and text in got.why
 
 
 @pytest.mark.parametrize(
     ("keeps", "checkpoint", "action", "text"),
     [
-        (False, None, "fail", "every worker was lost; nothing holds the training state"),
-        (True, None, "fail", "every worker was lost; no live worker holds the training state"),
+        (False, None, Act.FAIL, "every worker was lost; nothing holds the training state"),
+        (True, None, Act.FAIL, "every worker was lost; no live worker holds the training state"),
         (
             True,
             50,
-            "resume",
+            Act.RESUME,
             "lost at step 57: the next members resume from the checkpoint of step 50",
         ),
     ],
 )
 def test_every_member_lost(keeps, checkpoint, action, text) -> None:
-    got, why = every_member_lost(keeps_checkpoints=keeps, checkpoint_step=checkpoint, step=57)
-    assert got == action and text in why
+    got = every_member_lost(keeps_checkpoints=keeps, checkpoint_step=checkpoint, step=57)
+    assert got.act is action and text in got.why
 
 
 @pytest.mark.parametrize(
@@ -703,20 +705,18 @@ def test_heartbeat_pacing_keeps_the_job_within_budget() -> None:
 @pytest.mark.parametrize(
     ("written", "error", "writer", "live", "action", "text"),
     [
-        (True, None, 0, False, "succeed", ""),  # recorded: success, whoever is left
-        (False, None, 0, True, "wait", ""),  # its report may come after the completion's
-        (False, "disk full", 0, True, "fail", "could not be written: disk full"),
-        (False, None, 3, False, "fail", "worker 3, its writer, was lost while writing it"),
-        (False, None, None, False, "fail", "its writer was lost"),
+        (True, None, 0, False, Act.SUCCEED, ""),  # recorded: success, whoever is left
+        (False, None, 0, True, Act.WAIT, ""),  # its report may come after the completion's
+        (False, "disk full", 0, True, Act.FAIL, "could not be written: disk full"),
+        (False, None, 3, False, Act.FAIL, "worker 3, its writer, was lost while writing it"),
+        (False, None, None, False, Act.FAIL, "its writer was lost"),
     ],
 )
 def test_final_checkpoint(written, error, writer, live, action, text) -> None:
-    got, why = final_checkpoint(
-        step=1200, written=written, error=error, writer=writer, writer_live=live
-    )
-    assert got == action and text in why
-    if action == "fail":
-        assert "last step (1200)" in why
+    got = final_checkpoint(step=1200, written=written, error=error, writer=writer, writer_live=live)
+    assert got.act is action and text in got.why
+    if action is Act.FAIL:
+        assert "last step (1200)" in got.why
 
 
 @pytest.mark.parametrize(

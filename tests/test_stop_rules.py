@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.coordinator.stop_rules import MemberExit, ScriptStop, accept_stop, stop_outcome
+from tidal.coordinator.verdicts import Act
 from tidal.protocol import StopAnswer
 from tidal.worker.stopping import writes_final
 
@@ -59,33 +60,31 @@ def _exits(*codes, killed=()):
 @pytest.mark.parametrize(
     "exits, checkpoints, written, error, action, words",
     [
-        (_exits(None, 0), False, False, None, "wait", ""),  # a member still running
-        (_exits(0, 0), False, False, None, "succeed", "stopped the job at step 51"),
-        (_exits(0, 0), True, True, None, "succeed", "final checkpoint written"),
-        (_exits(0, 0), True, False, None, "fail", "was not written"),
-        (_exits(None, 0), True, False, "disk full", "fail", "disk full"),
-        (_exits(0, None), True, True, None, "wait", ""),
+        (_exits(None, 0), False, False, None, Act.WAIT, ""),  # a member still running
+        (_exits(0, 0), False, False, None, Act.SUCCEED, "stopped the job at step 51"),
+        (_exits(0, 0), True, True, None, Act.SUCCEED, "final checkpoint written"),
+        (_exits(0, 0), True, False, None, Act.FAIL, "was not written"),
+        (_exits(None, 0), True, False, "disk full", Act.FAIL, "disk full"),
+        (_exits(0, None), True, True, None, Act.WAIT, ""),
         # a script that raised (a raise closes the loop as a break does): the job fails
-        (_exits(0, 1), True, True, None, "fail", "worker 1 then exited with code 1: Boom"),
-        (_exits(None, 1), False, False, None, "fail", "exited with code 1"),
+        (_exits(0, 1), True, True, None, Act.FAIL, "worker 1 then exited with code 1: Boom"),
+        (_exits(None, 1), False, False, None, Act.FAIL, "exited with code 1"),
         # killed by the coordinator (outstayed its grace), or lost to a signal: not failed
-        (_exits(0, 1, killed=(1,)), False, False, None, "succeed", ""),
-        (_exits(-9, 0), True, True, None, "succeed", ""),
+        (_exits(0, 1, killed=(1,)), False, False, None, Act.SUCCEED, ""),
+        (_exits(-9, 0), True, True, None, Act.SUCCEED, ""),
     ],
 )
 def test_stop_outcome(exits, checkpoints, written, error, action, words) -> None:
-    got, why = stop_outcome(
+    got = stop_outcome(
         stop=STOP, exits=exits, checkpoints=checkpoints, written=written, error=error
     )
-    assert got == action and words in why
+    assert got.act is action and words in got.why
 
 
 def test_stop_outcome_under_fsdp_needs_no_checkpoint() -> None:
     stop = ScriptStop(worker_id=1, step=51, generation=1, members=(0, 1), checkpoint=False)
-    got, why = stop_outcome(
-        stop=stop, exits=_exits(0, 0), checkpoints=True, written=False, error=None
-    )
-    assert got == "succeed" and "no final checkpoint" in why
+    got = stop_outcome(stop=stop, exits=_exits(0, 0), checkpoints=True, written=False, error=None)
+    assert got.act is Act.SUCCEED and "no final checkpoint" in got.why
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from tidal.coordinator.home import HomeError, os_error_line
-from tidal.coordinator.snapshot import JobRow, Records
+from tidal.coordinator.snapshot import JobRow, Records, WorkerRow
 from tidal.protocol import (
     CheckpointView,
     EventView,
@@ -527,7 +527,7 @@ class Database:
         ]
         return Records(
             job=job,
-            workers={r[0]: tuple(r) for r in workers},
+            workers={r[0]: WorkerRow(*r) for r in workers},
             generations={g.id: g for g in generations},
             events=self.load_events(name),
             checkpoints={c.step: c for c in self.checkpoints(name)},

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import pids
+from tidal.coordinator.snapshot import WorkerRow
 
 if TYPE_CHECKING:
     from tidal.protocol import JobStatus
@@ -63,14 +64,14 @@ def to_end(workers: Iterable[OldWorker]) -> list[tuple[OldWorker, str]]:
     ]
 
 
-def settled_rows(rows: Iterable[tuple]) -> list[tuple]:
-    """``rows`` (``WorkerRecord.row`` tuples) of a previous run that the records left live,
-    as ended: ``failed``, no rank, exit code -9 where none was recorded."""
-    out = []
-    for wid, pid, host, state, _rank, beat, code, node in rows:
-        if state not in ENDED:
-            out.append((wid, pid, host, "failed", None, beat, -9 if code is None else code, node))
-    return out
+def settled_rows(rows: Iterable[WorkerRow]) -> list[WorkerRow]:
+    """``rows`` (``WorkerRecord.row``) of a previous run that the records left live, as
+    ended: ``failed``, no rank, exit code -9 (SIGKILL's) where none was recorded."""
+    return [
+        WorkerRow(*r)._replace(state="failed", rank=None, exit_code=-9 if r[6] is None else r[6])
+        for r in rows
+        if r[3] not in ENDED
+    ]
 
 
 def end_previous_run(

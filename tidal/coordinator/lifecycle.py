@@ -29,6 +29,7 @@ from tidal.coordinator.rules import (
     roll_back,
     to_kill,
 )
+from tidal.coordinator.verdicts import Act
 from tidal.protocol import JobState, WorkerEnv, WorkerState, worker_token
 from tidal.restarts import keep_recent
 
@@ -243,12 +244,13 @@ class Lifecycle:
             generation=formed.id if formed is not None else None,
             heartbeat_timeout_s=self.spec.heartbeat_timeout_s,
         )
-        for wid, kind, reason in to_kill(
+        for kill in to_kill(
             facts, heartbeat_timeout_s=self.spec.heartbeat_timeout_s, stop_grace_s=STOP_GRACE_S
         ):
-            self.job.workers[wid].kill_reason = reason
-            self.event(kind, f"worker {wid} {reason}; killing it")
-            self.executor.do(SignalWorker(worker_id=wid, signum=signal.SIGKILL, why=reason))
+            wid = kill.worker_id
+            self.job.workers[wid].kill_reason = kill.reason
+            self.event(kill.kind, f"worker {wid} {kill.reason}; killing it")
+            self.executor.do(SignalWorker(worker_id=wid, signum=signal.SIGKILL, why=kill.reason))
 
     def _answer_state_lost(self) -> None:
         """No member of the latest generation holds the job's state (every holder was lost
@@ -268,11 +270,11 @@ class Lifecycle:
         for line in warnings:
             self.event("checkpoint", line)
         step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
-        action, why = roll_back(lost_step=lost, checkpoint_step=step)
-        if action == "fail":
-            self._decide(JobState.FAILED, why)
+        verdict = roll_back(lost_step=lost, checkpoint_step=step)
+        if verdict.act is Act.FAIL:
+            self._decide(JobState.FAILED, verdict.why)
             return
-        self.event("checkpoint", why)
+        self.event("checkpoint", verdict.why)
         self.job.step = step
         self._open(
             latest.members,

@@ -37,6 +37,7 @@ from tidal.coordinator.rules import (
     wind_down,
 )
 from tidal.coordinator.stop_rules import MemberExit, stop_outcome
+from tidal.coordinator.verdicts import Act
 from tidal.policy.reconcile import Pool, reconcile
 from tidal.policy.schedule import future_peak
 from tidal.protocol import JobState, WorkerState
@@ -104,17 +105,17 @@ class ControlLoop:
         wid, step = self.job.completing
         formed = [g for g in self.job.generations if g.formed]
         writer = formed[-1].members[0] if formed else None
-        action, why = final_checkpoint(
+        verdict = final_checkpoint(
             step=step,
             written=step in self.job.checkpointed,
             error=self.job.checkpoint_failed.get(step),
             writer=writer,
             writer_live=writer is not None and self.job.workers[writer].live,
         )
-        if action == "succeed":
+        if verdict.act is Act.SUCCEED:
             self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {step}")
-        elif action == "fail":
-            self._decide(JobState.FAILED, why)
+        elif verdict.act is Act.FAIL:
+            self._decide(JobState.FAILED, verdict.why)
 
     def _finish_script_stop(self) -> None:
         """Decide the outcome of a job a member's script stopped, once its generation's
@@ -130,17 +131,17 @@ class ControlLoop:
                 killed=w.kill_reason is not None,
                 detail=self.executor.describe_exit(w.id) if code is not None and code > 0 else "",
             )
-        action, why = stop_outcome(
+        verdict = stop_outcome(
             stop=stop,
             exits=exits,
             checkpoints=self.checkpoint_dir is not None,
             written=stop.step in self.job.checkpointed,
             error=self.job.checkpoint_failed.get(stop.step),
         )
-        if action == "succeed":
-            self._decide(JobState.SUCCEEDED, why)
-        elif action == "fail":
-            self._decide(JobState.FAILED, why)
+        if verdict.act is Act.SUCCEED:
+            self._decide(JobState.SUCCEEDED, verdict.why)
+        elif verdict.act is Act.FAIL:
+            self._decide(JobState.FAILED, verdict.why)
 
     def _maybe_reform(self, now: float) -> None:
         """Re-form the latest generation with the same members once a reported failed
@@ -285,15 +286,15 @@ class ControlLoop:
             for line in warnings:
                 self.event("checkpoint", line)
             step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
-        action, why = every_member_lost(
+        verdict = every_member_lost(
             keeps_checkpoints=self.checkpoint_dir is not None,
             checkpoint_step=step,
             step=self.job.step,
         )
-        if action == "fail":
-            self._decide(JobState.FAILED, why)
+        if verdict.act is Act.FAIL:
+            self._decide(JobState.FAILED, verdict.why)
         else:
-            self.event("failure", why)
+            self.event("failure", verdict.why)
 
     def _check_start_timeout(self) -> None:
         why = start_timed_out(

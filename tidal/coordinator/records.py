@@ -39,17 +39,17 @@ class WorkerRecord:
         return not (self.state is WorkerState.EXITED or self.state is WorkerState.FAILED)
 
     def row(self) -> WorkerRow:
-        """What SQLite holds of it, as a plain tuple (1,024 pydantic views took ~50 ms of the
+        """What SQLite holds of it, as a named tuple (1,024 pydantic views took ~50 ms of the
         loop's time a flush)."""
-        return (
-            self.id,
-            self.pid,
-            self.host,
-            self.state.value,
-            self.rank,
-            self.last_heartbeat,
-            self.exit_code,
-            self.node,
+        return WorkerRow(
+            id=self.id,
+            pid=self.pid,
+            host=self.host,
+            state=self.state.value,
+            rank=self.rank,
+            last_heartbeat=self.last_heartbeat,
+            exit_code=self.exit_code,
+            node=self.node,
         )
 
 
@@ -67,16 +67,20 @@ def changed_rows(rows: list[WorkerRow], saved: dict[int, WorkerRow]) -> list[Wor
     or missing. So a flush costs the changes, not the job's size (at 1,024 workers, every
     row every 0.5 s held the server's heartbeats behind the loop for ~60 ms)."""
     out = []
+    beat = WorkerRow._fields.index("last_heartbeat")  # the fields before and after it
     for row in rows:
-        old = saved.get(row[0])
+        old = saved.get(row.id)
         if old == row:
             continue
         if (
             old is None
-            or old[:5] != row[:5]
-            or old[6:] != row[6:]
-            or old[5] is None
-            or (row[5] is not None and row[5] - old[5] >= HEARTBEAT_SAVE_S)
+            or old[:beat] != row[:beat]
+            or old[beat + 1 :] != row[beat + 1 :]
+            or old.last_heartbeat is None
+            or (
+                row.last_heartbeat is not None
+                and row.last_heartbeat - old.last_heartbeat >= HEARTBEAT_SAVE_S
+            )
         ):
             out.append(row)
     return out

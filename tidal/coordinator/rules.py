@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tidal.coordinator.verdicts import WAIT, Act, Verdict, fail, succeed
 from tidal.protocol import RecoveryPath, WorkerState
 from tidal.restarts import DEFAULT_MAX_RESTARTS, RestartLimit, parse_max_restarts, within
 
@@ -162,10 +163,18 @@ class HealthFacts:
     killed: bool = False  # the coordinator already killed it
 
 
+class Kill(NamedTuple):
+    """A worker to SIGKILL: ``kind`` is its event's kind ("worker": expected, "failure")."""
+
+    worker_id: int
+    kind: str
+    reason: str
+
+
 def to_kill(
     workers: list[HealthFacts], *, heartbeat_timeout_s: float, stop_grace_s: float
-) -> list[tuple[int, str, str]]:
-    """(worker, event kind, reason) for each worker to SIGKILL: a stopping one that did not
+) -> list[Kill]:
+    """A ``Kill`` for each worker to SIGKILL: a stopping one that did not
     exit within the grace period, a registered one silent past the heartbeat timeout. A
     stopping worker has reported its end and stops heartbeating as it exits: the grace
     period, not the heartbeat timeout, bounds it. Never the same worker twice."""
@@ -176,15 +185,21 @@ def to_kill(
         if w.state == WorkerState.STOPPING:
             if w.stopping_s is not None and w.stopping_s > stop_grace_s:
                 kills.append(
-                    (
-                        w.worker_id,
-                        "worker",
-                        f"did not exit within {stop_grace_s:.0f} s of being asked",
+                    Kill(
+                        worker_id=w.worker_id,
+                        kind="worker",
+                        reason=f"did not exit within {stop_grace_s:.0f} s of being asked",
                     )
                 )
         elif w.state in (WorkerState.STANDBY, WorkerState.RUNNING):
             if w.silent_s is not None and w.silent_s > heartbeat_timeout_s:
-                kills.append((w.worker_id, "failure", f"missed heartbeats for {w.silent_s:.1f} s"))
+                kills.append(
+                    Kill(
+                        worker_id=w.worker_id,
+                        kind="failure",
+                        reason=f"missed heartbeats for {w.silent_s:.1f} s",
+                    )
+                )
     return kills
 
 
@@ -222,40 +237,39 @@ def start_timed_out(
 
 
 # -- the state's holders were lost ---------------------------------------------------------
-def roll_back(*, lost_step: int, checkpoint_step: int | None) -> tuple[str, str]:
-    """``("fail", why)`` or ``("roll back", event)`` when no live worker holds the training
+def roll_back(*, lost_step: int, checkpoint_step: int | None) -> Verdict:
+    """``FAIL`` (why) or ``ROLL_BACK`` (the event) when no live worker holds the training
     state of ``lost_step``: never train on from scratch; the newest verified checkpoint, if
     any, is the state to go on from."""
     if checkpoint_step is None:
-        return (
-            "fail",
+        return fail(
             f"no live worker holds the training state of step {lost_step} (its holders were "
-            "lost) and there is no checkpoint to roll back to; run with --checkpoint-every",
+            "lost) and there is no checkpoint to roll back to; run with --checkpoint-every"
         )
-    return (
-        "roll back",
-        f"no live worker holds step {lost_step}: rolling back to the checkpoint of step "
+    return Verdict(
+        act=Act.ROLL_BACK,
+        why=f"no live worker holds step {lost_step}: rolling back to the checkpoint of step "
         f"{checkpoint_step} ({max(0, lost_step - checkpoint_step)} steps redone)",
     )
 
 
 def every_member_lost(
     *, keeps_checkpoints: bool, checkpoint_step: int | None, step: int
-) -> tuple[str, str]:
-    """``("fail", why)`` or ``("resume", event)`` when the last member of the job is lost
+) -> Verdict:
+    """``FAIL`` (why) or ``RESUME`` (the event) when the last member of the job is lost
     (all at once, or the last survivor). With a verified checkpoint the job goes on, as
     torchrun restarts a worker group: the next workers admitted find no state, and healing
     sends them to the checkpoint (``roll_back``); otherwise it fails saying so. The workers
     lost count against ``--max-restarts`` like any others (``judge_exit``)."""
     if not keeps_checkpoints:
-        return "fail", "every worker was lost; nothing holds the training state"
-    action, why = roll_back(lost_step=step, checkpoint_step=checkpoint_step)
-    if action == "fail":
-        return "fail", f"every worker was lost; {why}"
-    return (
-        "resume",
-        f"every worker was lost at step {step}: the next members resume from the checkpoint "
-        f"of step {checkpoint_step}",
+        return fail("every worker was lost; nothing holds the training state")
+    verdict = roll_back(lost_step=step, checkpoint_step=checkpoint_step)
+    if verdict.act is Act.FAIL:
+        return fail(f"every worker was lost; {verdict.why}")
+    return Verdict(
+        act=Act.RESUME,
+        why=f"every worker was lost at step {step}: the next members resume from the "
+        f"checkpoint of step {checkpoint_step}",
     )
 
 
@@ -478,24 +492,23 @@ def repeated_failure(
 # -- the final checkpoint ----------------------------------------------------------------------
 def final_checkpoint(
     *, step: int, written: bool, error: str | None, writer: int | None, writer_live: bool
-) -> tuple[str, str]:
-    """A job with durable checkpoints completed ``step``: ``("succeed", "")`` once its final
-    checkpoint is recorded, ``("fail", why)`` if it failed or its writer (rank 0 of the last
-    generation) ended without it, ``("wait", "")`` meanwhile (the checkpoint's report rides
+) -> Verdict:
+    """A job with durable checkpoints completed ``step``: ``SUCCEED`` once its final
+    checkpoint is recorded, ``FAIL`` (why) if it failed or its writer (rank 0 of the last
+    generation) ended without it, ``WAIT`` meanwhile (the checkpoint's report rides
     a heartbeat and may come after the completion report). Never a success without the
     checkpoint the job promised: ``tidal resume`` then redoes the steps since the newest."""
     if written:
-        return ("succeed", "")
+        return succeed()
     if error is not None:
-        return ("fail", f"the checkpoint of its last step ({step}) could not be written: {error}")
+        return fail(f"the checkpoint of its last step ({step}) could not be written: {error}")
     if writer is None or not writer_live:
         who = f"worker {writer}, its writer," if writer is not None else "its writer"
-        return (
-            "fail",
+        return fail(
             f"the checkpoint of its last step ({step}) was not written: {who} was lost "
-            "while writing it (`tidal resume` redoes the steps since the newest checkpoint)",
+            "while writing it (`tidal resume` redoes the steps since the newest checkpoint)"
         )
-    return ("wait", "")
+    return WAIT
 
 
 # -- the job's end -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ so a live job reads the same as its records once they are flushed (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import quote
 
 from tidal.protocol import (
@@ -20,9 +21,20 @@ from tidal.protocol import (
     WorkerView,
 )
 
-#: ``(id, pid, host, state, rank, last_heartbeat, exit_code, node)``: a worker's row (the
-#: ``workers`` table's columns after ``job``, in order; ``WorkerRecord.row``).
-WorkerRow = tuple
+
+class WorkerRow(NamedTuple):
+    """A worker's row: the ``workers`` table's columns after ``job``, in order
+    (``WorkerRecord.row``). A tuple, not a dataclass: 1,024 of them are compared each flush
+    (``records.changed_rows``) and written as SQL parameters as they are."""
+
+    id: int
+    pid: int | None
+    host: str | None
+    state: str  # a ``WorkerState`` value
+    rank: int | None
+    last_heartbeat: float | None
+    exit_code: int | None
+    node: str | None
 
 
 @dataclass(kw_only=True)
@@ -67,14 +79,14 @@ class Records:
         job, spec, metrics = self.job, self.job.spec, self.job.metrics
         workers = [
             WorkerView(
-                id=r[0],
-                pid=r[1],
-                host=r[2],
-                state=r[3],
-                rank=r[4],
-                last_heartbeat=r[5],
-                exit_code=r[6],
-                node=r[7],
+                id=r.id,
+                pid=r.pid,
+                host=r.host,
+                state=r.state,
+                rank=r.rank,
+                last_heartbeat=r.last_heartbeat,
+                exit_code=r.exit_code,
+                node=r.node,
             )
             for _, r in sorted(self.workers.items())
         ]
@@ -84,8 +96,8 @@ class Records:
             step=job.step,
             world_size=job.world_size,
             target_workers=job.target_workers,
-            pending_workers=sum(r[3] == "pending" for r in self.workers.values()),
-            standby_workers=sum(r[3] == "standby" for r in self.workers.values()),
+            pending_workers=sum(r.state == "pending" for r in self.workers.values()),
+            standby_workers=sum(r.state == "standby" for r in self.workers.values()),
             spares=spec.get("spares", 0),  # a job recorded before --spares had none
             min_workers=spec["min_workers"],
             max_workers=spec["max_workers"],

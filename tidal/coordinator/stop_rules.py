@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tidal.coordinator.verdicts import WAIT, Verdict, fail, succeed
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScriptStop:
@@ -110,8 +112,8 @@ def stop_outcome(
     checkpoints: bool,
     written: bool,
     error: str | None,
-) -> tuple[str, str]:
-    """``("wait", "")``, ``("succeed", why)`` or ``("fail", why)`` for a job a script
+) -> Verdict:
+    """``WAIT``, ``SUCCEED`` (why) or ``FAIL`` (why) for a job a script
     stopped (module doc). ``exits``: every member of ``stop.members``; ``checkpoints``: the
     job keeps durable checkpoints; ``written``/``error``: the stop step's checkpoint was
     recorded / failed. A member ended by a signal it was not sent by the coordinator was
@@ -122,19 +124,18 @@ def stop_outcome(
         e = exits[wid]
         if e.code is not None and e.code > 0 and not e.killed:
             line = f": {e.detail}" if e.detail else ""
-            return "fail", f"{who}; worker {wid} then exited with code {e.code}{line}"
+            return fail(f"{who}; worker {wid} then exited with code {e.code}{line}")
     if error is not None and checkpoints and stop.checkpoint:
-        return "fail", f"{who}; its final checkpoint could not be written: {error}"
+        return fail(f"{who}; its final checkpoint could not be written: {error}")
     if any(e.code is None for e in exits.values()):
-        return "wait", ""
+        return WAIT
     if not checkpoints:
-        return "succeed", who
+        return succeed(who)
     if not stop.checkpoint:
-        return "succeed", f"{who} (sharding='fsdp': no final checkpoint)"
+        return succeed(f"{who} (sharding='fsdp': no final checkpoint)")
     if written:
-        return "succeed", f"{who}, final checkpoint written"
-    return (
-        "fail",
+        return succeed(f"{who}, final checkpoint written")
+    return fail(
         f"{who}; its final checkpoint was not written: worker {stop.worker_id}, its writer, "
-        "exited without it (`tidal resume` redoes the steps since the newest checkpoint)",
+        "exited without it (`tidal resume` redoes the steps since the newest checkpoint)"
     )
