@@ -31,6 +31,7 @@ import torch.distributed as dist
 from tidal.backends import get_backend
 from tidal.checkpoint import fence
 from tidal.config import JobSpec
+from tidal.coordinator import phase
 from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.actions import (
     FenceCheckpoints,
@@ -226,10 +227,11 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
             self.executor.do(RecordJob(values={"target_workers": effective}))
         self._save_control()
 
-    def _decide(self, outcome: JobState, why: str) -> None:
-        self.job.outcome = outcome
-        self._save_control()
-        self.event("job", f"job {outcome.value}: {why}")
+    def decide(self, outcome: JobState, why: str | None, *, overturn: bool = False) -> None:
+        """Decide the job's outcome: the one door (``phase.decide``), its records written
+        at once."""
+        for action in phase.decide(self.job, outcome, why, now=time.time(), overturn=overturn):
+            self.executor.do(action)
 
     def flush(self) -> None:
         """Write the fast-moving values to SQLite (under the lock), the heartbeats queued

@@ -14,13 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.coordinator import phase
 from tidal.coordinator.actions import (
     AdoptWorker,
     DropCheckpoint,
     RecordCheckpoint,
     RecordCheckpointFailure,
     RecordGeneration,
-    RecordJob,
 )
 from tidal.coordinator.checkpoint_rules import streak_verdict
 from tidal.coordinator.records import ReformRequest
@@ -162,8 +162,8 @@ class Effects:
         self.executor.do(RecordCheckpointFailure(error=f.error))
         self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
         if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
-            self.job.outcome = None
-            self._decide(JobState.FAILED, final_checkpoint_failed(f.step, f.error))
+            why = final_checkpoint_failed(f.step, f.error)
+            self.decide(JobState.FAILED, why, overturn=True)
         elif (
             self.job.outcome is None
             and self.job.stop_requested_at is None
@@ -177,7 +177,7 @@ class Effects:
             newest = max(written, default=self.resume.step if self.resume else None)
             why = streak_verdict(self.job.checkpoint_failed, written, newest_on_disk=newest)
             if why is not None:
-                self._decide(JobState.FAILED, why)
+                self.decide(JobState.FAILED, why)
 
     def _on_step_report(self, r: StepReport) -> None:
         gens = self.job.generations
@@ -203,11 +203,8 @@ class Effects:
         said = neighbour_copy_event(gen.id, recorded, r.recovery, r.redone_steps)
         if said:
             self.event("recovery", said)
-        if self.job.state == JobState.PENDING:
-            self.job.state = JobState.RUNNING
-            # With its world size: a reader never sees a running job of no members.
-            values = {"state": self.job.state.value, "world_size": self.job.world_size()}
-            self.executor.do(RecordJob(values=values))
+        for action in phase.start_running(self.job):
+            self.executor.do(action)
 
     def _apply_failure(self, wid: int, r: FailureReport) -> None:
         self._caller(wid)
@@ -219,7 +216,7 @@ class Effects:
         if self.job.script_stop is not None:  # a member's script ended the job: it left
             return
         if r.kind == FailureKind.SCRIPT_MISMATCH:  # no re-form can mend it (``FailureKind``)
-            self._decide(JobState.FAILED, f"worker {wid}: {r.error}")
+            self.decide(JobState.FAILED, f"worker {wid}: {r.error}")
             self.wake.set()
             return
         if r.kind == FailureKind.STATE_LOST:  # the control loop rolls back or fails
@@ -266,7 +263,7 @@ class Effects:
                 self.job.completing = (wid, r.step)
                 self._save_control()
             else:
-                self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
+                self.decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
         self._save_worker(w)
         self.wake.set()
 

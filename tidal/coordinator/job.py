@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidal.coordinator.phase import Phase
 from tidal.coordinator.records import GenerationRecord, ReformRequest, WorkerRecord
 from tidal.coordinator.rules import Streak
 from tidal.coordinator.step_metrics import StepLog
@@ -29,7 +30,8 @@ class Job:
     """``requested``: what was asked (``--workers``, ``tidal scale``, the schedule, the
     policy); ``target``: that within the capacity available now. ``step``: the highest
     committed step any worker reported. ``outcome``: decided; ``state`` reaches it once
-    every process is gone."""
+    every process is gone. Both change only through ``phase`` (``decide``, ``start_running``,
+    ``end``)."""
 
     target: int
     requested: int
@@ -71,6 +73,11 @@ class Job:
     script_stop: ScriptStop | None = None
     #: Members alive and busy in their script, outside the collectives (``busy``).
     busy: frozenset[int] = frozenset()
+
+    @property
+    def phase(self) -> Phase:
+        """Where the job is in its life (``phase.Phase``, whose docstring has the moves)."""
+        return Phase.of(self.state, self.outcome)
 
     @property
     def latest(self) -> GenerationRecord | None:

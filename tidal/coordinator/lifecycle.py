@@ -21,7 +21,7 @@ from tidal.coordinator.busy import BusyFacts, busy_members
 from tidal.coordinator.job import Job
 from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.recovery import Control, WorkerFlags, rebuild
+from tidal.coordinator.recovery import Control, control_of, rebuild
 from tidal.coordinator.rules import (
     ExitFacts,
     HealthFacts,
@@ -103,30 +103,7 @@ class Lifecycle:
         self._save_control()
 
     def _save_control(self) -> None:
-        latest = self.job.latest
-        flags = {
-            w.id: WorkerFlags(retired=w.retired, preempted=w.preempted, kill_reason=w.kill_reason)
-            for w in self.job.workers.values()
-            if w.live and (w.retired or w.preempted or w.kill_reason)
-        }
-        control = Control(
-            requested=self.job.requested,
-            failures=self.job.failures,
-            loss_times=list(self.job.loss_times),
-            job_length=self.job.job_length,
-            settled_step=self.job.settled_step,
-            schedule_done=self.job.schedule_done,
-            stop_requested=self.job.stop_requested_at is not None,
-            outcome=self.job.outcome.value if self.job.outcome else None,
-            completing=self.job.completing,
-            checkpoint_failed=self.job.checkpoint_failed,
-            failed_collectives=self.job.failed_collectives,
-            committed_step=latest.committed_step if latest else 0,
-            resume_from=latest.resume_from if latest else None,
-            resume_step=latest.resume_step if latest else None,
-            workers=flags,
-        )
-        self.executor.do(RecordControl(control=control.to_dict()))
+        self.executor.do(RecordControl(control=control_of(self.job).to_dict()))
 
     def _worker_env(self, wid: int) -> dict[str, str]:
         """What a worker's process is launched with: its id, credential, the API's URL."""
@@ -181,7 +158,7 @@ class Lifecycle:
                 f"worker {w.id} failed ({w.kill_reason or ex.describe()})",
             )
         if verdict.fail_job and self.job.outcome is None:
-            self._decide(JobState.FAILED, verdict.fail_job)
+            self.decide(JobState.FAILED, verdict.fail_job)
         if verdict.target is not None:
             self._set_target(verdict.target, verdict.target_why)
         self._save_worker(w)
@@ -272,7 +249,7 @@ class Lifecycle:
         step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
         verdict = roll_back(lost_step=lost, checkpoint_step=step)
         if verdict.act is Act.FAIL:
-            self._decide(JobState.FAILED, verdict.why)
+            self.decide(JobState.FAILED, verdict.why)
             return
         self.event("checkpoint", verdict.why)
         self.job.step = step

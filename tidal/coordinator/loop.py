@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from tidal.checkpoint.store import NAME_RE, newest_good
+from tidal.coordinator import phase
 from tidal.coordinator.actions import (
     AbandonGeneration,
     KillEveryWorker,
@@ -79,9 +80,8 @@ class ControlLoop:
             self._apply_policy()
             self._enforce_capacity()
             if self.job.stop_requested_at is not None:
-                self.job.outcome = (
-                    JobState.STOPPED if self.job.outcome is None else self.job.outcome
-                )
+                if self.job.outcome is None:  # its event is the stop's own (``_apply_stop``)
+                    self.decide(JobState.STOPPED, None)
             else:
                 self._reconcile()
             self._check_start_timeout()
@@ -113,9 +113,9 @@ class ControlLoop:
             writer_live=writer is not None and self.job.workers[writer].live,
         )
         if verdict.act is Act.SUCCEED:
-            self._decide(JobState.SUCCEEDED, f"worker {wid} completed step {step}")
+            self.decide(JobState.SUCCEEDED, f"worker {wid} completed step {step}")
         elif verdict.act is Act.FAIL:
-            self._decide(JobState.FAILED, verdict.why)
+            self.decide(JobState.FAILED, verdict.why)
 
     def _finish_script_stop(self) -> None:
         """Decide the outcome of a job a member's script stopped, once its generation's
@@ -139,16 +139,16 @@ class ControlLoop:
             error=self.job.checkpoint_failed.get(stop.step),
         )
         if verdict.act is Act.SUCCEED:
-            self._decide(JobState.SUCCEEDED, verdict.why)
+            self.decide(JobState.SUCCEEDED, verdict.why)
         elif verdict.act is Act.FAIL:
-            self._decide(JobState.FAILED, verdict.why)
+            self.decide(JobState.FAILED, verdict.why)
 
     def _maybe_reform(self, now: float) -> None:
         """Re-form the latest generation with the same members once a reported failed
         collective is due (``rules.reform_due``), unless it failed too many times in a row
         at the same step (``rules.repeated_failure``): then the job fails saying so."""
         req = self.job.reform_requested
-        if req is None:
+        if req is None or self.job.outcome is not None:  # decided earlier in this pass
             return
         latest = self.job.latest
         due = reform_due(
@@ -170,7 +170,7 @@ class ControlLoop:
             error=req.error,
         )
         if fail:
-            self._decide(JobState.FAILED, fail)
+            self.decide(JobState.FAILED, fail)
             return
         self._open(self.job.members, req.why)
 
@@ -292,11 +292,13 @@ class ControlLoop:
             step=self.job.step,
         )
         if verdict.act is Act.FAIL:
-            self._decide(JobState.FAILED, verdict.why)
+            self.decide(JobState.FAILED, verdict.why)
         else:
             self.event("failure", verdict.why)
 
     def _check_start_timeout(self) -> None:
+        if self.job.outcome is not None:  # decided earlier in this pass
+            return
         why = start_timed_out(
             pending=self.job.state == JobState.PENDING,
             waited_s=time.time() - self.job.created,
@@ -304,11 +306,14 @@ class ControlLoop:
             failed=self.job.failed_collectives,
         )
         if why:
-            self._decide(JobState.FAILED, why)
+            self.decide(JobState.FAILED, why)
 
     def _wind_down(self, now: float) -> bool:
         """Once the outcome is decided: let members finish, tell the rest to exit, kill
-        what outlives the grace period, then record the end."""
+        what outlives the grace period, then record the end (once: a pass after it
+        changes nothing)."""
+        if self.job.phase is phase.Phase.ENDED:
+            return False
         alive = len(self.executor.alive())
         plan = wind_down(
             failed=self.job.outcome == JobState.FAILED,
@@ -329,7 +334,7 @@ class ControlLoop:
             return True
         for ex in self.executor.poll():
             self._on_exit(ex)
-        self.job.state = self.job.outcome
+        phase.end(self.job)
         self.flush()
         self.event("job", f"job ended: {self.job.state.value} at step {self.job.step}")
         return False

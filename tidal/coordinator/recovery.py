@@ -24,10 +24,14 @@ Rules (the new coordinator then applies them, see ``Coordinator._recover``):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from tidal.coordinator.records import GenerationRecord, WorkerRecord
 from tidal.coordinator.rules import Streak
 from tidal.protocol import JobState, JobStatus, WorkerState
+
+if TYPE_CHECKING:
+    from tidal.coordinator.job import Job
 
 
 @dataclass(kw_only=True)
@@ -74,6 +78,34 @@ class Control:
         if data.get("failed_collectives") is not None:
             data["failed_collectives"] = Streak(*data["failed_collectives"])
         return cls(**data)
+
+
+def control_of(job: Job) -> Control:
+    """The ``Control`` record of ``job`` now: what a restarted coordinator needs of it that
+    the rows do not hold (the flags only of live workers that have one)."""
+    latest = job.latest
+    flags = {
+        w.id: WorkerFlags(retired=w.retired, preempted=w.preempted, kill_reason=w.kill_reason)
+        for w in job.workers.values()
+        if w.live and (w.retired or w.preempted or w.kill_reason)
+    }
+    return Control(
+        requested=job.requested,
+        failures=job.failures,
+        loss_times=list(job.loss_times),
+        job_length=job.job_length,
+        settled_step=job.settled_step,
+        schedule_done=job.schedule_done,
+        stop_requested=job.stop_requested_at is not None,
+        outcome=job.outcome.value if job.outcome else None,
+        completing=job.completing,
+        checkpoint_failed=job.checkpoint_failed,
+        failed_collectives=job.failed_collectives,
+        committed_step=latest.committed_step if latest else 0,
+        resume_from=latest.resume_from if latest else None,
+        resume_step=latest.resume_step if latest else None,
+        workers=flags,
+    )
 
 
 @dataclass(kw_only=True)
