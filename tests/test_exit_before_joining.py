@@ -3,7 +3,7 @@
 Before: a worker that exited 0 without ever registering (a ``__main__`` guard that calls
 nothing, an early return) was a lost worker: replaced until ``--max-restarts`` was spent
 (62 starts in 20 s under the default 60/h), and the job's error blamed the restart budget.
-Now it is the script's bug, shared by every worker (``rules.judge_exit``,
+Now it is the script's bug, shared by every worker (``exit_rules.judge_exit``,
 ``docs/decisions/exit-before-joining.md``): the job fails at the first such exit with
 ``tidal: error: job NAME failed: SCRIPT exited 0 without running a tidal.Trainer (did it run
 its main?)``, and no worker is started after it. The rule's table is in

@@ -225,7 +225,7 @@ def test_unsupervised(supervisor, parent, says) -> None:
         assert "pid 50" in line and "`tidal attach j`" in line and "unsupervised" in line
 
 
-# -- rules.judge_exit: an adopted worker's end, its status unknown ---------------------------
+# -- exit_rules.judge_exit: an adopted worker's end, its status unknown ---------------------------
 @pytest.mark.parametrize(
     ("facts", "state", "kind"),
     [
@@ -238,7 +238,7 @@ def test_unsupervised(supervisor, parent, says) -> None:
     ],
 )
 def test_judge_exit_of_a_worker_whose_status_is_unknown(facts, state, kind) -> None:
-    from tidal.coordinator.rules import ExitFacts, judge_exit
+    from tidal.coordinator.exit_rules import ExitFacts, judge_exit
 
     v = judge_exit(
         ExitFacts(worker_id=3, returncode=-9, how="lost (its exit status is unknown)", **facts)

@@ -72,7 +72,7 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
         at, gen = after["start_step"], before["id"]
         # Every member told the coordinator as it reached the step before the change (an
         # approaching heartbeat, from the same thread), so the change was applied a step
-        # ahead (``rules.schedule_ahead``) ...
+        # ahead (``scale_rules.schedule_ahead``) ...
         approached = {
             int(c[1]) for c in calls if c[0] == "beat" and c[3] == str(at - 1) and c[6] == "1"
         }
@@ -239,7 +239,7 @@ def test_members_held_at_a_scheduled_step_go_to_a_newer_generation_that_needs_th
     """Worker 0 SIGKILLed at step 15 of a 2-worker job scheduled to 3 at step 20: the lone
     survivor holds at step 20 while its replacement's generation (2 members, opened with the
     warm spare) waits for it to form, and the third worker waits for that generation to
-    form. The hold is released into it at once (``rules.schedule_settled``); before, the
+    form. The hold is released into it at once (``scale_rules.schedule_settled``); before, the
     three waited for each other until the 120 s start timeout."""
     proc, job = tidal_home.run(
         "deadlock",

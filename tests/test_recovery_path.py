@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from tidal.coordinator import db as dbmod
 from tidal.coordinator.db import Database
 from tidal.coordinator.recovery import Control, rebuild
-from tidal.coordinator.rules import merge_recovery, neighbour_copy_event
+from tidal.coordinator.reform_rules import merge_recovery, neighbour_copy_event
 from tidal.display import print_status, recovery_cell
 from tidal.protocol import HeartbeatRequest, JobStatus, RecoveryPath, StepReport
 

@@ -1,5 +1,5 @@
 """Failed-collective reports and the re-form they ask for (``effects._apply_failure``,
-``rules.reform_due``), on a real coordinator in this process with worker records and no
+``reform_rules.reform_due``), on a real coordinator in this process with worker records and no
 worker processes (the harness of ``test_repeated_failure``). Time is passed to the loop's
 step (``_maybe_reform(now)``), so nothing here depends on the machine's speed."""
 

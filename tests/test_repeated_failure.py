@@ -1,6 +1,6 @@
 """A collective that fails the same way in every generation (a bug, e.g. gloo refusing
 ``ReduceOp.PREMUL_SUM``) fails the job after ``REFORMS_WITHOUT_PROGRESS`` re-forms in a row
-at one step, saying so, instead of re-forming forever (``rules.repeated_failure``).
+at one step, saying so, instead of re-forming forever (``reform_rules.repeated_failure``).
 
 A real coordinator in this process, driven by its own loop (``tick``), with worker records
 and no worker processes: members report failed collectives for the latest generation the
@@ -21,7 +21,7 @@ from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control
-from tidal.coordinator.rules import REFORMS_WITHOUT_PROGRESS, Streak
+from tidal.coordinator.reform_rules import REFORMS_WITHOUT_PROGRESS, Streak
 from tidal.display import print_outcome
 from tidal.protocol import (
     FailureKind,

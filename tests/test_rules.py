@@ -1,10 +1,17 @@
-"""Table tests of the control loop's rules about workers' lives (``coordinator.rules``) and
+"""Table tests of the control loop's rules about workers' lives (``coordinator.*_rules``) and
 its timing (``coordinator.pacing``): pure functions, milliseconds, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
+from tidal.coordinator.end_rules import (
+    completion_refused,
+    final_checkpoint,
+    start_timed_out,
+    wind_down,
+)
+from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, Kill, judge_exit, to_kill
 from tidal.coordinator.pacing import (
     HEARTBEATS_PER_S,
     LOOP_BUSY_S,
@@ -13,30 +20,23 @@ from tidal.coordinator.pacing import (
     heartbeat_interval,
     loop_wait,
 )
-from tidal.coordinator.rules import (
+from tidal.coordinator.reform_rules import (
     REFORMS_WITHOUT_PROGRESS,
-    ExitFacts,
-    HealthFacts,
-    Kill,
-    capacity_victims,
-    completion_refused,
-    effective_target,
     every_member_lost,
-    final_checkpoint,
-    judge_exit,
-    leaver_target,
     reform_due,
     repeated_failure,
     roll_back,
+)
+from tidal.coordinator.reform_rules import Streak as S
+from tidal.coordinator.scale_rules import (
+    capacity_victims,
+    effective_target,
+    leaver_target,
     schedule_ahead,
     schedule_due,
     schedule_near,
     schedule_settled,
-    start_timed_out,
-    to_kill,
-    wind_down,
 )
-from tidal.coordinator.rules import Streak as S
 from tidal.coordinator.verdicts import Act
 from tidal.protocol import WorkerState
 from tidal.restarts import parse_max_restarts

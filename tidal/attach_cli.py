@@ -15,7 +15,7 @@ On Ray the workers' pids are on other nodes: the attach cannot see them, so it c
 workers the records left running, and the new coordinator adopts their detached actors by
 name (``RayBackend.adopt``); a worker whose actor is gone is lost, as after a restart by the
 supervisor, and a job that adopts none goes on from its newest checkpoint
-(``rules.every_member_lost``).
+(``reform_rules.every_member_lost``).
 """
 
 from __future__ import annotations

@@ -263,8 +263,8 @@ class JobSpec:
     )
     # How long the job waits for its first generation (every initial worker started, its
     # script imported, its Trainer registered, the group formed) before it fails; also how
-    # long members held at a --schedule step wait for the joiners (``rules.start_timed_out``,
-    # ``rules.schedule_settled``).
+    # long members held at a --schedule step wait for the joiners (``end_rules.start_timed_out``,
+    # ``scale_rules.schedule_settled``).
     start_timeout_s: float = field(
         default=120.0,
         metadata=flag(

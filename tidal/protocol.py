@@ -307,7 +307,7 @@ class HeartbeatRequest(BaseModel):
     job, or after at most ``HOLD_ANSWER_S`` (a long poll: no second round trip).
     ``approaching``: the member is about to commit ``step``, the step before one of
     ``hold_steps``; answered as a holding heartbeat of the next step is, so the coordinator
-    applies that scheduled change one step early (``rules.schedule_ahead``) and the member
+    applies that scheduled change one step early (``scale_rules.schedule_ahead``) and the member
     learns its place in the next generation while it runs its last step before it."""
 
     step: Step = 0

@@ -1,6 +1,6 @@
 """``--max-restarts``: how many lost workers a job replaces, as a count, a rate or unlimited.
 
-A lost worker (a signal, a lost machine, a kill for missed heartbeats: ``rules.judge_exit``)
+A lost worker (a signal, a lost machine, a kill for missed heartbeats: ``exit_rules.judge_exit``)
 is replaced while the job is within its limit; past it, the job goes on with the workers
 left (its target shrinks to them) and fails if fewer than ``--min-workers`` are left. A
 planned leave (a preemption notice, a scale-down) is not a loss and counts against nothing.

@@ -50,7 +50,7 @@ from tidal.coordinator.journal import Journal
 from tidal.coordinator.lifecycle import Lifecycle
 from tidal.coordinator.loop import ControlLoop
 from tidal.coordinator.records import Resume, WorkerRecord, changed_rows
-from tidal.coordinator.rules import effective_target
+from tidal.coordinator.scale_rules import effective_target
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.snapshot import JobRow
 from tidal.coordinator.supervisor import Hosting, listen, url_of

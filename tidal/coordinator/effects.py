@@ -3,8 +3,8 @@
 A mixin of ``Coordinator``. These run only from ``Handlers._drain``, under the lock, in the
 order the facts arrived; they change ``self.job``, write what must outlive a crash through
 the journal, and wake the loop when a decision is due. Decisions stay with the control
-loop's rules: a failure report asks for a re-form (``rules.reform_due`` decides when), a
-done report may complete the job (``rules.completion_refused``, ``rules.final_checkpoint``).
+loop's rules: a failure report asks for a re-form (``reform_rules.reform_due`` decides when), a
+done report may complete the job (``end_rules.completion_refused``, ``end_rules.final_checkpoint``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from tidal.coordinator.actions import (
     RecordGeneration,
 )
 from tidal.coordinator.checkpoint_rules import streak_verdict
+from tidal.coordinator.end_rules import completion_refused
 from tidal.coordinator.records import ReformRequest
-from tidal.coordinator.rules import (
-    completion_refused,
-    merge_recovery,
-    neighbour_copy_event,
-    schedule_near,
-)
+from tidal.coordinator.reform_rules import merge_recovery, neighbour_copy_event
+from tidal.coordinator.scale_rules import schedule_near
 from tidal.coordinator.stop_rules import accept_stop
 from tidal.policy.schedule import ignored as schedule_ignored
 from tidal.protocol import (

@@ -38,7 +38,7 @@ from tidal.coordinator.facts import (
     ScriptStopped,
     StopRequested,
 )
-from tidal.coordinator.rules import schedule_near
+from tidal.coordinator.scale_rules import schedule_near
 from tidal.protocol import (
     HOLD_ANSWER_S,
     DoneReport,

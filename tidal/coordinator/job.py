@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tidal.coordinator.phase import Phase
 from tidal.coordinator.records import GenerationRecord, ReformRequest, WorkerRecord
-from tidal.coordinator.rules import Streak
+from tidal.coordinator.reform_rules import Streak
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.stop_rules import ScriptStop
 from tidal.protocol import JobState
@@ -51,7 +51,7 @@ class Job:
     stop_requested_at: float | None = None  # monotonic
     #: A member's collective failed in the latest generation: re-form it.
     reform_requested: ReformRequest | None = None
-    #: The failed collectives in a row at one committed step (``rules.repeated_failure``).
+    #: The failed collectives in a row at one committed step (``reform_rules.repeated_failure``).
     failed_collectives: Streak | None = None
     #: (generation, why): healing found no member of that generation holding the state.
     state_lost: tuple[int, str] | None = None
@@ -62,7 +62,7 @@ class Job:
     #: Steps whose checkpoint this run recorded.
     checkpointed: set[int] = field(default_factory=set)
     #: (worker, step): a member completed the job's last step; with durable checkpoints the
-    #: job succeeds once that step's checkpoint is recorded (``rules.final_checkpoint``).
+    #: job succeeds once that step's checkpoint is recorded (``end_rules.final_checkpoint``).
     completing: tuple[int, int] | None = None
     schedule_done: int = 0  # --schedule entries applied
     schedule_applied_at: float = 0.0  # monotonic, the last of them

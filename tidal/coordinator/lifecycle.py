@@ -18,17 +18,12 @@ from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.actions import AdoptWorker, RecordControl, SignalWorker, StartWorker
 from tidal.coordinator.busy import BusyFacts, busy_members
+from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, judge_exit, to_kill
 from tidal.coordinator.job import Job
 from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, control_of, rebuild
-from tidal.coordinator.rules import (
-    ExitFacts,
-    HealthFacts,
-    judge_exit,
-    roll_back,
-    to_kill,
-)
+from tidal.coordinator.reform_rules import roll_back
 from tidal.coordinator.verdicts import Act
 from tidal.protocol import JobState, WorkerEnv, WorkerState, worker_token
 from tidal.restarts import keep_recent

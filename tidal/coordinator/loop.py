@@ -6,7 +6,7 @@ the pure rules what to do, in this order: the job's outcome (a completed job's f
 checkpoint), a re-form after a reported failed collective, the --schedule, the policy, the
 capacity, and the reconciliation of the members with the target (``policy.reconcile``),
 whose plan opens the next generation (``_open``) and starts workers. Once an outcome is
-decided the pass winds the job down instead (``rules.wind_down``). Changes go to the
+decided the pass winds the job down instead (``end_rules.wind_down``). Changes go to the
 workers' answers at the end of the pass (``Handlers._publish``) and to SQLite at least
 every ``FLUSH_EVERY_S`` (``flush``, in ``controller``).
 
@@ -26,17 +26,11 @@ from tidal.coordinator.actions import (
     OpenGeneration,
     RecordGeneration,
 )
+from tidal.coordinator.end_rules import final_checkpoint, start_timed_out, wind_down
 from tidal.coordinator.lifecycle import NOT_STARTED, STOP_GRACE_S
 from tidal.coordinator.records import GenerationRecord
-from tidal.coordinator.rules import (
-    every_member_lost,
-    final_checkpoint,
-    reform_due,
-    repeated_failure,
-    schedule_settled,
-    start_timed_out,
-    wind_down,
-)
+from tidal.coordinator.reform_rules import every_member_lost, reform_due, repeated_failure
+from tidal.coordinator.scale_rules import schedule_settled
 from tidal.coordinator.stop_rules import MemberExit, stop_outcome
 from tidal.coordinator.verdicts import Act
 from tidal.policy.reconcile import Pool, reconcile
@@ -145,8 +139,8 @@ class ControlLoop:
 
     def _maybe_reform(self, now: float) -> None:
         """Re-form the latest generation with the same members once a reported failed
-        collective is due (``rules.reform_due``), unless it failed too many times in a row
-        at the same step (``rules.repeated_failure``): then the job fails saying so."""
+        collective is due (``reform_rules.reform_due``), unless it failed too many times in a row
+        at the same step (``reform_rules.repeated_failure``): then the job fails saying so."""
         req = self.job.reform_requested
         if req is None or self.job.outcome is not None:  # decided earlier in this pass
             return
@@ -214,7 +208,7 @@ class ControlLoop:
     def _settle_schedule(self) -> None:
         """Release members held at the last applied --schedule step once the generation has
         the target count (or it cannot get there within the start timeout, or a newer
-        generation needs them to form: ``rules.schedule_settled``)."""
+        generation needs them to form: ``scale_rules.schedule_settled``)."""
         at = self.spec.schedule[self.job.schedule_done - 1][0] if self.job.schedule_done else None
         if schedule_settled(
             held_at=at,
@@ -279,7 +273,7 @@ class ControlLoop:
 
     def _every_member_lost(self) -> None:
         """The generation just opened is empty: go on from the newest verified checkpoint
-        (``rules.every_member_lost``) or fail."""
+        (``reform_rules.every_member_lost``) or fail."""
         step = None
         if self.checkpoint_dir is not None:
             path, warnings = newest_good(self.checkpoint_dir)

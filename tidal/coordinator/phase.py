@@ -31,7 +31,7 @@ class Phase(Enum):
 
     - ``PENDING`` -> ``RUNNING``: the first generation formed (``start_running``).
     - ``PENDING`` or ``RUNNING`` -> ``DECIDED``: the outcome is decided (``decide``):
-      succeeded, failed or stopped. The loop winds the job down (``rules.wind_down``).
+      succeeded, failed or stopped. The loop winds the job down (``end_rules.wind_down``).
     - ``DECIDED`` -> ``DECIDED``: only a success overturned to a failure, when the final
       checkpoint the success counted on is reported failed (``decide(..., overturn=True)``).
     - ``DECIDED`` -> ``ENDED``: every process is gone; ``state`` reaches the outcome

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from tidal.coordinator.records import GenerationRecord, WorkerRecord
-from tidal.coordinator.rules import Streak
+from tidal.coordinator.reform_rules import Streak
 from tidal.protocol import JobState, JobStatus, WorkerState
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class Control:
     outcome: str | None = None  # a decided ``JobState``, not yet reached
     completing: tuple[int, int] | None = None  # (worker, step): awaiting the final checkpoint
     checkpoint_failed: dict[int, str] = field(default_factory=dict)
-    # The failed collectives in a row at one step (``rules.repeated_failure``): the count
+    # The failed collectives in a row at one step (``reform_rules.repeated_failure``): the count
     # goes on across a restart (a record of an older coordinator has none: it starts at 0).
     failed_collectives: Streak | None = None
     committed_step: int = 0  # the latest generation's

@@ -16,11 +16,7 @@ import signal
 import time
 
 from tidal.coordinator.actions import SignalWorker
-from tidal.coordinator.rules import (
-    capacity_victims,
-    leaver_target,
-    schedule_ahead,
-)
+from tidal.coordinator.scale_rules import capacity_victims, leaver_target, schedule_ahead
 from tidal.protocol import WorkerState
 
 
