@@ -75,7 +75,7 @@ def fuzzed(served_coordinator) -> Iterator[tuple]:
     with coord.lock:
         for wid in range(WORKERS):
             coord.job.workers[wid] = WorkerRecord(id=wid)
-        coord._open([0, 1], "fuzz")
+        coord.generations.open([0, 1], "fuzz")
     schema = schemathesis.openapi.from_url(url + "/openapi.json", timeout=10)
     with requests.Session() as session:
         session.trust_env = False

@@ -225,7 +225,7 @@ def test_a_completion_report_ends_the_job_only_at_its_length_from_a_member(serve
         for wid, c in clients.items():
             c.register(wid, RegisterRequest(pid=100 + wid, host="h", max_steps=10_000_000))
         with coord.lock:
-            coord._open([0, 1], "test")  # worker 2 stays outside
+            coord.generations.open([0, 1], "test")  # worker 2 stays outside
         clients[0].report_done(0, DoneReport(step=1704, completed=True))
         assert coord.job.outcome is None
         clients[2].report_done(2, DoneReport(step=10_000_000, completed=True))
@@ -250,7 +250,7 @@ def test_completion_is_refused_while_the_jobs_length_is_unknown(served):
     try:
         client.register(0, RegisterRequest(pid=100, host="h"))  # no max_steps
         with coord.lock:
-            coord._open([0], "test")
+            coord.generations.open([0], "test")
         client.report_done(0, DoneReport(step=5, completed=True))
     finally:
         client.close()
@@ -304,8 +304,8 @@ def test_workers_are_started_with_their_own_credential_not_the_jobs_token(served
 
     coord.executor.backend.start = start
     with coord.lock:
-        coord._start_worker()
-        coord._start_worker()
+        coord.lifecycle.start_worker()
+        coord.lifecycle.start_worker()
         coord.job.workers.clear()
     assert envs[0]["TIDAL_TOKEN"] == worker_token(coord.token, 0)
     assert envs[1]["TIDAL_TOKEN"] == worker_token(coord.token, 1)
@@ -457,12 +457,12 @@ def test_the_coordinator_starts_at_most_max_starting_workers_at_once(tmp_path):
         coord.executor.backend.start = start
         coord.executor.backend.max_starting = 3
         with coord.lock:
-            coord._reconcile()
+            coord.loop.reconcile()
             assert started == [0, 1, 2]
-            coord._reconcile()
+            coord.loop.reconcile()
             assert started == [0, 1, 2]  # still starting: no more
             coord.job.workers[0].state = coord.job.workers[1].state = WorkerState.STANDBY
-            coord._reconcile()
+            coord.loop.reconcile()
             assert started == [0, 1, 2, 3, 4]
     finally:
         coord.job.workers.clear()

@@ -33,7 +33,7 @@ def served(served_coordinator):
     coord, url = served_coordinator
     with coord.lock:
         coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY)
-        coord._publish()
+        coord.publisher.publish()
     auth = {"Authorization": f"Bearer {worker_token(coord.token, 0)}"}
     with httpx.Client(base_url=url + API_PREFIX, headers=auth, timeout=10) as client:
         yield coord, client
@@ -53,7 +53,7 @@ def test_a_quick_heartbeat_is_answered_while_the_control_loop_holds_the_lock(ser
         assert coord.job.workers[0].step == 0 and coord.job.step == 0  # queued, not applied
         assert coord.job.workers[0].last_heartbeat is not None  # liveness is seen at once
     with coord.lock:
-        coord._drain()
+        coord.handlers.drain()
     assert coord.job.workers[0].step == 5 and coord.job.step == 5
 
 
@@ -71,7 +71,7 @@ def test_a_heartbeat_with_a_fact_applies_the_queue_first_and_never_blocks_the_se
     assert done and done[0]["role"] == "standby"
     assert coord.job.leaving == [0] and coord.job.workers[0].step == 8
     with coord.lock:
-        coord._drain()  # the quick step-8 beat sent while the slow one waited
+        coord.handlers.drain()  # the quick step-8 beat sent while the slow one waited
     assert coord.job.workers[0].step == 8 and not coord.inbox
 
 
@@ -106,7 +106,7 @@ def test_a_new_generation_is_answered_as_soon_as_it_is_opened(served):
     coord, client = served
     assert beat(client)["generation"] is None
     with coord.lock:
-        coord._open([0], "test")
+        coord.generations.open([0], "test")
     answer = beat(client)
     assert answer["role"] == "member" and answer["generation"]["members"] == [0]
     with coord.lock:
@@ -129,7 +129,7 @@ def test_a_holding_member_is_answered_once_its_step_is_settled(served, monkeypat
     monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
     with coord.lock:
-        coord._open([0], "test")
+        coord.generations.open([0], "test")
     held, done = _hold_in_thread(client, 10)
     held.join(0.5)
     assert held.is_alive() and not done  # not settled: kept back...
@@ -137,7 +137,7 @@ def test_a_holding_member_is_answered_once_its_step_is_settled(served, monkeypat
     assert beat(client, step=10)["settled_step"] == -1  # a quick beat is answered meanwhile
     with coord.lock:
         coord.job.settled_step = 10
-        coord._publish()
+        coord.publisher.publish()
     held.join(10)
     assert done and done[0]["settled_step"] == 10 and done[0]["role"] == "member"
 
@@ -147,15 +147,15 @@ def test_a_holding_heartbeat_at_a_settled_step_is_answered_on_the_event_loop(ser
     published answers, while a control-loop pass holds the lock, and applied later."""
     coord, client = served
     with coord.lock:
-        coord._open([0], "test")
+        coord.generations.open([0], "test")
         coord.job.settled_step = 10
-        coord._publish()
+        coord.publisher.publish()
     with coord.lock:  # a control-loop pass in progress
         answer = beat(client, step=10, generation=1, holding=True)
         assert answer["settled_step"] == 10 and answer["role"] == "member"
         assert coord.job.workers[0].step == 0  # queued, not applied
     with coord.lock:
-        coord._drain()
+        coord.handlers.drain()
     assert coord.job.workers[0].step == 10 and not coord.inbox
 
 
@@ -164,7 +164,7 @@ def _held_beside_a_standby(coord, client: httpx.Client) -> tuple[threading.Threa
     back: not settled)."""
     with coord.lock:
         coord.job.workers[1] = WorkerRecord(id=1, state=WorkerState.STANDBY)
-        coord._open([0], "test")
+        coord.generations.open([0], "test")
     held, done = _hold_in_thread(client, 10)
     held.join(0.5)
     assert held.is_alive() and not done
@@ -176,12 +176,15 @@ def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(se
     members are answered before the rest of the loop's pass (its records) is done."""
     monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
-    coord.spec = dataclasses.replace(coord.spec, schedule=((10, 2),))
+    old, spec = coord.spec, dataclasses.replace(coord.spec, schedule=((10, 2),))
+    for holder in (coord, *vars(coord).values()):  # the coordinator and its parts
+        if getattr(holder, "spec", None) is old:
+            holder.spec = spec
     held, done = _held_beside_a_standby(coord, client)
     with coord.lock:  # the pass that applies the schedule entry
-        coord._apply_schedule()
+        coord.scaling.apply_schedule()
         assert coord.job.target == 2 and coord.job.settled_step == -1
-        coord._open([0, 1], "--schedule at step 10")
+        coord.generations.open([0, 1], "--schedule at step 10")
         held.join(10)  # answered while the pass still holds the lock
         assert done and done[0]["settled_step"] == 10
         assert done[0]["generation"]["members"] == [0, 1]
@@ -192,7 +195,7 @@ def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(se
     coord, client = served
     held, done = _held_beside_a_standby(coord, client)
     with coord.lock:
-        coord._open([1], "a scheduled shrink leaves 0 out")  # publishes
+        coord.generations.open([1], "a scheduled shrink leaves 0 out")  # publishes
     held.join(10)
     assert done and done[0]["role"] == "standby" and done[0]["settled_step"] == -1
 
@@ -203,7 +206,7 @@ def test_a_hold_never_settled_is_answered_after_the_bound(served, monkeypatch):
     monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 0.05)
     coord, client = served
     with coord.lock:
-        coord._open([0], "test")
+        coord.generations.open([0], "test")
     answer = beat(client, step=10, generation=1, holding=True)
     assert answer["role"] == "member" and answer["settled_step"] == -1
 
@@ -336,7 +339,7 @@ def _standby_agent(served_coordinator):
     coord, url = served_coordinator
     with coord.lock:
         coord.job.workers[0] = WorkerRecord(id=0, state=WorkerState.STANDBY, adopted=False)
-        coord._publish()
+        coord.publisher.publish()
     return coord, Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
 
 
@@ -403,8 +406,8 @@ def test_an_answer_read_late_does_not_replace_a_newer_one(served_coordinator) ->
         agent.register()  # starts the heartbeat thread; its first beat pauses
         assert answered.wait(10)
         with coord.lock:
-            coord._open([0], "test")
-            coord._publish()
+            coord.generations.open([0], "test")
+            coord.publisher.publish()
         fetched = agent.fetch()
         assert fetched.role == Role.MEMBER and fetched.generation.id == 1
         agent._beat_client.heartbeat = real

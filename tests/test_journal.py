@@ -36,10 +36,10 @@ def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_p
     with coord.lock:
         for wid, state in enumerate([WorkerState.STANDBY] * 3 + [WorkerState.PENDING]):
             coord.job.workers[wid] = WorkerRecord(id=wid, state=state, pid=100 + wid, host="h")
-        coord._open([0, 1], "two members")  # a generation, its event, worker rows, target
+        coord.generations.open([0, 1], "two members")  # a generation, its event, worker rows, target
         coord.job.workers[2].last_heartbeat = 12.5
         for path, redone in [(RecoveryPath.RESHARD, 0), (RecoveryPath.NEIGHBOUR_COPY, 2)]:
-            coord._on_step_report(
+            coord.effects.on_step_report(
                 StepReport(
                     generation=coord.job.latest.id,
                     start_step=8,
@@ -50,9 +50,9 @@ def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_p
             )
         coord.job.step = 10
         coord.job.metrics.update(loss=0.25, samples_per_s=float("nan"))
-        coord._on_checkpoint(CheckpointView(step=10, path=str(kept), bytes=5))
-        coord._on_checkpoint(CheckpointView(step=20, path=str(tmp_path / "pruned"), bytes=5))
-        coord._on_checkpoint_failure(CheckpointFailure(step=30, error="disk full"))
+        coord.effects.on_checkpoint(CheckpointView(step=10, path=str(kept), bytes=5))
+        coord.effects.on_checkpoint(CheckpointView(step=20, path=str(tmp_path / "pruned"), bytes=5))
+        coord.effects.on_checkpoint_failure(CheckpointFailure(step=30, error="disk full"))
         coord.job.target = 3
     live, recorded = from_memory(coord), from_sqlite(coord)
     assert live == recorded or _nan_equal(live, recorded)

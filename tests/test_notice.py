@@ -43,7 +43,7 @@ def coord_and_notices(served_coordinator):
     with coord.lock:
         for wid in (0, 1):
             coord.job.workers[wid] = WorkerRecord(id=wid, state=WorkerState.STANDBY)
-        coord._publish()
+        coord.publisher.publish()
     cfg = WorkerConfig.from_spec(
         coord.spec,
         store_host=coord.host,
@@ -63,20 +63,20 @@ def test_a_new_generation_and_a_stop_are_noticed_once_each(coord_and_notices):
     coord, notices, _ = coord_and_notices
     assert _quiet(notices)
     with coord.lock:
-        coord._open([0, 1], "test")
-        coord._publish()
+        coord.generations.open([0, 1], "test")
+        coord.publisher.publish()
         # The answer is published before the count moves: a reader that sees the count
         # fetches an answer naming the new generation.
-        assert coord.answers.generation is not None and coord.answers.generation.id == 1
+        assert coord.publisher.answers.generation is not None and coord.publisher.answers.generation.id == 1
     assert _seen(notices)
     assert _quiet(notices)  # once
     with coord.lock:
         coord.job.settled_step = 7  # told to holding members in the answer; no switch
-        coord._publish()
+        coord.publisher.publish()
     assert _quiet(notices)
     coord.on_stop()
     with coord.lock:
-        coord._publish()
+        coord.publisher.publish()
     assert _seen(notices)
     assert not notices.broken
 
@@ -84,14 +84,14 @@ def test_a_new_generation_and_a_stop_are_noticed_once_each(coord_and_notices):
 def test_mark_before_a_fetch_hides_only_what_that_fetch_saw(coord_and_notices):
     coord, notices, _ = coord_and_notices
     with coord.lock:
-        coord._open([0], "first")
-        coord._publish()
+        coord.generations.open([0], "first")
+        coord.publisher.publish()
     time.sleep(SETTLE_S)  # the thread saw generation 1's count before the mark
     notices.mark()  # a worker marks, then fetches the answer naming generation 1
     assert _quiet(notices)
     with coord.lock:
-        coord._open([0, 1], "second")
-        coord._publish()
+        coord.generations.open([0, 1], "second")
+        coord.publisher.publish()
     assert _seen(notices)
 
 
@@ -109,8 +109,8 @@ def test_a_store_that_goes_away_stops_the_notices_until_a_new_one_is_followed(
     notices.mark()
     notices.changed()
     with coord.lock:
-        coord._open([0, 1], "after")
-        coord._publish()
+        coord.generations.open([0, 1], "after")
+        coord.publisher.publish()
     assert _seen(notices)
 
 
@@ -129,8 +129,8 @@ def test_a_standby_waits_for_its_admission_without_polling(coord_and_notices):
     def admit() -> None:
         time.sleep(0.2)
         with coord.lock:
-            coord._open([0, 1], "admitted")
-            coord._publish()
+            coord.generations.open([0, 1], "admitted")
+            coord.publisher.publish()
 
     opener = threading.Thread(target=admit)
     t0 = time.monotonic()

@@ -98,7 +98,7 @@ def test_the_coordinator_records_the_worst_path_and_says_it_once(served_coordina
             coord.job.workers[wid] = WorkerRecord(
                 id=wid, state=WorkerState.STANDBY, pid=1, host="h"
             )
-        coord._open([0, 1, 2], "three members")
+        coord.generations.open([0, 1, 2], "three members")
         gen = coord.job.latest.id
     reports = [(R, 0), (C, 2), (C, 3), (None, 0)]  # the last: a worker of an older version
     for wid, (path, redone) in enumerate(reports):
@@ -257,16 +257,16 @@ def test_a_generation_that_forms_wakes_the_loop_and_is_flushed_at_once(
             coord.job.workers[wid] = WorkerRecord(
                 id=wid, state=WorkerState.STANDBY, pid=1, host="h"
             )
-        coord._open([0, 1], "two members")
+        coord.generations.open([0, 1], "two members")
         gen = coord.job.latest.id
         coord.flush()
     coord.wake.clear()
-    assert coord.view.world_size == 0 and not coord._flush_due()
+    assert coord.views.view.world_size == 0 and not coord.loop.flush_due()
     report = StepReport(generation=gen, start_step=0, first_step_time=1.0)
     coord.on_heartbeat(0, HeartbeatRequest(step=1, generation=gen, reports=[report]))
     assert coord.wake.is_set()
-    coord._last_flush = time.monotonic()
-    assert coord._flush_due()
+    coord.views.last_flush = time.monotonic()
+    assert coord.loop.flush_due()
     coord.wake.clear()  # a second member's report of the same step wakes nothing
     coord.on_heartbeat(1, HeartbeatRequest(step=1, generation=gen, reports=[report]))
     assert not coord.wake.is_set()

@@ -1,4 +1,4 @@
-"""Failed-collective reports and the re-form they ask for (``effects._apply_failure``,
+"""Failed-collective reports and the re-form they ask for (``Effects.apply_failure``,
 ``reform_rules.reform_due``), on a real coordinator in this process with worker records and no
 worker processes (the harness of ``test_repeated_failure``). Time is passed to the loop's
 step (``_maybe_reform(now)``), so nothing here depends on the machine's speed."""
@@ -20,7 +20,7 @@ def report(c: Coordinator, wid: int, gen: int) -> None:
 def reform_at(c: Coordinator, after_s: float) -> None:
     """One decision of the loop, ``after_s`` after the pending request was made."""
     with c.lock:
-        c._maybe_reform(c.job.reform_requested.at + after_s)
+        c.loop.maybe_reform(c.job.reform_requested.at + after_s)
 
 
 def test_a_failure_every_member_reported_re_forms_without_the_grace(coord: Coordinator):  # noqa: F811
@@ -54,7 +54,7 @@ def test_a_report_of_the_next_generation_is_not_lost_with_a_stale_request(coord:
     gen = coord.job.latest.id
     report(coord, 1, gen)
     with coord.lock:
-        coord._open([0, 1], "a member's exit was seen")  # G+1, within G's grace
+        coord.generations.open([0, 1], "a member's exit was seen")  # G+1, within G's grace
     report(coord, 0, gen + 1)
     req = coord.job.reform_requested
     assert (req.generation, req.reporters) == (gen + 1, frozenset({0}))
@@ -66,6 +66,6 @@ def test_a_report_of_the_next_generation_is_not_lost_with_a_stale_request(coord:
 def test_a_report_of_an_older_generation_changes_nothing(coord: Coordinator, late: int):  # noqa: F811
     gen = coord.job.latest.id
     with coord.lock:
-        coord._open([0, 1], "re-formed")
+        coord.generations.open([0, 1], "re-formed")
     report(coord, late, gen)
     assert coord.job.reform_requested is None

@@ -67,7 +67,7 @@ def coord(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             c.job.workers[wid] = WorkerRecord(
                 id=wid, state=WorkerState.STANDBY, pid=1, host="h", last_heartbeat=time.time()
             )
-        c._open([0, 1], "two members")
+        c.generations.open([0, 1], "two members")
     try:
         yield c
     finally:

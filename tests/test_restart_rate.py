@@ -34,7 +34,7 @@ def coord(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             c.job.workers[wid] = WorkerRecord(
                 id=wid, state=WorkerState.STANDBY, pid=1, host="h", last_heartbeat=time.time()
             )
-        c._open([0, 1, 2, 3], "four members")
+        c.generations.open([0, 1, 2, 3], "four members")
     try:
         yield c
     finally:
@@ -44,8 +44,8 @@ def coord(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def lose(c: Coordinator, wid: int, at: float, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "time", lambda: at)
     with c.lock:
-        c._on_exit(Exit(worker_id=wid, returncode=-9))
-        c._save_control()
+        c.lifecycle.on_exit(Exit(worker_id=wid, returncode=-9))
+        c.ledger.save_control()
 
 
 def test_losses_past_the_rate_stop_replacements_until_the_window_passes(

@@ -626,7 +626,7 @@ def test_reform_due(age, reported, latest, unreported, due) -> None:
 
 
 PREMUL = "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"
-LOST = None  # a member lost: the coordinator forgets the streak (``Lifecycle._on_exit``)
+LOST = None  # a member lost: the coordinator forgets the streak (``Lifecycle.on_exit``)
 
 
 def fold(history):

@@ -1,6 +1,6 @@
 """What the coordinator does to the world, as values: one dataclass per kind of action.
 
-The control loop's rules (``rules``, ``policy``) decide; the coordinator's methods turn each
+The control loop's rules (the ``*_rules`` modules, ``phase``, ``policy``) decide; the coordinator's methods turn each
 decision into actions and hand them to the one ``executor.Executor``, the only code that
 touches the backend (worker processes), the rendezvous store and the job's records
 (``journal``, SQLite). An action says everything needed to carry it out, so what a pass

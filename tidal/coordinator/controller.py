@@ -4,16 +4,28 @@ Threads: the HTTP API (uvicorn's) calls the ``on_*`` methods; the controller thr
 ``tick`` when an API call sets ``wake`` or a worker exits (``Backend.wake_fds``), and
 otherwise at the interval ``pacing.loop_wait`` gives. Both hold ``self.lock``, so each sees a
 consistent job.
-Decisions come from pure functions (``rules``, ``policy.reconcile``, ``policy.schedule``);
-``tick`` turns them into changes of the job in memory (``job.Job``) and actions
-(``actions``: open generations, start, signal and adopt processes, write records), which
-``self.executor`` (``executor.Executor``) carries out at once, in order: it is the only
-code that touches the backend, the rendezvous store and SQLite.
+Decisions come from pure functions (the ``*_rules`` modules, ``phase``, ``policy.reconcile``,
+``policy.schedule``); the parts below turn them into changes of the job in memory
+(``job.Job``) and actions (``actions``: open generations, start, signal and adopt
+processes, write records), which ``self.executor`` (``executor.Executor``) carries out at
+once, in order: it is the only code that touches the backend, the rendezvous store and
+SQLite.
 
-The class is composed of one mixin per concept, each in its module: the loop's pass
-(``loop``), the API's handlers (``handlers``) and their effects (``effects``), what readers
-see (``views``), scaling (``scaling``) and the workers' processes (``lifecycle``). This
-module holds the job's construction, its records' writes (``flush``) and its end.
+``Coordinator`` is composed, not inherited: each concept is a part in its module, built
+here with exactly what it needs, and the parts call each other's public methods only:
+
+- ``ledger`` (``ledger.Ledger``): events, the outcome (``phase.decide``), the target, rows;
+- ``publisher`` (``publish.Publisher``): what workers are told, lock-free;
+- ``generations`` (``generations.Generations``): generations opened;
+- ``lifecycle`` (``lifecycle.Lifecycle``): the workers' processes;
+- ``scaling`` (``scaling.Scaling``): schedule, policy, capacity, leavers;
+- ``effects`` (``effects.Effects``) and ``handlers`` (``handlers.Handlers``): the API's
+  facts and what each does;
+- ``views`` (``views.Views``): the records' flush and what readers see;
+- ``loop`` (``loop.ControlLoop``): one pass.
+
+This module holds the job's construction, the public face the host and the server call
+(delegated to the parts) and the job's end (``close``).
 """
 
 from __future__ import annotations
@@ -31,39 +43,40 @@ import torch.distributed as dist
 from tidal.backends import get_backend
 from tidal.checkpoint import fence
 from tidal.config import JobSpec
-from tidal.coordinator import phase
 from tidal.coordinator.accounting import Accounting
-from tidal.coordinator.actions import (
-    FenceCheckpoints,
-    RecordEvent,
-    RecordJob,
-    RecordWorkers,
-)
+from tidal.coordinator.actions import FenceCheckpoints, RecordWorkers
 from tidal.coordinator.db import Database
-from tidal.coordinator.effects import Effects, RequestError
 from tidal.coordinator.executor import Executor
 from tidal.coordinator.fencing import settled_rows
-from tidal.coordinator.handlers import Handlers
 from tidal.coordinator.home import db_path, job_dir
 from tidal.coordinator.job import Job
 from tidal.coordinator.journal import Journal
-from tidal.coordinator.lifecycle import Lifecycle
-from tidal.coordinator.loop import ControlLoop
-from tidal.coordinator.records import Resume, WorkerRecord, changed_rows
-from tidal.coordinator.scale_rules import effective_target
-from tidal.coordinator.scaling import Scaling
+from tidal.coordinator.lifecycle import recovered_job
+from tidal.coordinator.parts import compose
+from tidal.coordinator.records import Resume
 from tidal.coordinator.snapshot import JobRow
 from tidal.coordinator.supervisor import Hosting, listen, url_of
-from tidal.coordinator.views import Views
 from tidal.coordinator.wake import Wake
 from tidal.policy.inputs import PolicyParams
-from tidal.policy.registry import get_policy
-from tidal.protocol import EventView, JobState, WorkerState
+from tidal.policy.registry import Policy, get_policy
+from tidal.protocol import (
+    DoneReport,
+    FailureReport,
+    HeartbeatRequest,
+    JobState,
+    JobStatus,
+    RegisterRequest,
+    RegisterResponse,
+    StopAnswer,
+    StopReport,
+    WorkerConfig,
+    WorkerState,
+)
 from tidal.sim.trace import load_trace
 from tidal.store_auth import AuthStore, derive_key
 
 
-class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
+class Coordinator:
     def __init__(
         self,
         spec: JobSpec,
@@ -78,7 +91,7 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         for local workers, this node's cluster address for Ray). ``hosting``: the token and
         listening sockets its supervisor holds for it (``supervisor``); ``recover``: a
         previous coordinator of the job died, rebuild from its records (``recovery``)."""
-        get_policy(spec.policy)  # fail early on an unknown name
+        policy = get_policy(spec.policy)  # fail early on an unknown name
         self.spec = spec
         self.resume = resume
         self.hosting = hosting
@@ -91,15 +104,15 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
             backend.reaped_fd = hosting.reaped_r  # orphans' exit statuses
         self.host = host or backend.host
         db = Database(db_path(home))
-        self._gen_base, self._worker_base = 0, 0
+        gen_base, worker_base = 0, 0
         if recover:
-            pass  # the job's records are there: ``_recover`` reads them
+            pass  # the job's records are there: ``recovered_job`` reads them
         elif resume is None:
             db.create_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
         else:
             db.reopen_job(name=spec.name, spec=spec.to_dict(), target=spec.workers)
             gen, wid = db.max_ids(spec.name)
-            self._gen_base, self._worker_base = gen, wid + 1
+            gen_base, worker_base = gen, wid + 1
         self.jobdir.write_spec(spec.to_dict())
         journal = Journal(db, spec.name)  # the only writer of the job's records
         journal.load(
@@ -126,39 +139,43 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
             journal=journal,
         )
         self.lock = threading.RLock()
-        self.published = threading.Condition()  # ``Handlers._publish``
         # Set by API calls that need a decision (a registration, a failure report, a
         # scale, a stop, members holding at a scheduled step): the loop ticks at once
         # instead of at its next interval.
         self.wake = Wake()
-        self.url = url_of(hosting.api_sock) if hosting else ""
-        step = resume.step if resume else 0
-        passed = [at for at, _ in spec.schedule if at <= step]  # a resumed job passed these
-        self.job = Job(
-            target=spec.workers,
-            requested=spec.workers,
-            created=time.time(),
-            step=step,
-            schedule_done=len(passed),
-            settled_step=passed[-1] if passed else -1,
-        )
+        self._url = url_of(hosting.api_sock) if hosting else ""
+        rebuilt = None
+        if recover:
+            self.job, rebuilt = recovered_job(
+                self.executor.status(),
+                self.executor.saved_control(),
+                namespace=self.store_namespace,
+            )
+        else:
+            step = resume.step if resume else 0
+            passed = [at for at, _ in spec.schedule if at <= step]  # a resumed job passed these
+            self.job = Job(
+                target=spec.workers,
+                requested=spec.workers,
+                created=time.time(),
+                step=step,
+                schedule_done=len(passed),
+                settled_step=passed[-1] if passed else -1,
+            )
         self.accounting = Accounting(
             price=spec.price_per_worker_hour,
             trace=load_trace(spec.capacity_trace) if spec.capacity_trace else None,
             # joiners warm up before joining: pauses are short
             params=PolicyParams.from_spec(spec, assumed_pause_s=1.0),
         )
-        self.inbox = deque()  # quick heartbeats, applied by the loop (``Handlers``)
-        self._last_check: float | None = None  # the last heartbeat check (lifecycle)
-        self._last_health = 0.0  # when the loop last checked heartbeats
-        self._last_flush = 0.0
-        self._policy = get_policy(spec.policy)
+        self.inbox = deque()  # facts not applied yet (``Handlers``)
         self._fence_failed: str | None = None
         self.fence_epoch = self._fence_checkpoints(recover=recover)
-        if recover:
-            self._recover()
-            self._publish()
-            self._publish_view()
+        self._compose(policy, gen_base=gen_base, worker_base=worker_base)
+        if rebuilt is not None:
+            self.lifecycle.adopt(rebuilt, incarnation=self.hosting.incarnation if hosting else 0)
+            self.publisher.publish()
+            self.views.publish_view()
             return
         if resume is None:
             self.event(
@@ -181,9 +198,58 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
         if self._fence_failed:  # its checkpoints fail too, and say so; the job goes on
             self.event("coordinator", self._fence_failed)
 
-        self._set_target(spec.workers, "the capacity at the start")
-        self._publish()
-        self._publish_view()
+        self.ledger.set_target(spec.workers, "the capacity at the start")
+        self.publisher.publish()
+        self.views.publish_view()
+
+    def _compose(self, policy: Policy, *, gen_base: int, worker_base: int) -> None:
+        """Build the parts, each with what it needs (``parts.compose``)."""
+        parts = compose(
+            job=self.job,
+            spec=self.spec,
+            executor=self.executor,
+            accounting=self.accounting,
+            policy=policy,
+            lock=self.lock,
+            wake=self.wake,
+            inbox=self.inbox,
+            namespace=self.store_namespace,
+            first_generation=gen_base + 1,
+            first_worker=worker_base,
+            checkpoint_dir=self.checkpoint_dir,
+            token=self.token,
+            url=self.url,
+            config=WorkerConfig.from_spec(
+                self.spec,
+                store_host=self.host,
+                store_port=self.executor.store_port,
+                store_namespace=self.store_namespace,
+                store_key=self.store_key,
+                checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
+                checkpoint_fence=self.fence_epoch,
+                resume_from=self.resume.path if self.resume else None,
+            ),
+            resumed_step=self.resume.step if self.resume else None,
+        )
+        self.ledger, self.publisher, self.generations = (
+            parts.ledger,
+            parts.publisher,
+            parts.generations,
+        )
+        self.lifecycle, self.scaling, self.effects = parts.lifecycle, parts.scaling, parts.effects
+        self.handlers, self.views, self.loop = parts.handlers, parts.views, parts.loop
+
+    @property
+    def url(self) -> str:
+        """The API's URL: given to workers, recorded while the job is served."""
+        return self._url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        """Set by the host once its server listens (the supervisor's socket's, if any):
+        the parts that give it out take it too."""
+        self._url = value
+        self.lifecycle.url = self.views.url = value
 
     @property
     def checkpoint_dir(self) -> Path | None:
@@ -205,76 +271,60 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
             self._fence_failed = f"the checkpoint folder's fence could not be written ({failed})"
         return epoch
 
-    # -- helpers -------------------------------------------------------------------------
+    # -- the public face: the loop, readers, the API ----------------------------------------
     def event(self, kind: str, message: str) -> None:
-        self.executor.do(RecordEvent(event=EventView(time=time.time(), kind=kind, message=message)))
+        self.ledger.event(kind, message)
 
-    def _worker(self, wid: int) -> WorkerRecord:
-        w = self.job.workers.get(wid)
-        if w is None:
-            raise RequestError(f"unknown worker {wid}")
-        return w
+    def tick(self) -> bool:
+        """One pass of the control loop (``ControlLoop.tick``); False once the job ended."""
+        return self.loop.tick()
 
-    # -- targets and outcomes ----------------------------------------------------------
-    def _set_target(self, n: int, why: str) -> None:
-        """The requested count; the target is that, within the capacity available now."""
-        self.job.requested = n
-        effective = effective_target(n, self.accounting.capacity())
-        if effective != self.job.target:
-            self.event("scale", f"target {self.job.target} -> {effective} ({why})")
-            self.job.target = effective
-            self.job.target_changed_at = time.monotonic()
-            self.executor.do(RecordJob(values={"target_workers": effective}))
-        self._save_control()
-
-    def decide(self, outcome: JobState, why: str | None, *, overturn: bool = False) -> None:
-        """Decide the job's outcome: the one door (``phase.decide``), its records written
-        at once."""
-        for action in phase.decide(self.job, outcome, why, now=time.time(), overturn=overturn):
-            self.executor.do(action)
+    def settled(self) -> bool:
+        return self.loop.settled()
 
     def flush(self) -> None:
-        """Write the fast-moving values to SQLite (under the lock), the heartbeats queued
-        since the last pass applied first; then publishes what readers see (``views``)."""
-        self._drain()
-        self._last_flush = time.monotonic()
-        self.job.metrics.update(
-            self.accounting.summary(
-                step=self.job.step,
-                global_batch=self._int_metric("global_batch_size"),
-                max_steps=self._int_metric("max_steps"),
-            )
-        )
-        self.executor.do(
-            RecordJob(
-                values={
-                    "state": self.job.state.value,
-                    "step": self.job.step,
-                    "world_size": self.job.world_size(),
-                    "target_workers": self.job.target,
-                    "metrics": self.job.metrics,
-                    # A job that ended is served by nobody: no address to call (the
-                    # records of one whose coordinator died keep its last one).
-                    "url": (self.url or None) if not self.job.state.terminal else None,
-                }
-            )
-        )
-        self._save_workers()
-        self._save_control()
-        self._publish_view()
+        """Write the fast-moving values to SQLite and publish what readers see (under the
+        lock; ``Views.flush``)."""
+        self.views.flush()
 
-    def _save_worker(self, w: WorkerRecord) -> None:
-        """Write one worker's row now (a change the status must show at once)."""
-        self.executor.do(RecordWorkers(rows=(w.row(),)))
+    def status(self, *, fresh: bool = False) -> JobStatus:
+        return self.views.status(fresh=fresh)
 
-    def _save_workers(self) -> None:
-        """Write the worker rows that changed since they were written (``changed_rows``
-        against the journal's copy of what SQLite holds)."""
-        rows = changed_rows(
-            [w.row() for w in self.job.workers.values()], self.executor.records.workers
-        )
-        if rows:
-            self.executor.do(RecordWorkers(rows=tuple(rows)))
+    def worker_steps(self) -> tuple[int, list[tuple[int, int, bool]]]:
+        return self.views.worker_steps()
+
+    def sample(self) -> tuple[int, int, int, dict[str, float], list]:
+        return self.views.sample()
+
+    def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
+        return self.handlers.on_register(wid, req)
+
+    def heartbeat_is_quick(self, req: HeartbeatRequest) -> bool:
+        return self.handlers.heartbeat_is_quick(req)
+
+    def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> bytes:
+        return self.handlers.on_heartbeat(wid, req)
+
+    def on_role(self, wid: int) -> bytes:
+        return self.handlers.on_role(wid)
+
+    def on_failure(self, wid: int, r: FailureReport) -> None:
+        self.handlers.on_failure(wid, r)
+
+    def on_done(self, wid: int, r: DoneReport) -> None:
+        self.handlers.on_done(wid, r)
+
+    def on_script_stop(self, wid: int, r: StopReport) -> StopAnswer:
+        return self.handlers.on_script_stop(wid, r)
+
+    def on_refused(self, wid: int, message: str) -> None:
+        self.handlers.on_refused(wid, message)
+
+    def on_scale(self, n: int) -> None:
+        self.handlers.on_scale(n)
+
+    def on_stop(self) -> None:
+        self.handlers.on_stop()
 
     def close(self, *, kill_workers: bool = True) -> None:
         """``kill_workers`` False: the coordinator crashed; its workers train on and its
@@ -286,7 +336,7 @@ class Coordinator(ControlLoop, Handlers, Effects, Views, Scaling, Lifecycle):
                 if w.live:
                     w.state, w.rank = WorkerState.EXITED, None
                     w.exit_code = -9 if w.exit_code is None else w.exit_code
-            self._save_workers()
+            self.ledger.save_workers()
         self.executor.close(kill_workers=kill_workers)
         self.wake.close()
         if not kill_workers:

@@ -1,10 +1,11 @@
 """What each fact does to the job (``facts``): one method per kind of fact.
 
-A mixin of ``Coordinator``. These run only from ``Handlers._drain``, under the lock, in the
-order the facts arrived; they change ``self.job``, write what must outlive a crash through
-the journal, and wake the loop when a decision is due. Decisions stay with the control
-loop's rules: a failure report asks for a re-form (``reform_rules.reform_due`` decides when), a
-done report may complete the job (``end_rules.completion_refused``, ``end_rules.final_checkpoint``).
+A part of ``Coordinator``. These run only from ``Handlers.drain``, under the lock, in the
+order the facts arrived; they change the job, write what must outlive a crash through the
+executor, and wake the loop when a decision is due. Decisions stay with the control loop's
+rules: a failure report asks for a re-form (``reform_rules.reform_due`` decides when), a
+done report may complete the job (``end_rules.completion_refused``,
+``end_rules.final_checkpoint``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tidal.coordinator.end_rules import completion_refused
 from tidal.coordinator.records import ReformRequest
 from tidal.coordinator.reform_rules import merge_recovery, neighbour_copy_event
 from tidal.coordinator.scale_rules import schedule_near
+from tidal.coordinator.scaling import int_metric
 from tidal.coordinator.stop_rules import accept_stop
 from tidal.policy.schedule import ignored as schedule_ignored
 from tidal.protocol import (
@@ -47,8 +49,14 @@ from tidal.protocol import (
 )
 
 if TYPE_CHECKING:
+    from tidal.config import JobSpec
+    from tidal.coordinator.executor import Executor
     from tidal.coordinator.job import Job
+    from tidal.coordinator.ledger import Ledger
+    from tidal.coordinator.lifecycle import Lifecycle
+    from tidal.coordinator.publish import Publisher
     from tidal.coordinator.records import WorkerRecord
+    from tidal.coordinator.wake import Wake
 
 
 class RequestError(ValueError):
@@ -65,18 +73,48 @@ def final_checkpoint_failed(step: int, error: str) -> str:
 
 
 class Effects:
-    job: Job  # set by Coordinator
+    def __init__(
+        self,
+        *,
+        job: Job,
+        spec: JobSpec,
+        executor: Executor,
+        ledger: Ledger,
+        publisher: Publisher,
+        lifecycle: Lifecycle,
+        wake: Wake,
+        config: WorkerConfig,
+        resumed_step: int | None,
+    ) -> None:
+        """``config``: what every registered worker is told (``RegisterResponse``);
+        ``resumed_step``: the checkpoint's step a resumed job started from."""
+        self.job = job
+        self.spec = spec
+        self.executor = executor
+        self.ledger = ledger
+        self.publisher = publisher
+        self.lifecycle = lifecycle
+        self.wake = wake
+        self.config = config
+        self.resumed_step = resumed_step
 
-    def _caller(self, wid: int) -> WorkerRecord:
+    def worker(self, wid: int) -> WorkerRecord:
+        """Worker ``wid``'s record; ``RequestError`` if the job has none."""
+        w = self.job.workers.get(wid)
+        if w is None:
+            raise RequestError(f"unknown worker {wid}")
+        return w
+
+    def caller(self, wid: int) -> WorkerRecord:
         """The worker making a call; ``ReRegister`` if it has not registered with this
         coordinator yet (a previous one started it)."""
-        w = self._worker(wid)
+        w = self.worker(wid)
         if not w.adopted:
             raise ReRegister(f"worker {wid}: the coordinator restarted; register again")
         return w
 
-    def _apply_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
-        w = self._worker(wid)
+    def apply_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:
+        w = self.worker(wid)
         if not w.live:
             raise RequestError(
                 f"worker {wid} was counted as lost ({w.kill_reason or 'its process ended'}); "
@@ -85,9 +123,11 @@ class Effects:
         if not w.adopted:  # it trained on while the previous coordinator was away
             w.adopted = True
             if wid not in self.executor.alive():  # its pid was not known: it is now
-                self.executor.do(AdoptWorker(worker_id=wid, pid=req.pid, env=self._worker_env(wid)))
+                self.executor.do(
+                    AdoptWorker(worker_id=wid, pid=req.pid, env=self.lifecycle.worker_env(wid))
+                )
             self.job.step = max(self.job.step, req.step)
-            self.event(
+            self.ledger.event(
                 "worker",
                 f"worker {wid} re-registered (generation {req.generation}, step {req.step})",
             )
@@ -95,9 +135,9 @@ class Effects:
         if req.max_steps is not None and self.job.job_length is None:
             self.job.job_length = req.max_steps
             for line in schedule_ignored(self.spec.schedule, req.max_steps):
-                self.event("scale", line)  # and its spares are retired (``_reconcile``)
+                self.ledger.event("scale", line)  # and its spares are retired (``reconcile``)
         elif req.max_steps is not None and req.max_steps != self.job.job_length:
-            self.event(
+            self.ledger.event(
                 "worker",
                 f"worker {wid} runs {req.max_steps} steps, the job {self.job.job_length}: "
                 f"the job's length stays {self.job.job_length}",
@@ -105,24 +145,12 @@ class Effects:
         if w.state in (WorkerState.PENDING, WorkerState.STARTING):
             w.state = WorkerState.STANDBY
             w.node = w.node or self.executor.node(wid)
-        self._save_worker(w)
-        self.event("worker", f"worker {wid} ready (pid {req.pid})")
+        self.ledger.save_worker(w)
+        self.ledger.event("worker", f"worker {wid} ready (pid {req.pid})")
         self.wake.set()  # a ready worker may complete the generation being formed
-        return RegisterResponse(
-            job=self.spec.name,
-            config=WorkerConfig.from_spec(
-                self.spec,
-                store_host=self.host,
-                store_port=self.executor.store_port,
-                store_namespace=self.store_namespace,
-                store_key=self.store_key,
-                checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir else None,
-                checkpoint_fence=self.fence_epoch,
-                resume_from=self.resume.path if self.resume else None,
-            ),
-        )
+        return RegisterResponse(job=self.spec.name, config=self.config)
 
-    def _apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
+    def apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
         w.step = req.step
         w.script_s, w.beat_generation = req.script_s, req.generation
         self.job.step = max(self.job.step, req.step)
@@ -130,18 +158,18 @@ class Effects:
         for record in req.step_metrics:  # values of tidal.log, one per (step, name)
             self.job.metrics.update(self.job.step_log.add(w.id, record))
         for c in req.checkpoints:
-            self._on_checkpoint(c)
+            self.on_checkpoint(c)
         for f in req.checkpoint_failures:
-            self._on_checkpoint_failure(f)
+            self.on_checkpoint_failure(f)
         if req.leaving and w.id not in self.job.leaving and not w.retired:
             self.job.leaving.append(w.id)
             w.notice = w.notice or req.notice
         for report in req.reports:
-            self._on_step_report(report)
+            self.on_step_report(report)
         if req.leaving or schedule_near(self.spec.schedule, req.step):
             self.wake.set()  # a preemption notice, or members at or just before a scheduled step
 
-    def _on_checkpoint(self, c: CheckpointView) -> None:
+    def on_checkpoint(self, c: CheckpointView) -> None:
         self.executor.do(RecordCheckpoint(checkpoint=c))
         self.job.checkpointed = {*self.job.checkpointed, c.step}
         for old in self.executor.checkpoints():  # pruned by the writer
@@ -149,34 +177,34 @@ class Effects:
                 self.executor.do(DropCheckpoint(step=old.step))
         size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
         took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
-        self.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
+        self.ledger.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
 
-    def _on_checkpoint_failure(self, f: CheckpointFailure) -> None:
+    def on_checkpoint_failure(self, f: CheckpointFailure) -> None:
         """An event and the status fields; the job fails if it is its last step's checkpoint
         (the done report may come first: the job's end is recorded only once every worker,
         the writer included, has exited, so either order ends the same)."""
         self.job.checkpoint_failed = {**self.job.checkpoint_failed, f.step: f.error}
         self.executor.do(RecordCheckpointFailure(error=f.error))
-        self.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
+        self.ledger.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
         if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
             why = final_checkpoint_failed(f.step, f.error)
-            self.decide(JobState.FAILED, why, overturn=True)
+            self.ledger.decide(JobState.FAILED, why, overturn=True)
         elif (
             self.job.outcome is None
             and self.job.stop_requested_at is None
             and (
-                f.step != self._int_metric("max_steps")  # the final one: ``_finish`` decides
+                f.step != int_metric(self.job, "max_steps")  # the final one: ``_finish`` decides
             )
         ):
             # Too many in a row: the job fails rather than train on unprotected
             # (``checkpoint_rules``; ``docs/decisions/full-disk.md``).
             written = self.job.checkpointed
-            newest = max(written, default=self.resume.step if self.resume else None)
+            newest = max(written, default=self.resumed_step)
             why = streak_verdict(self.job.checkpoint_failed, written, newest_on_disk=newest)
             if why is not None:
-                self.decide(JobState.FAILED, why)
+                self.ledger.decide(JobState.FAILED, why)
 
-    def _on_step_report(self, r: StepReport) -> None:
+    def on_step_report(self, r: StepReport) -> None:
         gens = self.job.generations
         index = next((i for i, g in enumerate(gens) if g.id == r.generation), None)
         if index is None:
@@ -199,21 +227,21 @@ class Effects:
         self.executor.do(RecordGeneration(generation=gen.view()))
         said = neighbour_copy_event(gen.id, recorded, r.recovery, r.redone_steps)
         if said:
-            self.event("recovery", said)
+            self.ledger.event("recovery", said)
         for action in phase.start_running(self.job):
             self.executor.do(action)
 
-    def _apply_failure(self, wid: int, r: FailureReport) -> None:
-        self._caller(wid)
+    def apply_failure(self, wid: int, r: FailureReport) -> None:
+        self.caller(wid)
         if r.kind == FailureKind.FORGED_STORE:  # told whatever it led to (``store_auth``)
-            self.event("security", f"worker {wid} refused a forged store value: {r.error}")
+            self.ledger.event("security", f"worker {wid} refused a forged store value: {r.error}")
         latest = self.job.latest
         if latest is None or r.generation != latest.id or self.job.outcome is not None:
             return  # a newer generation already answers it
         if self.job.script_stop is not None:  # a member's script ended the job: it left
             return
         if r.kind == FailureKind.SCRIPT_MISMATCH:  # no re-form can mend it (``FailureKind``)
-            self.decide(JobState.FAILED, f"worker {wid}: {r.error}")
+            self.ledger.decide(JobState.FAILED, f"worker {wid}: {r.error}")
             self.wake.set()
             return
         if r.kind == FailureKind.STATE_LOST:  # the control loop rolls back or fails
@@ -225,7 +253,9 @@ class Effects:
         if r.kind == FailureKind.FORGED_STORE:
             what = "a forged store value"  # its event is out already (above)
         else:
-            self.event("failure", f"worker {wid} reported {what} at step {r.step}: {r.error}")
+            self.ledger.event(
+                "failure", f"worker {wid} reported {what} at step {r.step}: {r.error}"
+            )
         req = self.job.reform_requested
         if req is not None and req.generation == latest.id:  # another member's report of it
             if wid not in req.reporters:
@@ -245,23 +275,23 @@ class Effects:
         )
         self.wake.set()  # a dead peer's exit may be waiting to be polled
 
-    def _apply_done(self, wid: int, r: DoneReport) -> None:
-        w = self._caller(wid)
-        self._stopping(w)
+    def apply_done(self, wid: int, r: DoneReport) -> None:
+        w = self.caller(wid)
+        w.ask_to_exit(time.monotonic())
         self.job.step = max(self.job.step, r.step)
         if r.completed and self.job.outcome is None and self.job.script_stop is None:
             refused = self._completion_refused(wid, r)
             if refused:
-                self.event(
+                self.ledger.event(
                     "worker",
                     f"worker {wid} reported completion at step {r.step}; ignored: {refused}",
                 )
             elif self.spec.checkpoints:  # the final checkpoint decides (``_finish``)
                 self.job.completing = (wid, r.step)
-                self._save_control()
+                self.ledger.save_control()
             else:
-                self.decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
-        self._save_worker(w)
+                self.ledger.decide(JobState.SUCCEEDED, f"worker {wid} completed step {r.step}")
+        self.ledger.save_worker(w)
         self.wake.set()
 
     def _completion_refused(self, wid: int, r: DoneReport) -> str:
@@ -271,11 +301,11 @@ class Effects:
             worker_id=wid, step=r.step, current=current, job_length=self.job.job_length
         )
 
-    def _apply_script_stop(self, wid: int, r: StopReport) -> StopAnswer:
+    def apply_script_stop(self, wid: int, r: StopReport) -> StopAnswer:
         """A member's script ended the job early (``stop_rules.accept_stop``); answered before
         the member leaves its group, and published at once: its peers, whose next collective
         fails when it leaves, find the stop in the answer they fetch then."""
-        self._caller(wid)
+        self.caller(wid)
         gen = next((g for g in self.job.generations if g.id == r.generation), None)
         formed = self.job.formed()
         current = set(self.job.members) | set(formed.members if formed else ())
@@ -290,24 +320,24 @@ class Effects:
             decided=self.job.outcome is not None or self.job.stop_requested_at is not None,
         )
         if verdict.event is not None:
-            self.event("stop", verdict.event)
+            self.ledger.event("stop", verdict.event)
         if verdict.record is not None:
             self.job.script_stop = verdict.record
             self.job.step = max(self.job.step, r.step)
             self.job.reform_requested = None  # its peers' failures are the stop, not a fault
-            self._publish()
+            self.publisher.publish()
             self.wake.set()
         return StopAnswer(step=verdict.step, writer=verdict.writer)
 
-    def _apply_scale(self, n: int) -> None:
+    def apply_scale(self, n: int) -> None:
         finishing = self.job.stop_requested_at is not None or self.job.script_stop is not None
         if self.job.outcome is not None or finishing:
             raise RequestError(f"job {self.spec.name} is finishing; it cannot be scaled")
-        self._set_target(n, "tidal scale")
+        self.ledger.set_target(n, "tidal scale")
         self.wake.set()
 
-    def _apply_stop(self) -> None:
+    def apply_stop(self) -> None:
         if self.job.stop_requested_at is None and self.job.outcome is None:
             self.job.stop_requested_at = time.monotonic()
-            self.event("stop", "stop requested: members stop after the current step")
+            self.ledger.event("stop", "stop requested: members stop after the current step")
             self.wake.set()

@@ -1,19 +1,19 @@
 """What the coordinator answers: the API calls of workers and users.
 
-A mixin of ``Coordinator`` (which holds the job and the control loop). Every call that
-changes the job becomes a fact (``facts``) queued in ``inbox``; the inbox is applied in
-arrival order by ``_drain``, under the lock, by whichever comes first: the control loop's
-next pass, or the caller itself (``_submit``), which then answers with what applying its
-fact returned. What each fact does is ``effects.Effects``; decisions stay with the loop.
+A part of ``Coordinator``. Every call that changes the job becomes a fact (``facts``)
+queued in ``inbox``; the inbox is applied in arrival order by ``drain``, under the lock, by
+whichever comes first: the control loop's next pass, or the caller itself (``_submit``),
+which then answers with what applying its fact returned. What each fact does is
+``effects.Effects``; decisions stay with the loop.
 
 The hot path takes no lock: a heartbeat that carries only what may be applied later (its
 step, metrics and per-step values) and a role query are answered from the published
-``Answers``, the heartbeat queued for the next pass, so a thousand workers' heartbeats never
-wait behind a pass. A heartbeat that carries a checkpoint, a checkpoint failure, a step
-report or a preemption notice is applied before it is answered (after everything queued
-before it, so each worker's facts apply in order): an answered fact must not be lost with a
-coordinator crash. The dashboard's and the status's reads take no lock either: they read
-what the loop published (``views``).
+``Answers`` (``publish.Publisher``), the heartbeat queued for the next pass, so a thousand
+workers' heartbeats never wait behind a pass. A heartbeat that carries a checkpoint, a
+checkpoint failure, a step report or a preemption notice is applied before it is answered
+(after everything queued before it, so each worker's facts apply in order): an answered
+fact must not be lost with a coordinator crash. The dashboard's and the status's reads take
+no lock either: they read what the loop published (``views``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tidal.coordinator.actions import Notify
-from tidal.coordinator.answers import Answers
 from tidal.coordinator.effects import RequestError, ReRegister
 from tidal.coordinator.facts import (
     Beat,
@@ -46,79 +44,39 @@ from tidal.protocol import (
     HeartbeatRequest,
     RegisterRequest,
     RegisterResponse,
-    Role,
     StopAnswer,
     StopReport,
 )
 
 if TYPE_CHECKING:
-    from tidal.coordinator.job import Job
-    from tidal.coordinator.records import WorkerRecord
+    from tidal.config import JobSpec
+    from tidal.coordinator.effects import Effects
+    from tidal.coordinator.ledger import Ledger
+    from tidal.coordinator.publish import Publisher
+    from tidal.coordinator.wake import Wake
 
 
 class Handlers:
-    job: Job  # the job's state (``job.Job``), set by Coordinator
-
-    answers: Answers | None = None  # published by ``_publish``; None before the first
-    _published_key: tuple | None = None
-    published: threading.Condition  # notified by every ``_publish``; set by Coordinator
-    #: Facts not applied yet, each with the future its caller waits on (None: nobody waits)
-    inbox: deque[tuple[Fact, Future | None]]
-
-    def _publish(self) -> None:
-        """Publish what workers are told now (``answers``), if it changed since the last
-        time; under the lock."""
-        latest = self.job.latest
-        stopped = self.job.script_stop
-        key = (
-            latest.id if latest is not None else None,
-            self.job.stop_requested_at is not None or stopped is not None,
-            self.job.outcome is not None,
-            self.job.settled_step,
-            len(self.job.workers),
-            stopped.step if stopped is not None else None,
-            self.job.busy,
-        )
-        if key == self._published_key:
-            return
-        notice = self._published_key is None or key[:3] != self._published_key[:3]
-        self._published_key = key
-        self.answers = Answers(
-            generation=latest.info() if latest is not None else None,
-            members=latest.member_set() if latest is not None else frozenset(),
-            stop=key[1],
-            stop_step=key[5],
-            busy=key[6],
-            ended=key[2],
-            settled_step=self.job.settled_step,
-            workers=len(self.job.workers),
-            base_s=self.spec.beat_interval_s,
-            timeout_s=self.spec.heartbeat_timeout_s,
-        )
-        with self.published:  # held members' heartbeats wait on it (``_await_hold``)
-            self.published.notify_all()
-        if notice:  # after the answer: rank 0 fetches it when it sees the count move
-            self.executor.do(Notify())
-
-    def _await_hold(self, w: WorkerRecord, step: int, timeout_s: float) -> None:
-        """Wait (outside the lock) until the published answers release ``w``, held at
-        ``step`` (``Membership._hold``): that step settled, ``w`` no longer a member, a stop
-        or the job's end; at most ``timeout_s``. The long poll saves the held members a
-        round trip after the loop's pass that settles the step (a hold is part of every
-        scheduled change's pause)."""
-
-        def released() -> bool:
-            a = self.answers
-            member = a.role(w.id, retired=w.retired) == Role.MEMBER
-            return a.settled_step >= step or not member or a.stop or a.ended
-
-        with self.published:
-            self.published.wait_for(released, timeout_s)
-
-    def _answer(self, w: WorkerRecord) -> bytes:
-        answers = self.answers
-        assert answers is not None  # published at construction
-        return answers.encoded(answers.role(w.id, retired=w.retired))
+    def __init__(
+        self,
+        *,
+        spec: JobSpec,
+        lock: threading.RLock,
+        inbox: deque[tuple[Fact, Future | None]],
+        wake: Wake,
+        effects: Effects,
+        publisher: Publisher,
+        ledger: Ledger,
+    ) -> None:
+        """``inbox``: the facts not applied yet, each with the future its caller waits on
+        (None: nobody waits); ``lock``: the coordinator's."""
+        self.spec = spec
+        self.lock = lock
+        self.inbox = inbox
+        self.wake = wake
+        self.effects = effects
+        self.publisher = publisher
+        self.ledger = ledger
 
     def _submit(self, fact: Fact) -> object:
         """Queue ``fact`` behind everything queued before it and apply the inbox; returns
@@ -126,10 +84,10 @@ class Handlers:
         done: Future = Future()
         self.inbox.append((fact, done))
         with self.lock:  # the loop may be applying it meanwhile: then this finds it done
-            self._drain()
+            self.drain()
         return done.result()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Apply the queued facts in arrival order (under the lock). A refusal or an error
         goes to the fact's caller; a quick heartbeat has none, and one from a worker no
         longer known is dropped."""
@@ -150,28 +108,28 @@ class Handlers:
     def _apply(self, fact: Fact) -> object:
         match fact:
             case Beat(wid, req):
-                w = self._caller(wid)
+                w = self.effects.caller(wid)
                 if done_now := req.held_at is not None or self._carries_facts(req):
                     w.last_heartbeat = time.time()
-                self._apply_heartbeat(w, req)
+                self.effects.apply_heartbeat(w, req)
                 if done_now:
-                    self._publish()
-                    return self._answer(w)
+                    self.publisher.publish()
+                    return self.publisher.answer(w)
                 return None
             case Registered(wid, req):
-                return self._apply_register(wid, req)
+                return self.effects.apply_register(wid, req)
             case FailureReported(wid, report):
-                return self._apply_failure(wid, report)
+                return self.effects.apply_failure(wid, report)
             case Done(wid, report):
-                return self._apply_done(wid, report)
+                return self.effects.apply_done(wid, report)
             case ScriptStopped(wid, report):
-                return self._apply_script_stop(wid, report)
+                return self.effects.apply_script_stop(wid, report)
             case ScaleRequested(n):
-                return self._apply_scale(n)
+                return self.effects.apply_scale(n)
             case StopRequested():
-                return self._apply_stop()
+                return self.effects.apply_stop()
             case Refused(_, message):
-                return self.event("refused", message)
+                return self.ledger.event("refused", message)
         raise TypeError(f"not a fact: {fact!r}")
 
     # -- API: workers --------------------------------------------------------------------
@@ -192,7 +150,7 @@ class Handlers:
         loop's pass (part of every scheduled change's pause)."""
         if self._carries_facts(req):
             return False
-        answers = self.answers
+        answers = self.publisher.answers
         at = req.held_at
         return at is None or (answers is not None and answers.settled_step >= at)
 
@@ -200,25 +158,25 @@ class Handlers:
         """The heartbeat's answer, JSON-encoded (a ``HeartbeatResponse``). Lock-free when
         ``heartbeat_is_quick(req)``: a caller on an event loop runs only those inline. A
         holding one whose step is not settled yet is answered once the loop has settled it
-        (``_await_hold``)."""
+        (``Publisher.await_hold``)."""
         if not self.heartbeat_is_quick(req):
             body = self._submit(Beat(wid, req))
             if req.held_at is not None:  # applying it woke the loop (a scheduled step)
-                w = self._caller(wid)
-                self._await_hold(w, req.held_at, HOLD_ANSWER_S)
-                body = self._answer(w)
+                w = self.effects.caller(wid)
+                self.publisher.await_hold(w, req.held_at, HOLD_ANSWER_S)
+                body = self.publisher.answer(w)
             return body
-        w = self._caller(wid)
+        w = self.effects.caller(wid)
         w.last_heartbeat = time.time()
         self.inbox.append((Beat(wid, req), None))
         if schedule_near(self.spec.schedule, req.step):
             self.wake.set()  # members at or just before a scheduled step
-        return self._answer(w)
+        return self.publisher.answer(w)
 
     def on_role(self, wid: int) -> bytes:
         """The worker's role and the newest generation (a ``HeartbeatResponse``, encoded),
         lock-free."""
-        return self._answer(self._caller(wid))
+        return self.publisher.answer(self.effects.caller(wid))
 
     def on_failure(self, wid: int, r: FailureReport) -> None:
         self._submit(FailureReported(wid, r))

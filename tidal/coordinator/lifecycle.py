@@ -1,10 +1,11 @@
-"""The life of worker processes, carried out: start, placement, exits, hung workers.
+"""The life of worker processes, carried out: start, placement, exits, hung workers, and a
+restarted coordinator's adoption of the workers it finds.
 
-A mixin of ``Coordinator``; every method runs under ``self.lock``. The backend reports
-(exits, placement, read through the executor); these methods turn reports into worker
-states and generations, and what the rules decide into actions (``actions``: start,
-signal, adopt) that the executor carries out. An exit
-is a failure to recover from unless the worker was asked to leave; an exit with a positive
+A part of ``Coordinator``; every method runs under the coordinator's lock. The backend
+reports (exits, placement, read through the executor); these methods turn reports into
+worker states and generations, and what the rules decide (``exit_rules``, ``reform_rules``)
+into actions (``actions``: start, signal, adopt) that the executor carries out. An exit is
+a failure to recover from unless the worker was asked to leave; an exit with a positive
 code (the script raised) fails the job, since every worker runs the same code.
 """
 
@@ -13,20 +14,28 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal.backends import Exit
 from tidal.checkpoint.store import NAME_RE, newest_good
-from tidal.coordinator.actions import AdoptWorker, RecordControl, SignalWorker, StartWorker
+from tidal.coordinator.actions import AdoptWorker, SignalWorker, StartWorker
 from tidal.coordinator.busy import BusyFacts, busy_members
 from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, judge_exit, to_kill
 from tidal.coordinator.job import Job
 from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.recovery import Control, control_of, rebuild
+from tidal.coordinator.recovery import Control, Rebuilt, rebuild
 from tidal.coordinator.reform_rules import roll_back
 from tidal.coordinator.verdicts import Act
-from tidal.protocol import JobState, WorkerEnv, WorkerState, worker_token
+from tidal.protocol import JobState, JobStatus, WorkerEnv, WorkerState, worker_token
 from tidal.restarts import keep_recent
+
+if TYPE_CHECKING:
+    from tidal.config import JobSpec
+    from tidal.coordinator.executor import Executor
+    from tidal.coordinator.generations import Generations
+    from tidal.coordinator.ledger import Ledger
 
 STOP_GRACE_S = 30.0
 # A longer gap between two passes of the control loop means the coordinator did not run
@@ -35,82 +44,113 @@ NOT_RUNNING_S = 2.0
 NOT_STARTED = (WorkerState.PENDING, WorkerState.STARTING)  # not registered yet
 
 
+def recovered_job(status: JobStatus, saved: dict | None, *, namespace: str) -> tuple[Job, Rebuilt]:
+    """The job a restarted coordinator starts from: its previous coordinator's records
+    (``status``) and control record (``saved``), rebuilt (``recovery.rebuild``)."""
+    control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
+    r = rebuild(status, control, namespace=namespace, now=time.time())
+    job = Job(
+        workers=r.workers,
+        generations=r.generations,
+        state=r.state,
+        outcome=r.outcome,
+        step=r.step,
+        requested=control.requested,
+        target=status.target_workers,
+        failures=control.failures,
+        loss_times=list(control.loss_times),
+        job_length=control.job_length,
+        settled_step=control.settled_step,
+        schedule_done=control.schedule_done,
+        checkpoint_failed=dict(control.checkpoint_failed),
+        checkpointed={c.step for c in status.checkpoints},
+        completing=control.completing,
+        failed_collectives=control.failed_collectives,
+        stop_requested_at=time.monotonic() if control.stop_requested else None,
+        created=status.created,
+        metrics={k: v for k, v in status.metrics.items() if isinstance(v, (int, float))},
+    )
+    return job, r
+
+
 class Lifecycle:
+    def __init__(
+        self,
+        *,
+        job: Job,
+        spec: JobSpec,
+        executor: Executor,
+        ledger: Ledger,
+        generations: Generations,
+        token: str,
+        url: str,
+        first_worker_id: int,
+        checkpoint_dir: Path | None,
+    ) -> None:
+        """``token``: the job's, from which each worker's credential is derived; ``url``:
+        the API's, given to workers; ``first_worker_id``: the first worker's id (a resumed
+        job's go on from its records')."""
+        self.job = job
+        self.spec = spec
+        self.executor = executor
+        self.ledger = ledger
+        self.generations = generations
+        self.token = token
+        self.url = url
+        self.first_worker_id = first_worker_id
+        self.checkpoint_dir = checkpoint_dir
+        self._last_check: float | None = None  # the last heartbeat check (monotonic)
+
     # -- a restarted coordinator ---------------------------------------------------------
-    def _recover(self) -> None:
-        """Start from the records of the job's previous coordinator (``recovery``): adopt
-        its live workers, count the ones that are gone as lost, re-open a generation that
-        had not formed."""
-        status = self.executor.status()
-        saved = self.executor.saved_control()
-        control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
-        r = rebuild(status, control, namespace=self.store_namespace, now=time.time())
-        self.job = Job(
-            workers=r.workers,
-            generations=r.generations,
-            state=r.state,
-            outcome=r.outcome,
-            step=r.step,
-            requested=control.requested,
-            target=status.target_workers,
-            failures=control.failures,
-            loss_times=list(control.loss_times),
-            job_length=control.job_length,
-            settled_step=control.settled_step,
-            schedule_done=control.schedule_done,
-            checkpoint_failed=dict(control.checkpoint_failed),
-            checkpointed={c.step for c in status.checkpoints},
-            completing=control.completing,
-            failed_collectives=control.failed_collectives,
-            stop_requested_at=time.monotonic() if control.stop_requested else None,
-            created=status.created,
-            metrics={k: v for k, v in status.metrics.items() if isinstance(v, (int, float))},
-        )
+    def adopt(self, rebuilt: Rebuilt, *, incarnation: int) -> None:
+        """Take over from the job's previous coordinator (``recovered_job``): adopt its live
+        workers, count the ones that are gone as lost, re-open a generation that had not
+        formed."""
+        job = self.job
         adopted, lost = [], []
-        for w in self.job.workers.values():
+        for w in job.workers.values():
             if w.adopted:  # not live: nothing to adopt
                 continue
             if w.state == WorkerState.STOPPING:
                 w.stopping_since = time.monotonic()
             if self.executor.do(
-                AdoptWorker(worker_id=w.id, pid=w.pid or 0, env=self._worker_env(w.id))
+                AdoptWorker(worker_id=w.id, pid=w.pid or 0, env=self.worker_env(w.id))
             ):
                 adopted.append(w.id)
             else:
                 lost.append(w.id)
-        incarnation = self.hosting.incarnation if self.hosting else 0
-        self.event(
+        self.ledger.event(
             "coordinator",
             f"coordinator restarted (pid {os.getpid()}, restart {incarnation}): "
             f"{len(adopted)} live workers {adopted} adopted, awaiting their re-registration"
             + (f"; {lost} gone" if lost else ""),
         )
         for wid in lost:
-            self._on_exit(
+            self.on_exit(
                 Exit(worker_id=wid, returncode=-9, reason="gone when the coordinator restarted")
             )
-        latest = self.job.latest
-        if r.reopen and latest is self.job.generations[-1] and self.job.outcome is None:
-            live = [m for m in latest.members if self.job.workers[m].live]
-            self._open(
+        latest = job.latest
+        if rebuilt.reopen and latest is job.generations[-1] and job.outcome is None:
+            live = [m for m in latest.members if job.workers[m].live]
+            self.generations.open(
                 live, f"re-formed: the coordinator restarted before generation {latest.id} formed"
             )
-        self._save_control()
+        self.ledger.save_control()
 
-    def _save_control(self) -> None:
-        self.executor.do(RecordControl(control=control_of(self.job).to_dict()))
-
-    def _worker_env(self, wid: int) -> dict[str, str]:
+    def worker_env(self, wid: int) -> dict[str, str]:
         """What a worker's process is launched with: its id, credential, the API's URL."""
         token = worker_token(self.token, wid)  # its own credential, not the job's token
         return WorkerEnv(url=self.url, token=token, worker_id=wid).to_environ()
 
-    def _on_exit(self, ex: Exit) -> None:
-        w = self.job.workers.get(ex.worker_id)
+    def on_exit(self, ex: Exit) -> None:
+        """A worker's process ended: how it counts (``exit_rules.judge_exit``), carried
+        out."""
+        job = self.job
+        w = job.workers.get(ex.worker_id)
         if w is None:
             return
         w.exit_code = ex.returncode
-        was_member = w.id in self.job.members
+        was_member = w.id in job.members
         now, limit = time.time(), self.spec.restart_limit
         verdict = judge_exit(
             ExitFacts(
@@ -123,42 +163,40 @@ class Lifecycle:
                 leaving=w.state == WorkerState.STOPPING,
                 was_member=was_member,
                 kill_reason=w.kill_reason,
-                job_decided=self.job.outcome is not None or self.job.script_stop is not None,
+                job_decided=job.outcome is not None or job.script_stop is not None,
                 status_known=ex.known,
                 joined=w.last_heartbeat is not None or w.state not in NOT_STARTED,
                 script=os.path.basename(self.spec.script),
-                failures=self.job.failures,
+                failures=job.failures,
                 max_restarts=limit,
-                recent=tuple(self.job.loss_times),
+                recent=tuple(job.loss_times),
                 now=now,
-                target=self.job.target,
+                target=job.target,
                 min_workers=self.spec.min_workers,
                 alive_others=sum(
-                    1
-                    for m in self.job.workers.values()
-                    if m.live and not m.retired and m.id != w.id
+                    1 for m in job.workers.values() if m.live and not m.retired and m.id != w.id
                 ),
             )
         )
         w.state, w.rank = verdict.state, None
-        self.event(verdict.kind, verdict.message)
+        self.ledger.event(verdict.kind, verdict.message)
         if verdict.lost:
-            self.job.failures += 1
-            self.job.loss_times = keep_recent(limit, [*self.job.loss_times, now], now)
+            job.failures += 1
+            job.loss_times = keep_recent(limit, [*job.loss_times, now], now)
             if was_member:  # it explains its peers' failed collectives (``repeated_failure``)
-                self.job.failed_collectives = None
+                job.failed_collectives = None
         if verdict.reform:
-            self._open(
-                [m for m in self.job.members if m != w.id],
+            self.generations.open(
+                [m for m in job.members if m != w.id],
                 f"worker {w.id} failed ({w.kill_reason or ex.describe()})",
             )
-        if verdict.fail_job and self.job.outcome is None:
-            self.decide(JobState.FAILED, verdict.fail_job)
+        if verdict.fail_job and job.outcome is None:
+            self.ledger.decide(JobState.FAILED, verdict.fail_job)
         if verdict.target is not None:
-            self._set_target(verdict.target, verdict.target_why)
-        self._save_worker(w)
+            self.ledger.set_target(verdict.target, verdict.target_why)
+        self.ledger.save_worker(w)
 
-    def _track_placement(self) -> None:
+    def track_placement(self) -> None:
         """``pending`` workers the backend has placed since become ``starting``."""
         waiting = None
         for w in self.job.workers.values():
@@ -166,26 +204,27 @@ class Lifecycle:
                 waiting = self.executor.waiting() if waiting is None else waiting
                 if w.id not in waiting:
                     w.state, w.node = WorkerState.STARTING, self.executor.node(w.id)
-                    self._save_worker(w)
-                    self.event("worker", f"worker {w.id} placed on {w.node}")
+                    self.ledger.save_worker(w)
+                    self.ledger.event("worker", f"worker {w.id} placed on {w.node}")
 
-    def _check_heartbeats(self) -> None:
+    def check_heartbeats(self) -> None:
         """Kill hung workers (no heartbeat) and workers that do not leave when asked.
 
         Silence is judged only over time the coordinator itself ran: after a gap between
         two passes longer than ``NOT_RUNNING_S`` (the process was stopped, the machine
         starved it, its VM was suspended), heartbeats could not be read meanwhile, so every
         clock restarts at once instead of condemning workers that trained on."""
+        job = self.job
         now, mono = time.time(), time.monotonic()
         last, self._last_check = self._last_check, mono
         gap = 0.0 if last is None else mono - last  # None: the first check
         if clocks_restart(gap_s=gap, not_running_s=NOT_RUNNING_S):
-            self.event(
+            self.ledger.event(
                 "coordinator",
                 f"the coordinator did not run for {gap:.1f} s (stopped or starved); "
                 "heartbeat clocks restart",
             )
-            for w in self.job.workers.values():
+            for w in job.workers.values():
                 if w.last_heartbeat is not None:
                     w.last_heartbeat = max(w.last_heartbeat, now)
                 if w.stopping_since is not None:
@@ -199,10 +238,10 @@ class Lifecycle:
                 stopping_s=mono - w.stopping_since if w.stopping_since is not None else None,
                 killed=w.kill_reason is not None,
             )
-            for w in self.job.workers.values()
+            for w in job.workers.values()
         ]
-        formed = self.job.formed()
-        self.job.busy = busy_members(
+        formed = job.formed()
+        job.busy = busy_members(
             [
                 BusyFacts(
                     worker_id=w.id,
@@ -210,7 +249,7 @@ class Lifecycle:
                     script_s=w.script_s,
                     silent_s=now - w.last_heartbeat if w.last_heartbeat is not None else None,
                 )
-                for w in self.job.workers.values()
+                for w in job.workers.values()
                 if w.script_s is not None and w.state == WorkerState.RUNNING
             ],
             generation=formed.id if formed is not None else None,
@@ -220,69 +259,67 @@ class Lifecycle:
             facts, heartbeat_timeout_s=self.spec.heartbeat_timeout_s, stop_grace_s=STOP_GRACE_S
         ):
             wid = kill.worker_id
-            self.job.workers[wid].kill_reason = kill.reason
-            self.event(kill.kind, f"worker {wid} {kill.reason}; killing it")
+            job.workers[wid].kill_reason = kill.reason
+            self.ledger.event(kill.kind, f"worker {wid} {kill.reason}; killing it")
             self.executor.do(SignalWorker(worker_id=wid, signum=signal.SIGKILL, why=kill.reason))
 
-    def _answer_state_lost(self) -> None:
+    def answer_state_lost(self) -> None:
         """No member of the latest generation holds the job's state (every holder was lost
         before the state reached anyone else; ``heal.StateLost``). Never train on from
         scratch: roll every member back to the newest verified checkpoint, or fail the job
         saying why."""
-        if self.job.state_lost is None or self.job.outcome is not None:
+        job = self.job
+        if job.state_lost is None or job.outcome is not None:
             return
-        gen_id, why = self.job.state_lost
-        self.job.state_lost = None
-        latest = self.job.latest
+        gen_id, why = job.state_lost
+        job.state_lost = None
+        latest = job.latest
         if latest is None or latest.id != gen_id:  # already superseded
             return
-        self.event("failure", why)
+        self.ledger.event("failure", why)
         lost = latest.committed_step
         path, warnings = newest_good(self.checkpoint_dir) if self.checkpoint_dir else (None, [])
         for line in warnings:
-            self.event("checkpoint", line)
+            self.ledger.event("checkpoint", line)
         step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
         verdict = roll_back(lost_step=lost, checkpoint_step=step)
         if verdict.act is Act.FAIL:
-            self.decide(JobState.FAILED, verdict.why)
+            self.ledger.decide(JobState.FAILED, verdict.why)
             return
-        self.event("checkpoint", verdict.why)
-        self.job.step = step
-        self._open(
+        self.ledger.event("checkpoint", verdict.why)
+        job.step = step
+        self.generations.open(
             latest.members,
             f"rolled back to the checkpoint of step {step}: the state's holders were lost",
             resume=(str(path), step),
         )
 
-    def _stopping(self, w: WorkerRecord) -> None:
-        w.state, w.rank = WorkerState.STOPPING, None
-        if w.stopping_since is None:
-            w.stopping_since = time.monotonic()
-
-    def _retire(self, w: WorkerRecord) -> None:
+    def retire(self, w: WorkerRecord) -> None:
+        """Ask ``w`` to exit for good (a scale-down, a leaver, the job's end)."""
         w.retired = True
-        self._save_control()
+        self.ledger.save_control()
         if w.state in NOT_STARTED:  # no heartbeat to tell it; pending ones are cancelled
             self.executor.do(SignalWorker(worker_id=w.id, signum=signal.SIGTERM, why="retired"))
-        self._stopping(w)
-        self._save_worker(w)
+        w.ask_to_exit(time.monotonic())
+        self.ledger.save_worker(w)
 
-    def _start_worker(self) -> None:
-        wid = max(self.job.workers, default=self._worker_base - 1) + 1
+    def start_worker(self) -> None:
+        job = self.job
+        wid = max(job.workers, default=self.first_worker_id - 1) + 1
         w = WorkerRecord(id=wid)
-        self.job.workers[wid] = w
+        job.workers[wid] = w
         # Recorded before it is launched: a coordinator that dies in between leaves a record
         # (its successor counts the worker as lost, and refuses it if it registers), never
         # a process with an id it could give a second worker.
-        self._save_worker(w)
-        w.pid = self.executor.do(StartWorker(worker_id=wid, env=self._worker_env(wid)))
+        self.ledger.save_worker(w)
+        w.pid = self.executor.do(StartWorker(worker_id=wid, env=self.worker_env(wid)))
         if wid in self.executor.waiting():
             w.state = WorkerState.PENDING
-            self.event(
+            self.ledger.event(
                 "worker",
                 f"worker {wid} asked of the {self.spec.backend} backend; pending until placed",
             )
         else:
             w.node = self.executor.node(wid)
-            self.event("worker", f"worker {wid} started (pid {w.pid})")
-        self._save_worker(w)
+            self.ledger.event("worker", f"worker {wid} started (pid {w.pid})")
+        self.ledger.save_worker(w)

@@ -38,6 +38,13 @@ class WorkerRecord:
         # str-Enum's equality and hash are Python-level calls.
         return not (self.state is WorkerState.EXITED or self.state is WorkerState.FAILED)
 
+    def ask_to_exit(self, now: float) -> None:
+        """It is asked to exit: ``stopping``, no rank; ``now`` (monotonic) starts its grace
+        period unless an earlier ask did (``exit_rules.to_kill``)."""
+        self.state, self.rank = WorkerState.STOPPING, None
+        if self.stopping_since is None:
+            self.stopping_since = now
+
     def row(self) -> WorkerRow:
         """What SQLite holds of it, as a named tuple (1,024 pydantic views took ~50 ms of the
         loop's time a flush)."""

@@ -1,8 +1,9 @@
 """What readers see of a live job: snapshots the control loop publishes, read without its
 lock.
 
-A mixin of ``Coordinator``. The loop publishes a ``LiveView`` at every flush (``flush``:
-at least every ``loop.FLUSH_EVERY_S``, and after a change a caller asked to see); the
+A part of ``Coordinator``, which also writes the fast-moving values (``flush``). The loop
+publishes a ``LiveView`` at every flush (at least every ``loop.FLUSH_EVERY_S``, and after a
+change a caller asked to see); the
 status is built from the journal's copy of the job's records in memory (``journal``), which
 the same flush brings up to date. So a dashboard, ``tidal status`` or Prometheus, however
 many poll, never waits for a pass and never makes one wait: what they read is at most one
@@ -13,14 +14,21 @@ scale``, ``tidal stop``) asks for ``status(fresh=True)``, which flushes under th
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tidal.coordinator.actions import RecordJob
+from tidal.coordinator.scaling import int_metric
 from tidal.protocol import JobStatus, WorkerState
 
 if TYPE_CHECKING:
+    from tidal.coordinator.accounting import Accounting
+    from tidal.coordinator.executor import Executor
     from tidal.coordinator.job import Job
+    from tidal.coordinator.ledger import Ledger
 
 STATUS_MAX_AGE_S = 0.5  # readers share one status for this long (``Views.status``)
 
@@ -52,11 +60,62 @@ class LiveView:
 
 
 class Views:
-    job: Job  # set by Coordinator
-    view: LiveView  # published by ``_publish_view``
-    _status_cache: tuple[float, JobStatus] | None = None
+    def __init__(
+        self,
+        *,
+        job: Job,
+        executor: Executor,
+        lock: threading.RLock,
+        accounting: Accounting,
+        ledger: Ledger,
+        drain: Callable[[], None],
+        url: str,
+    ) -> None:
+        """``drain``: applies the queued facts (``Handlers.drain``), before a flush;
+        ``url``: the API's, recorded while the job is served."""
+        self.job = job
+        self.executor = executor
+        self.lock = lock
+        self.accounting = accounting
+        self.ledger = ledger
+        self.drain = drain
+        self.url = url
+        self.last_flush = 0.0  # monotonic
+        self.view = LiveView.of(job)  # published by ``publish_view``
+        self._status_cache: tuple[float, JobStatus] | None = None
 
-    def _publish_view(self) -> None:
+    def flush(self) -> None:
+        """Write the fast-moving values to SQLite (under the lock), the heartbeats queued
+        since the last pass applied first; then publishes what readers see."""
+        self.drain()
+        job = self.job
+        self.last_flush = time.monotonic()
+        job.metrics.update(
+            self.accounting.summary(
+                step=job.step,
+                global_batch=int_metric(job, "global_batch_size"),
+                max_steps=int_metric(job, "max_steps"),
+            )
+        )
+        self.executor.do(
+            RecordJob(
+                values={
+                    "state": job.state.value,
+                    "step": job.step,
+                    "world_size": job.world_size(),
+                    "target_workers": job.target,
+                    "metrics": job.metrics,
+                    # A job that ended is served by nobody: no address to call (the
+                    # records of one whose coordinator died keep its last one).
+                    "url": (self.url or None) if not job.state.terminal else None,
+                }
+            )
+        )
+        self.ledger.save_workers()
+        self.ledger.save_control()
+        self.publish_view()
+
+    def publish_view(self) -> None:
         """Under the lock, after a flush: what readers see from now on."""
         self.view = LiveView.of(self.job)
         self._status_cache = None
