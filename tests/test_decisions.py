@@ -3,6 +3,8 @@ out. No store, no SQLite, no process: each test runs in milliseconds."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import signal
 import threading
 import time
@@ -29,11 +31,12 @@ from tidal.coordinator.actions import (
     StartWorker,
 )
 from tidal.coordinator.effects import RequestError
-from tidal.coordinator.job import Job
+from tidal.coordinator.job import Job, durable_fields
 from tidal.coordinator.parts import Parts, compose
 from tidal.coordinator.phase import TRANSITIONS, Phase, PhaseError
 from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.recovery import Control, Rebuilt
+from tidal.coordinator.recovery import Control, Rebuilt, control_of
+from tidal.coordinator.reform_rules import Streak
 from tidal.policy.inputs import Decision, PolicyParams
 from tidal.policy.registry import get_policy
 from tidal.protocol import HeartbeatRequest, JobState, WorkerState
@@ -383,7 +386,7 @@ def test_a_restarted_coordinator_adopts_the_live_and_counts_the_gone_as_lost() -
     assert "1 live workers [0] adopted, awaiting their re-registration; [1] gone" in events[0]
     assert r.job.workers[1].state == WorkerState.FAILED and r.job.failures == 1
     assert r.job.latest.members == [0]  # re-formed without the lost one
-    assert isinstance(r.ex.actions[-1], RecordControl)
+    assert r.ex.took(RecordControl)[-1].control["failures"] == 1  # a restart's restart
 
 
 def test_decisions_take_milliseconds() -> None:
@@ -393,3 +396,41 @@ def test_decisions_take_milliseconds() -> None:
         r.ex.exits.append(Exit(worker_id=1, returncode=-9))
         r.pass_()
     assert (time.perf_counter() - began) / 20 < 0.05
+
+
+# -- what a restart keeps ---------------------------------------------------------------------
+def test_every_durable_field_of_the_job_is_in_the_control_record() -> None:
+    names = durable_fields()
+    assert {"requested", "failures", "settled_step", "failed_collectives"} <= set(names)
+    assert set(names) <= {f.name for f in dataclasses.fields(Control)}
+
+
+def test_the_durable_fields_survive_the_control_record() -> None:
+    job = _job(
+        failures=2,
+        loss_times=[1.0, 2.0],
+        job_length=100,
+        settled_step=20,
+        schedule_done=1,
+        checkpoint_failed={30: "disk full"},
+        completing=(1, 100),
+        failed_collectives=Streak(step=5, count=2, last="worker 1: boom"),
+    )
+    back = Control.from_dict(json.loads(json.dumps(control_of(job).to_dict())))
+    for name in durable_fields():
+        assert getattr(back, name) == getattr(job, name), name
+
+
+def test_a_control_record_of_an_older_coordinator_has_no_settled_step() -> None:
+    assert Control.from_dict({"requested": 2, "settled_step": -1}).settled_step is None
+
+
+def test_the_control_record_is_written_once_per_change() -> None:
+    r = rig(members=(0, 1))  # its first generation's opening wrote it
+    for _ in range(3):
+        r.parts.ledger.save_control()
+    assert r.ex.took(RecordControl) == []
+    r.job.failures += 1
+    r.parts.ledger.save_control()
+    r.parts.ledger.save_control()
+    assert [a.control["failures"] for a in r.ex.took(RecordControl)] == [1]

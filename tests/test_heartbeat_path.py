@@ -183,7 +183,7 @@ def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(se
     held, done = _held_beside_a_standby(coord, client)
     with coord.lock:  # the pass that applies the schedule entry
         coord.scaling.apply_schedule()
-        assert coord.job.target == 2 and coord.job.settled_step == -1
+        assert coord.job.target == 2 and coord.job.settled_step is None
         coord.generations.open([0, 1], "--schedule at step 10")
         held.join(10)  # answered while the pass still holds the lock
         assert done and done[0]["settled_step"] == 10
@@ -229,7 +229,7 @@ def answers(**kw) -> Answers:
         members=frozenset(INFO.members),
         stop=False,
         ended=False,
-        settled_step=-1,
+        settled_step=None,
         workers=3,
         base_s=0.1,
         timeout_s=10.0,

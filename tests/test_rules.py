@@ -554,7 +554,7 @@ def test_schedule_due(done, step, due) -> None:
         (SCHEDULE, 0, 19, False, -1, []),  # not before the latest generation formed
         (SCHEDULE, 0, 20, False, -1, [(20, 3)]),  # ... then at its step, as always
         (SCHEDULE, 1, 39, True, 20, [(40, 1)]),
-        (SCHEDULE, 1, 39, True, -1, []),  # the change at 20 is not settled yet
+        (SCHEDULE, 1, 39, True, None, []),  # the change at 20 is not settled yet
         (SCHEDULE, 3, 99, True, 60, []),  # the schedule is done
         (((10, 2), (11, 3)), 0, 10, True, -1, [(10, 2)]),  # one due now goes alone ...
         (((10, 2), (11, 3)), 1, 10, True, -1, []),  # ... the next waits for it to settle,
@@ -579,12 +579,13 @@ def test_schedule_near(step, near) -> None:
 @pytest.mark.parametrize(
     ("held_at", "settled", "members", "target", "waited", "forming", "go"),
     [
-        (None, -1, 2, 2, 0.0, False, False),  # no schedule applied yet
-        (None, -1, 2, 3, 0.0, True, False),  # nobody held
-        (20, -1, 3, 3, 0.1, False, True),  # the generation has the target
-        (20, -1, 2, 3, 5.0, False, False),  # still joining
-        (20, -1, 2, 3, 121.0, False, True),  # it could not: train on with what it has
-        (20, -1, 2, 3, 0.1, True, True),  # a newer generation needs the held to form
+        (None, None, 2, 2, 0.0, False, False),  # no schedule applied yet
+        (None, None, 2, 3, 0.0, True, False),  # nobody held
+        (20, None, 3, 3, 0.1, False, True),  # the generation has the target
+        (20, None, 2, 3, 5.0, False, False),  # still joining
+        (20, None, 2, 3, 121.0, False, True),  # it could not: train on with what it has
+        (20, None, 2, 3, 0.1, True, True),  # a newer generation needs the held to form
+        (20, 10, 3, 3, 0.1, False, True),  # an earlier step settled
         (20, 20, 3, 3, 0.1, True, False),  # already settled
     ],
 )

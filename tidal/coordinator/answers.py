@@ -3,11 +3,11 @@
 A worker's heartbeat is the control plane's hot path: every worker, every interval. Its
 answer (role, newest generation, stop, settled step, pacing) changes only when the job's
 membership or outcome does, so the control loop publishes it as an immutable ``Answers``
-(``Coordinator._publish``) after every change a worker must learn of, and a heartbeat reads
+(``Publisher.publish``) after every change a worker must learn of, and a heartbeat reads
 the newest one (a single attribute read: no lock, no wait behind a control-loop pass). Each
 ``Answers`` encodes each of its (at most three) answers once, for however many workers ask.
 
-Contract: an answer is never older than the last ``_publish``, which runs at the end of
+Contract: an answer is never older than the last ``publish``, which runs at the end of
 every control-loop pass and whenever a generation opens; a change made between passes (a
 ``tidal stop``) wakes the loop, so workers learn of it within one pass. A worker whose
 record says it is retired is told to exit at once (its record is read directly).
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal.coordinator.pacing import heartbeat_interval
+from tidal.coordinator.scale_rules import reached
 from tidal.protocol import GenerationInfo, HeartbeatResponse, Role
 
 
@@ -32,11 +33,15 @@ class Answers:
     stop_step: int | None = None  # a member's script stopped the job at this step
     busy: frozenset[int] = frozenset()  # members alive and busy in their script (``busy``)
     ended: bool  # an outcome is decided: every worker exits
-    settled_step: int
+    settled_step: int | None  # ``Job.settled_step``
     workers: int
     base_s: float
     timeout_s: float
     _encoded: dict[Role, bytes] = field(default_factory=dict, compare=False, repr=False)
+
+    def settled(self, step: int) -> bool:
+        """Whether scheduled ``step`` is settled: members held there go on."""
+        return reached(self.settled_step, step)
 
     def role(self, wid: int, *, retired: bool) -> Role:
         if retired or self.ended:
@@ -54,7 +59,8 @@ class Answers:
             stop=self.stop,
             stop_step=self.stop_step,
             busy=sorted(self.busy) if role == Role.MEMBER else [],
-            settled_step=self.settled_step,
+            # The wire's word for none yet is -1 (``HeartbeatResponse``: the API's contract).
+            settled_step=self.settled_step if self.settled_step is not None else -1,
             interval_s=interval if interval != self.base_s else None,
         )
 

@@ -160,7 +160,7 @@ class Coordinator:
                 created=time.time(),
                 step=step,
                 schedule_done=len(passed),
-                settled_step=passed[-1] if passed else -1,
+                settled_step=passed[-1] if passed else None,
             )
         self.accounting = Accounting(
             price=spec.price_per_worker_hour,

@@ -152,7 +152,7 @@ class Handlers:
             return False
         answers = self.publisher.answers
         at = req.held_at
-        return at is None or (answers is not None and answers.settled_step >= at)
+        return at is None or (answers is not None and answers.settled(at))
 
     def on_heartbeat(self, wid: int, req: HeartbeatRequest) -> bytes:
         """The heartbeat's answer, JSON-encoded (a ``HeartbeatResponse``). Lock-free when

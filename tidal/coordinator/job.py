@@ -15,7 +15,7 @@ state over time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tidal.coordinator.phase import Phase
 from tidal.coordinator.records import GenerationRecord, ReformRequest, WorkerRecord
@@ -23,6 +23,18 @@ from tidal.coordinator.reform_rules import Streak
 from tidal.coordinator.step_metrics import StepLog
 from tidal.coordinator.stop_rules import ScriptStop
 from tidal.protocol import JobState
+
+#: Marks a field a restarted coordinator needs and the job's rows do not hold: it is written
+#: in the ``control`` record under its own name (``recovery.control_of``, one diff a write:
+#: ``Ledger.save_control``) and read back from it (``lifecycle.recovered_job``). Each is a
+#: field of ``recovery.Control`` (tested); ``outcome`` and ``stop_requested_at`` are kept
+#: there too, in another form.
+DURABLE = {"durable": True}
+
+
+def durable_fields() -> tuple[str, ...]:
+    """The names of ``Job``'s durable fields (``DURABLE``)."""
+    return tuple(f.name for f in fields(Job) if f.metadata.get("durable"))
 
 
 @dataclass(kw_only=True)
@@ -34,7 +46,7 @@ class Job:
     ``end``)."""
 
     target: int
-    requested: int
+    requested: int = field(metadata=DURABLE)
     created: float
     step: int = 0
     state: JobState = JobState.PENDING
@@ -44,30 +56,31 @@ class Job:
     leaving: list[int] = field(default_factory=list)  # workers that got a preemption notice
     workers: dict[int, WorkerRecord] = field(default_factory=dict)
     generations: list[GenerationRecord] = field(default_factory=list)
-    failures: int = 0  # lost workers, against --max-restarts
+    failures: int = field(default=0, metadata=DURABLE)  # lost workers, against --max-restarts
     #: Wall times of the latest losses, as many as a rate of --max-restarts needs.
-    loss_times: list[float] = field(default_factory=list)
+    loss_times: list[float] = field(default_factory=list, metadata=DURABLE)
     outcome: JobState | None = None
     stop_requested_at: float | None = None  # monotonic
     #: A member's collective failed in the latest generation: re-form it.
     reform_requested: ReformRequest | None = None
     #: The failed collectives in a row at one committed step (``reform_rules.repeated_failure``).
-    failed_collectives: Streak | None = None
+    failed_collectives: Streak | None = field(default=None, metadata=DURABLE)
     #: (generation, why): healing found no member of that generation holding the state.
     state_lost: tuple[int, str] | None = None
     #: The job's length (``Trainer.run(max_steps)``) as the first worker registered it.
-    job_length: int | None = None
+    job_length: int | None = field(default=None, metadata=DURABLE)
     #: Checkpoints of this run that could not be written: step -> the error (one line).
-    checkpoint_failed: dict[int, str] = field(default_factory=dict)
+    checkpoint_failed: dict[int, str] = field(default_factory=dict, metadata=DURABLE)
     #: Steps whose checkpoint this run recorded.
     checkpointed: set[int] = field(default_factory=set)
     #: (worker, step): a member completed the job's last step; with durable checkpoints the
     #: job succeeds once that step's checkpoint is recorded (``end_rules.final_checkpoint``).
-    completing: tuple[int, int] | None = None
-    schedule_done: int = 0  # --schedule entries applied
+    completing: tuple[int, int] | None = field(default=None, metadata=DURABLE)
+    schedule_done: int = field(default=0, metadata=DURABLE)  # --schedule entries applied
     schedule_applied_at: float = 0.0  # monotonic, the last of them
-    #: The last --schedule step whose membership is in place (members holding there go on).
-    settled_step: int = -1
+    #: The last --schedule step whose membership is in place (members holding there go on);
+    #: None: none yet.
+    settled_step: int | None = field(default=None, metadata=DURABLE)
     wind_down_since: float | None = None  # monotonic: the outcome's wind-down began
     #: A member's script stopped the job early (``stop_rules``): no change after it.
     script_stop: ScriptStop | None = None

@@ -29,6 +29,7 @@ class Ledger:
         self.job = job
         self.executor = executor
         self.accounting = accounting  # the capacity available now (``set_target``)
+        self._control: dict | None = None  # the control record as last written
 
     def event(self, kind: str, message: str) -> None:
         self.executor.do(RecordEvent(event=EventView(time=time.time(), kind=kind, message=message)))
@@ -64,5 +65,10 @@ class Ledger:
             self.executor.do(RecordWorkers(rows=tuple(rows)))
 
     def save_control(self) -> None:
-        """Write the control record (``recovery.Control``) as the job holds it now."""
-        self.executor.do(RecordControl(control=control_of(self.job).to_dict()))
+        """Write the control record (``recovery.Control``) as the job holds it now, if it
+        differs from the one last written here: one diff, however many changes a pass
+        made and however many of its steps ask (``phase.decide`` writes its own)."""
+        control = control_of(self.job).to_dict()
+        if control != self._control:
+            self.executor.do(RecordControl(control=control))
+            self._control = control

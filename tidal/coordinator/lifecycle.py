@@ -22,7 +22,7 @@ from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.actions import AdoptWorker, SignalWorker, StartWorker
 from tidal.coordinator.busy import BusyFacts, busy_members
 from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, judge_exit, to_kill
-from tidal.coordinator.job import Job
+from tidal.coordinator.job import Job, durable_fields
 from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, Rebuilt, rebuild
@@ -50,22 +50,14 @@ def recovered_job(status: JobStatus, saved: dict | None, *, namespace: str) -> t
     control = Control.from_dict(saved) if saved else Control(requested=status.target_workers)
     r = rebuild(status, control, namespace=namespace, now=time.time())
     job = Job(
+        **{name: getattr(control, name) for name in durable_fields()},
         workers=r.workers,
         generations=r.generations,
         state=r.state,
         outcome=r.outcome,
         step=r.step,
-        requested=control.requested,
         target=status.target_workers,
-        failures=control.failures,
-        loss_times=list(control.loss_times),
-        job_length=control.job_length,
-        settled_step=control.settled_step,
-        schedule_done=control.schedule_done,
-        checkpoint_failed=dict(control.checkpoint_failed),
         checkpointed={c.step for c in status.checkpoints},
-        completing=control.completing,
-        failed_collectives=control.failed_collectives,
         stop_requested_at=time.monotonic() if control.stop_requested else None,
         created=status.created,
         metrics={k: v for k, v in status.metrics.items() if isinstance(v, (int, float))},

@@ -79,7 +79,7 @@ class Publisher:
         def released() -> bool:
             a = self.answers
             member = a.role(w.id, retired=w.retired) == Role.MEMBER
-            return a.settled_step >= step or not member or a.stop or a.ended
+            return a.settled(step) or not member or a.stop or a.ended
 
         with self.published:
             self.published.wait_for(released, timeout_s)

@@ -49,7 +49,7 @@ class Control:
     failures: int = 0
     loss_times: list[float] = field(default_factory=list)  # ``Job.loss_times``
     job_length: int | None = None
-    settled_step: int = -1
+    settled_step: int | None = None  # ``Job.settled_step``
     schedule_done: int = 0
     stop_requested: bool = False
     outcome: str | None = None  # a decided ``JobState``, not yet reached
@@ -73,6 +73,8 @@ class Control:
             int(k): v for k, v in data.get("checkpoint_failed", {}).items()
         }
         data["workers"] = {int(k): WorkerFlags(**v) for k, v in data.get("workers", {}).items()}
+        if data.get("settled_step") == -1:  # a record of an older coordinator: none yet
+            data["settled_step"] = None
         if data.get("completing") is not None:
             data["completing"] = tuple(data["completing"])
         if data.get("failed_collectives") is not None:
@@ -81,26 +83,22 @@ class Control:
 
 
 def control_of(job: Job) -> Control:
-    """The ``Control`` record of ``job`` now: what a restarted coordinator needs of it that
-    the rows do not hold (the flags only of live workers that have one)."""
+    """The ``Control`` record of ``job`` now: its durable fields (``job.DURABLE``) under
+    their own names, and what else a restarted coordinator needs that the rows do not hold
+    (the flags only of live workers that have one)."""
+    from tidal.coordinator.job import durable_fields  # at call time: job -> phase -> here
+
     latest = job.latest
     flags = {
         w.id: WorkerFlags(retired=w.retired, preempted=w.preempted, kill_reason=w.kill_reason)
         for w in job.workers.values()
         if w.live and (w.retired or w.preempted or w.kill_reason)
     }
+    durable = {name: getattr(job, name) for name in durable_fields()}
     return Control(
-        requested=job.requested,
-        failures=job.failures,
-        loss_times=list(job.loss_times),
-        job_length=job.job_length,
-        settled_step=job.settled_step,
-        schedule_done=job.schedule_done,
+        **durable,
         stop_requested=job.stop_requested_at is not None,
         outcome=job.outcome.value if job.outcome else None,
-        completing=job.completing,
-        checkpoint_failed=job.checkpoint_failed,
-        failed_collectives=job.failed_collectives,
         committed_step=latest.committed_step if latest else 0,
         resume_from=latest.resume_from if latest else None,
         resume_step=latest.resume_step if latest else None,

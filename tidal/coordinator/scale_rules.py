@@ -35,6 +35,12 @@ def effective_target(requested: int, capacity: int | None) -> int:
     return requested if capacity is None else max(0, min(requested, capacity))
 
 
+# -- --schedule
+def reached(settled: int | None, step: int) -> bool:
+    """Whether the settled step ``settled`` (None: none yet) is ``step`` or later."""
+    return settled is not None and settled >= step
+
+
 # -- --schedule ------------------------------------------------------------------------------
 def schedule_due(
     schedule: tuple[tuple[int, int], ...], done: int, step: int
@@ -49,7 +55,12 @@ def schedule_due(
 
 
 def schedule_ahead(
-    schedule: tuple[tuple[int, int], ...], done: int, step: int, *, formed: bool, settled: int
+    schedule: tuple[tuple[int, int], ...],
+    done: int,
+    step: int,
+    *,
+    formed: bool,
+    settled: int | None,
 ) -> list[tuple[int, int]]:
     """The ``--schedule`` entries to apply now: those the job has reached at ``step``
     (``schedule_due``); when there are none and the latest generation has formed, the next
@@ -61,10 +72,11 @@ def schedule_ahead(
     after it, at ``s``, as does every hold there. Never two changes in one: an entry due now
     goes alone (``10:2,11:3``: the change at 11 waits for the generation of 10 to form), and
     nothing goes ahead while the last applied entry is not settled (``settled``: the job's
-    settled step; its generation may not even be open yet, waiting for a worker) nor before
+    settled step, None if none; its generation may not even be open yet, waiting for a
+    worker) nor before
     the latest generation formed (a start, a resume)."""
     due = schedule_due(schedule, done, step)
-    if due or not formed or (done and settled < schedule[done - 1][0]):
+    if due or not formed or (done and not reached(settled, schedule[done - 1][0])):
         return due
     return [e for e in schedule_due(schedule, done, step + 1) if e[0] == step + 1][:1]
 
@@ -78,7 +90,7 @@ def schedule_near(schedule: tuple[tuple[int, int], ...], step: int) -> bool:
 def schedule_settled(
     *,
     held_at: int | None,
-    settled: int,
+    settled: int | None,
     members: int,
     target: int,
     waited_s: float,
@@ -94,6 +106,6 @@ def schedule_settled(
     failure held at step 20 of ``--schedule 20:3``, its replacement's generation opened
     with 2, the third worker ready and waiting for that one to form: 120 s. Released, they
     form it and the third joins at a step boundary after it."""
-    if held_at is None or held_at <= settled:
+    if held_at is None or reached(settled, held_at):
         return False
     return members == target or waited_s > timeout_s or newer_forming
