@@ -3,6 +3,7 @@ out. No store, no SQLite, no process: each test runs in milliseconds."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import signal
@@ -10,6 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import ANY
 
@@ -434,3 +436,39 @@ def test_the_control_record_is_written_once_per_change() -> None:
     r.parts.ledger.save_control()
     r.parts.ledger.save_control()
     assert [a.control["failures"] for a in r.ex.took(RecordControl)] == [1]
+
+
+# -- the shape that makes these tests possible ----------------------------------------------
+COORDINATOR = Path(__file__).resolve().parents[1] / "tidal" / "coordinator"
+
+
+def test_the_coordinator_is_composed_not_inherited() -> None:
+    from tidal.coordinator.controller import Coordinator
+
+    assert Coordinator.__bases__ == (object,)
+    assert [f.name for f in dataclasses.fields(Parts)] == [
+        "ledger",
+        "publisher",
+        "generations",
+        "lifecycle",
+        "scaling",
+        "effects",
+        "handlers",
+        "views",
+        "loop",
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(COORDINATOR.glob("*.py")), ids=lambda p: p.name)
+def test_no_part_reads_another_parts_private_names(path: Path) -> None:
+    """``self.part._name`` anywhere in the coordinator: a part reaching into another."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"
+        ):
+            raise AssertionError(f"{path.name}:{node.lineno}: self.{node.value.attr}.{node.attr}")

@@ -2,7 +2,7 @@
 
 Every API call that changes the job becomes one of these and joins the coordinator's inbox
 (``Handlers._submit``); the inbox is applied in arrival order, by the control loop or by the
-caller itself under the lock, whichever comes first (``Handlers._drain``), and each fact's
+caller itself under the lock, whichever comes first (``Handlers.drain``), and each fact's
 effect on the job is one method (``Handlers._apply``). So a worker's facts apply in the
 order it sent them, whatever thread answered it, and there is one door through which the
 job's state changes from outside. A call that needs an answer (a registration, a refusal)

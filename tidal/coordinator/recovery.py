@@ -8,7 +8,7 @@ step, why workers were asked to leave, the failed collectives in a row at one st
 ``rebuild`` turns both into
 the records a new coordinator starts from; it is pure, so every rule has a table test.
 
-Rules (the new coordinator then applies them, see ``Coordinator._recover``):
+Rules (the new coordinator then applies them, see ``lifecycle.recovered_job`` and ``Lifecycle.adopt``):
 
 - Every worker that was live (not exited or failed) is kept, awaiting its re-registration
   (``WorkerRecord.adopted`` False: its calls are answered 409 until it registers again).
