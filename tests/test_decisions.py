@@ -472,3 +472,13 @@ def test_no_part_reads_another_parts_private_names(path: Path) -> None:
             and node.value.value.id == "self"
         ):
             raise AssertionError(f"{path.name}:{node.lineno}: self.{node.value.attr}.{node.attr}")
+
+
+def test_an_ended_job_whose_records_broke_ends_failed() -> None:
+    job = _job(state=RUNNING)
+    with pytest.raises(PhaseError):
+        phase.records_broken(job)
+    phase.decide(job, STOPPED, None, now=0.0)
+    phase.end(job)
+    phase.records_broken(job)
+    assert job.state is FAILED and job.phase is Phase.ENDED

@@ -35,7 +35,8 @@ class Phase(Enum):
     - ``DECIDED`` -> ``DECIDED``: only a success overturned to a failure, when the final
       checkpoint the success counted on is reported failed (``decide(..., overturn=True)``).
     - ``DECIDED`` -> ``ENDED``: every process is gone; ``state`` reaches the outcome
-      (``end``). ``ENDED`` is final.
+      (``end``). ``ENDED`` is final; only its state may still say failed when the job's
+      records could not be written (``records_broken``: a database that broke).
     """
 
     PENDING = "pending"  # no generation formed yet
@@ -111,3 +112,12 @@ def end(job: Job) -> None:
     flushes the records (``Coordinator.flush``) and records the end's event."""
     _move(job, Phase.ENDED)
     job.state = job.outcome
+
+
+def records_broken(job: Job) -> None:
+    """The job ended while its records could not be written (a broken database: the host
+    stopped it): whatever its outcome, it ended failed, which is what its records will
+    say if they can take it. Only once ended."""
+    if job.phase is not Phase.ENDED:
+        raise PhaseError(f"the job has not ended ({job.phase.value})")
+    job.state = JobState.FAILED

@@ -33,6 +33,7 @@ from pathlib import Path
 from tidal.backends.local import start_zygote
 from tidal.backends.zygote import Zygote
 from tidal.config import JobSpec
+from tidal.coordinator import phase
 from tidal.coordinator.actions import KillEveryWorker
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
@@ -227,7 +228,7 @@ def _host(
             wait_s, _ = loop_wait(settled=coord.settled())
             coord.wake.wait(wait_s, coord.executor.wake_fds())
         if coord.executor.db.broken:  # what its records will say, if they can take it
-            coord.job.state = JobState.FAILED
+            phase.records_broken(coord.job)
         try:
             progress.update(final=True)
         except HomeError:
