@@ -118,7 +118,7 @@ class ElasticLoop:
         if newer and index + 1 in link.cfg.hold_steps:
             # The commit reaches a --schedule step: every member holds there and forms from
             # the hold's answer (no second round trip), even when it already knows the
-            # change (applied a step ahead: ``rules.schedule_ahead``) as this word is set.
+            # change (applied a step ahead: ``scale_rules.schedule_ahead``) as this word is set.
             newer = False
         stop = latest is not None and latest.stop
         every = ddp.control_every(parts.clock.step_s) if m.rank == 0 else 0

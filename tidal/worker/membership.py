@@ -150,7 +150,7 @@ class Membership:
 
         At the step before a scheduled one (``step + 1`` is), an approaching heartbeat
         instead, answered by nobody's wait: the coordinator applies the change now
-        (``rules.schedule_ahead``), and its answer tells this member, while it runs its
+        (``scale_rules.schedule_ahead``), and its answer tells this member, while it runs its
         last step before the change, whether it stays (``leaves_uncommitted``)."""
         link = self.parts.link
         if link.agent is None or step >= max_steps or self.control.switch or self.control.stop:
