@@ -64,6 +64,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     job.add_argument("--pause", type=float, metavar="S", help="rescale pause in seconds")
     job.add_argument("--global-batch", type=int, metavar="N", help="samples per step")
     job.add_argument("--steps", type=int, metavar="N", help="total steps")
+    job.add_argument(
+        "--startup", type=float, metavar="S", help="seconds from the job's start to its first step"
+    )
+    job.add_argument(
+        "--step-s",
+        metavar="N=S,...",
+        help="measured seconds per step at these world sizes (e.g. 1=0.031,2=0.044): they "
+        "replace the formula at those sizes",
+    )
     sim.add_argument("--json", action="store_true", help="a JSON list of results")
     sim.set_defaults(fn=cmd_simulate)
     return sim
@@ -83,7 +92,25 @@ def _job(args: argparse.Namespace) -> JobModel:
         rescale_pause_s=args.pause,
         global_batch=args.global_batch,
         total_steps=args.steps,
+        startup_s=args.startup,
+        measured_step_s=parse_step_s(args.step_s) if args.step_s else None,
     )
+
+
+def parse_step_s(text: str) -> tuple[tuple[int, float], ...]:
+    """``"1=0.031,2=0.044"`` -> ``((1, 0.031), (2, 0.044))``; a ValueError naming the bad
+    item otherwise."""
+    out: dict[int, float] = {}
+    for item in text.split(","):
+        n, sep, s = item.strip().partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            size, seconds = int(n), float(s)
+        except ValueError:
+            raise ValueError(f"--step-s: expected N=SECONDS, got {item.strip()!r}") from None
+        out[size] = seconds
+    return tuple(sorted(out.items()))
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -7,8 +7,12 @@ A step of ``global_batch`` samples over ``n`` workers takes
     step(n)    = compute(n) + comm(n)
 
 (no overlap of communication with the backward pass: the conservative reading, see
-``docs/policies.md``). A membership change stalls training for ``rescale_pause_s``. The
-figures of each preset and their public sources are listed in ``docs/policies.md``.
+``docs/policies.md``). A membership change stalls training for ``rescale_pause_s``; the
+job's start stalls it for ``startup_s`` (paid: the workers are starting). A model measured
+on a real run may give the step time of the sizes it measured (``measured_step_s``, pairs
+of world size and seconds): those replace the formula at those sizes (a host with fewer
+cores than workers is not a ring all-reduce). The figures of each preset and their public
+sources are listed in ``docs/policies.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class JobModel:
     global_batch: int
     total_steps: int
     description: str = ""
+    startup_s: float = 0.0
+    measured_step_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -66,17 +72,31 @@ class JobModel:
         )
         need(self.global_batch >= 1, f"global batch must be >= 1, got {self.global_batch}")
         need(self.total_steps >= 1, f"total steps must be >= 1, got {self.total_steps}")
+        need(
+            math.isfinite(self.startup_s) and self.startup_s >= 0,
+            f"start-up must be >= 0 s, got {self.startup_s}",
+        )
+        for n, s in self.measured_step_s:
+            need(n >= 1, f"a measured step needs a world size >= 1, got {n}")
+            need(math.isfinite(s) and s > 0, f"the measured step at {n} must be > 0 s, got {s}")
+        object.__setattr__(self, "_measured", dict(self.measured_step_s))
 
     def compute_s(self, n: int) -> float:
-        return self.global_batch / n * self.compute_s_per_sample
+        formula = self.global_batch / n * self.compute_s_per_sample
+        measured = self._measured.get(n)
+        return formula if measured is None else min(formula, measured)
 
     def comm_s(self, n: int) -> float:
+        measured = self._measured.get(n)
+        if measured is not None:
+            return measured - self.compute_s(n)
         if n <= 1:
             return 0.0
         return 2.0 * (n - 1) / n * self.grad_bytes / self.bandwidth_bytes_s + self.latency_s
 
     def step_s(self, n: int) -> float:
-        return self.compute_s(n) + self.comm_s(n)
+        measured = self._measured.get(n)
+        return measured if measured is not None else self.compute_s(n) + self.comm_s(n)
 
     def samples_per_s(self, n: int) -> float:
         return self.global_batch / self.step_s(n)

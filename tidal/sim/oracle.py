@@ -132,6 +132,8 @@ def rates(job: JobModel, world: np.ndarray) -> np.ndarray:
     comm = np.where(w > 1, 2.0 * (w - 1) / w * job.grad_bytes / job.bandwidth_bytes_s, 0.0)
     comm = comm + np.where(w > 1, job.latency_s, 0.0)
     x = job.global_batch / (job.global_batch / w * job.compute_s_per_sample + comm)
+    for n, step_s in job.measured_step_s:  # a measured model's own sizes
+        x = np.where(world == n, job.global_batch / step_s, x)
     return np.where(world > 0, x, 0.0)
 
 

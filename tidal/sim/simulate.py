@@ -6,7 +6,8 @@ count. Events are trace rows, the end of a rescale pause, the job's completion a
 checks. A policy is asked every ``check_every_s`` at first; each answer that changes
 nothing doubles the wait up to ``max_check_every_s``; a trace row or a change resets it.
 
-The world size is ``min(target, capacity)``. Every change of the world size (the policy's,
+The world size is ``min(target, capacity)``. The job's first ``startup_s`` (its workers
+starting) are paid and train nothing. Every change of the world size (the policy's,
 or a capacity drop or return) stalls training for the job's rescale pause; workers are paid
 for from the moment they are in the world, pauses included. The policy sees exactly what
 the coordinator would measure (``Measurements``): samples/s and the compute/communication
@@ -131,7 +132,7 @@ def run(
     total = float(job.total_steps)
     steps_done, t, cost, worker_s = 0.0, start, 0.0, 0.0
     world, peak, rescales = 0, 0, 0
-    pause_until, last_change = start, None
+    pause_until, last_change = start + job.startup_s, None  # the start-up: paid, no steps
     next_check, interval = start, config.check_every_s
     trained = _Trained(job)
     log: list[tuple[float, int, str]] = []
