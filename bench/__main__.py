@@ -42,6 +42,7 @@ from bench.runners_state import (
     run_store_auth,
     run_tracked_copy,
 )
+from bench.sim_vs_live import run_sim_vs_live, within
 from bench.torchft_peer import run_torchft
 
 MEASUREMENTS = (
@@ -58,6 +59,7 @@ MEASUREMENTS = (
     "tracked_copy",
     "store_auth",
     "torchft",
+    "sim_vs_live",
 )
 
 SIZES = {
@@ -74,18 +76,21 @@ SIZES = {
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
         fsdp_steady=60, tc_steps=600, sa_gens=200, ck_quick=False, ck_steps=None,
+        sim_trace_s=120.0,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=2, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
         ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
         fsdp_steady=30, tc_steps=300, sa_gens=80, ck_quick=True, ck_steps=None,
+        sim_trace_s=90.0,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
         ckcpu_reps=1, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=1,
         fsdp_steady=5, tc_steps=30, sa_gens=10, ck_quick=True, ck_steps=8,
+        sim_trace_s=60.0,
     ),
 }  # fmt: skip
 
@@ -108,6 +113,8 @@ GOALS = {
     "time_to_capacity_spare": "Tidal <= 1 s",
     "cold_start": "Tidal <= 4 s and below torchrun",
     "store_auth_reform": "Tidal <= 1.25x unauthenticated (ratio >= 0.8), 0 values per step",
+    "sim_vs_live": "simulated / live completion time within 0.9..1.1",
+    "sim_vs_live_cost": "simulated / live cost within 0.9..1.1",
 }
 
 
@@ -142,6 +149,8 @@ def met(r: dict, extra: dict) -> bool | None:
         return t <= 4.0 and ratio > 1
     if name == "store_auth_reform":
         return ratio >= 0.8 and extra.get("values_per_step") == 0
+    if name in ("sim_vs_live", "sim_vs_live_cost"):
+        return within(ratio)
     return None
 
 
@@ -191,6 +200,7 @@ RUNNERS = {
     "tracked_copy": (run_tracked_copy, ["tracked_copy_overhead"], "steps/s"),
     "store_auth": (run_store_auth, ["store_auth_reform"], "s"),
     "torchft": (run_torchft, ["torchft_recovery", "torchft_join", "torchft_throughput"], "s"),
+    "sim_vs_live": (run_sim_vs_live, ["sim_vs_live", "sim_vs_live_cost"], "s"),
 }  # fmt: skip
 
 
