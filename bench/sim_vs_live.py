@@ -1,7 +1,8 @@
 """Simulator against reality: ``tidal simulate`` against a live job on the same trace.
 
 A capacity trace (``TRACE``: capacity 2, 3, 1, 2 in four equal parts of ``length_s``, each at
-its own price) drives a live job, ``tidal run --workers 3 --max-workers 3 --capacity TRACE``
+its own price, the cycle repeated ``CYCLES`` times: a job slowed by a loaded machine still
+meets changes to its end) drives a live job, ``tidal run --workers 3 --max-workers 3 --capacity TRACE``
 on the bench's MLP (``bench/train_mlp.py``): the static policy at 3 workers, its world size
 ``min(3, capacity)`` as the trace moves (a drop is a preemption notice, a rise a new worker).
 Its steps are sized from a step of the model timed in this process, so the job lasts about
@@ -42,18 +43,30 @@ BATCH = 64
 #: a step at 2 members over a step in this process (measured here: ws2's 44 ms against
 #: ws1's 31 ms, docs/benchmarks.md; 3 workers share 2 cores): the job's mean.
 SLOWDOWN = 1.6
+CYCLES = 4
 GOAL = (0.9, 1.1)
 
 
 # -- pure parts -----------------------------------------------------------------------------
-def trace_csv(length_s: float, points: Sequence[tuple[float, int, float]] = TRACE) -> str:
-    lines = ["time_s,capacity,price_per_worker_hour"]
-    lines += [f"{round(f * length_s, 3):g},{cap},{price:g}" for f, cap, price in points]
+def trace_csv(
+    length_s: float, points: Sequence[tuple[float, int, float]] = TRACE, cycles: int = CYCLES
+) -> str:
+    """The trace's CSV: ``points`` over ``length_s``, ``cycles`` times over (the last row
+    holds for ever)."""
+    lines, last = ["time_s,capacity,price_per_worker_hour"], None
+    for k in range(cycles):
+        for f, cap, price in points:
+            if (cap, price) != last:  # a row equal to the one before it is no change
+                lines.append(f"{round((k + f) * length_s, 3):g},{cap},{price:g}")
+            last = (cap, price)
     return "\n".join(lines) + "\n"
 
 
-def describe_trace(length_s: float, points: Sequence[tuple[float, int, float]] = TRACE) -> str:
-    return "; ".join(f"{f * length_s:g} s: {cap} @ ${price:g}/h" for f, cap, price in points)
+def describe_trace(
+    length_s: float, points: Sequence[tuple[float, int, float]] = TRACE, cycles: int = CYCLES
+) -> str:
+    one = "; ".join(f"{f * length_s:g} s: {cap} @ ${price:g}/h" for f, cap, price in points)
+    return f"{one}; every {length_s:g} s, {cycles} times, then {points[-1][1]} for ever"
 
 
 def size_steps(length_s: float, step_s: float, slowdown: float = SLOWDOWN) -> int:
@@ -233,11 +246,14 @@ def measure(length_s: float, tmp: Path) -> dict:
     model = measured_model(status, recs)
     args = simulate_args(trace, model)
     sim = run_simulate(args)
+    # what the start-up and wind-down are worth: the same model without them
+    bare = run_simulate([*args[: args.index("--startup")], "--startup", "0", "--json"])
     log(
         f"sim_vs_live: live {live['completion_s']:.1f} s ${live['cost']:.5f}; simulated "
-        f"{sim['completion_s']:.1f} s ${sim['cost']:.5f}; model {model}"
+        f"{sim['completion_s']:.1f} s ${sim['cost']:.5f} (without the start-up "
+        f"{bare['completion_s']:.1f} s ${bare['cost']:.5f}); model {model}"
     )
-    return {"live": live, "sim": sim, "model": model, "simulate": args, "length_s": length_s,
+    return {"live": live, "sim": sim, "sim_no_startup": bare, "model": model, "simulate": args, "length_s": length_s,
             "timed_step_s": one, "trace": trace.read_text()}  # fmt: skip
 
 
