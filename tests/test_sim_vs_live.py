@@ -107,6 +107,18 @@ def test_measured_steps_replace_the_formula_at_their_sizes() -> None:
         base.with_overrides(startup_s=-1.0)
 
 
+def test_the_oracle_rates_a_measured_size_as_the_simulator_does() -> None:
+    import numpy as np
+
+    from tidal.sim.oracle import rates
+
+    job = PRESETS["resnet50-v100"].with_overrides(measured_step_s=((1, 2.0), (3, 0.5)))
+    x = rates(job, np.array([0, 1, 2, 3]))
+    assert x[0] == 0.0
+    assert list(x[1:]) == pytest.approx([job.samples_per_s(n) for n in (1, 2, 3)])
+    assert x[1] == pytest.approx(1024 / 2.0) and x[3] == pytest.approx(1024 / 0.5)
+
+
 def test_the_start_up_is_paid_and_trains_nothing() -> None:
     trace = parse_trace("time_s,capacity,price_per_worker_hour\n0,2,3.6\n")
     job = PRESETS["resnet50-v100"].with_overrides(measured_step_s=((2, 1.0),), total_steps=10)
