@@ -7,7 +7,8 @@ TorchFT, DCP's ``async_save``, or a floor measured in the same run) back to back
 a table of ratios, each row naming its peer, and each peer's configuration once below it;
 ``--json`` writes a list of ``{name, tidal, peer, ratio, unit, peer_name, peer_config}``
 (``bench.rows``). ``ratio`` is above 1 when Tidal is better: Tidal / peer for rates,
-peer / Tidal for times and stalls. A full run also writes
+peer / Tidal for times and stalls; except ``sim_vs_live*`` (``tidal simulate`` against a
+live job on the same trace), whose ratio is simulated / live, its goal 0.9 to 1.1. A full run also writes
 ``bench/results/<date>-<commit>.json`` and a plot beside it (``bench.results``). How each
 peer is tuned: docs/decisions/bench-peers.md.
 """
