@@ -88,6 +88,30 @@ def test_snapshot_is_a_copy(tmp_path):
         assert not torch.equal(snap.model[name], p)
 
 
+@pytest.mark.parametrize("pool", [None, store.Buffers()])
+def test_tracked_state_is_taken_when_the_snapshot_begins(pool) -> None:
+    """An EMA updated in the next step's body (docs/porting.md) changes before the writer's
+    thread completes the snapshot: the checkpoint holds the EMA of the step it is of."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from tidal.tracked import TrackedState
+
+    m, o = model_and_opt()
+    ema = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema.update_parameters(m)
+    before = {k: v.clone() for k, v in ema.state_dict().items()}
+    pending = store.begin_snapshot(step=1, module=m, meta={}, tracked=TrackedState({"ema": ema}), pool=pool)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    ema.update_parameters(m)  # the next step's body, while the copy is in flight
+    snap = pending.complete(m, o)
+    saved = snap.tracked_tensors
+    assert len(saved) == len(before)
+    for got, want in zip(saved.values(), before.values(), strict=True):
+        assert torch.equal(got, want)  # n_averaged 1, the weights before the update
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
 def test_damaged_checkpoint_is_refused_and_the_previous_one_used(tmp_path, damage):
     save(tmp_path, 10)

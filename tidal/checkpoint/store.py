@@ -144,15 +144,15 @@ def _copy(t: torch.Tensor, buffers: Buffers | None, key: str) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True)
 class PendingSnapshot:
-    """The first half of a snapshot, taken at once: what the next forward pass may change
-    (buffers such as running statistics) and the RNG. ``complete`` copies the rest
+    """The first half of a snapshot, taken at once: what the next step's body may change
+    (buffers such as running statistics, tracked state) and the RNG. ``complete`` copies the rest
     (parameters and optimizer state), which nothing changes until the next optimizer step,
     so it may run on another thread while the next step computes."""
 
     step: int
     buffers: dict[str, torch.Tensor]
     meta: dict
-    tracked: Captured  # skeleton by value; tensors by reference, copied by ``complete``
+    tracked: Captured  # taken at ``begin_snapshot``: the skeleton and copies of the tensors
     pool: Buffers | None = None  # where the copies go (None: fresh memory)
 
     @torch.no_grad()
@@ -172,7 +172,7 @@ class PendingSnapshot:
                     tensors[name] = _copy(value, pool, f"o.{name}")
                 else:
                     state_meta.setdefault(str(pid), {})[key] = value
-        tracked = {f"t.{i}": _copy(t, pool, f"t.{i}") for i, t in enumerate(self.tracked.tensors)}
+        tracked = {f"t.{i}": t for i, t in enumerate(self.tracked.tensors)}  # copied at begin
         if pool is not None:
             pool.keep_used()
         return Snapshot(
@@ -195,9 +195,12 @@ def begin_snapshot(
     tracked: TrackedState | None = None,
     pool: Buffers | None = None,
 ) -> PendingSnapshot:
-    """``tracked`` objects' non-tensor state is taken now; their tensors, like parameters,
-    change only after the next optimizer step (``Trainer.after_step``) and are copied by
-    ``complete``. ``pool``: the copies go into its memory (see ``Buffers``)."""
+    """``tracked`` objects' state is taken now, tensors copied: a script may change them in
+    the next step's body, before any optimizer step (an EMA updated there, as
+    docs/porting.md shows), so they cannot wait for ``complete`` as parameters do. Seen: a
+    job resumed from such a checkpoint had its EMA one update ahead (chaos seed
+    340000120: ``n_averaged`` 1201 after 1,200 steps). ``pool``: the copies go into its
+    memory (see ``Buffers``)."""
     params = {id(p) for p in module.parameters()}
     buffers = {
         k: _copy(v, pool, f"m.{k}")
@@ -208,9 +211,14 @@ def begin_snapshot(
         step=step,
         buffers=buffers,
         meta={**meta, "step": step, "time": time.time(), **rng_meta()},
-        tracked=tracked.capture() if tracked else Captured(skeleton={}, tensors=[]),
+        tracked=_copied(tracked.capture(), pool) if tracked else Captured(skeleton={}, tensors=[]),
         pool=pool,
     )
+
+
+def _copied(captured: Captured, pool: Buffers | None) -> Captured:
+    tensors = [_copy(t, pool, f"t.{i}") for i, t in enumerate(captured.tensors)]
+    return Captured(skeleton=captured.skeleton, tensors=tensors)
 
 
 def take_snapshot(
