@@ -77,7 +77,7 @@ def served_coordinator(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
     coord.flush()  # as the loop's first pass would: the status names the URL
     server.start()
     for _ in range(500):
-        if server._server.started:
+        if server.started:
             break
         time.sleep(0.01)
     try:

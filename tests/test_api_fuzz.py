@@ -240,14 +240,16 @@ def test_fuzz_with_the_credential_never_fails_the_server(fuzzed):
     # Stopped last; never started by a tick (none runs), though a member's fuzzed step
     # report of generation 1, with its own credential, rightly marks the job running. A
     # member's fuzzed failure report of kind script_mismatch rightly fails the job at once,
-    # and a decided job takes no stop.
+    # as do three fuzzed checkpoint failures in a row (``checkpoint_rules``), and a decided
+    # job takes no stop.
     assert coord.status(fresh=True).state.value in ("pending", "running")
     if coord.job.outcome is None:
         assert coord.job.stop_requested_at is not None
     else:
         assert coord.job.outcome.value == "failed" and coord.job.stop_requested_at is None
         failed = [e.message for e in coord.status(fresh=True).events if e.kind == "job"]
-        assert any(m.startswith("job failed: worker ") for m in failed), failed
+        rightly = ("job failed: worker ", "job failed: 3 checkpoints in a row could not be written")
+        assert any(m.startswith(rightly) for m in failed), failed
 
 
 # -- the dashboard's routes (not in the schema: include_in_schema=False) ---------------------

@@ -47,7 +47,7 @@ CHROMIUM_FLAGS = [
 
 def _wait_started(server) -> None:
     for _ in range(500):
-        if server._server.started:
+        if server.started:
             return
         time.sleep(0.01)
     raise AssertionError("server did not start")

@@ -151,17 +151,15 @@ def test_the_notice_counter_moves_by_set_and_survives_a_forged_value() -> None:
 
     import torch.distributed as dist
 
-    from tests.ranks import free_port
     from tidal.coordinator.actions import Notify
     from tidal.coordinator.executor import Executor
     from tidal.store_auth import AuthStore, derive_key
     from tidal.store_keys import notice_key, notice_wake_key
 
-    port = free_port()
     timeout = datetime.timedelta(seconds=5)
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     store = AuthStore(server, derive_key("t" * 32))
-    outsider = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    outsider = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
     ex = Executor(backend=None, store=store, namespace="ns", journal=None)
     key = notice_key("ns")
 

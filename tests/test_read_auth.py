@@ -131,7 +131,7 @@ def serve(tmp_path) -> Iterator:
         coord.flush()  # as the loop's first pass would: the status names the URL
         server.start()
         deadline = time.monotonic() + 10
-        while not server._server.started and time.monotonic() < deadline:
+        while not server.started and time.monotonic() < deadline:
             time.sleep(0.01)
         return coord, server.url
 

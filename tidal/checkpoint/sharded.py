@@ -124,12 +124,12 @@ def load_unsharded(
     """Load a sharded checkpoint into a whole (unsharded) ``module`` and its ``optimizer``;
     returns (meta, tracked) for the caller to restore. Names, shapes and dtypes must be the
     model's (``CheckpointMismatch`` otherwise, one line)."""
-    from tidal.checkpoint.store import CheckpointMismatch, _check_model
+    from tidal.checkpoint.store import CheckpointMismatch, check_model
 
     full = read_full(path)
     model = {k[2:]: v for k, v in full["rows"].items() if k.startswith("p.")}
     model |= {k[2:]: v for k, v in full["replicated"].items() if k.startswith("b.")}
-    _check_model(path, model, module)
+    check_model(path, model, module)
     names = {id(p): n for n, p in module.named_parameters()}
     ids = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict] = {}

@@ -352,7 +352,7 @@ def _read_tracked(path: Path) -> tuple[dict, list[torch.Tensor]]:
     return saved["skeleton"], [tensors[f"t.{i}"] for i in range(len(saved["tensors"]))]
 
 
-def _check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+def check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
     """Refuse tensors that are not the model's: names, shapes and dtypes (``load_state_dict``
     would cast a float32 checkpoint into a float64 model without a word)."""
     want = module.state_dict()
@@ -398,7 +398,7 @@ def load(
                 (tracked or TrackedState({})).restore(*saved_tracked)
             return meta
         model = load_file(str(path / "model.safetensors"))
-        _check_model(path, model, module)
+        check_model(path, model, module)
         tensors = load_file(str(path / "optimizer.safetensors"))
         opt_meta = json.loads((path / "optimizer.json").read_text())
         state: dict[int, dict] = {}

@@ -171,7 +171,7 @@ def _host(
     coord.url = server.url
     server.start()
     deadline = time.monotonic() + 30
-    while not server._server.started and time.monotonic() < deadline:
+    while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
     coord.jobdir.write_coordinator(
         url=server.url,

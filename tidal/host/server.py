@@ -231,6 +231,11 @@ class ApiServer:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        """True once the server accepts requests."""
+        return self._server.started
+
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=5)
