@@ -161,6 +161,10 @@ class Coordinator:
                 step=step,
                 schedule_done=len(passed),
                 settled_step=passed[-1] if passed else None,
+                # The checkpoint resumed from is on disk, verified (``launch.cmd_resume``): a
+                # job resumed at its last step has its final checkpoint already (its member
+                # writes none again, and ``end_rules.final_checkpoint`` found it missing).
+                checkpointed={resume.step} if resume else set(),
             )
         self.accounting = Accounting(
             price=spec.price_per_worker_hour,
