@@ -24,7 +24,7 @@ from tidal.coordinator.actions import (
     RecordGeneration,
 )
 from tidal.coordinator.checkpoint_rules import streak_verdict
-from tidal.coordinator.end_rules import completion_refused
+from tidal.coordinator.end_rules import completion_refused, final_checkpoint
 from tidal.coordinator.records import ReformRequest
 from tidal.coordinator.reform_rules import merge_recovery, neighbour_copy_event
 from tidal.coordinator.scale_rules import schedule_near
@@ -66,10 +66,6 @@ class RequestError(ValueError):
 class ReRegister(RuntimeError):
     """A worker that a previous coordinator of the job started called before registering
     with this one (HTTP 409): it must register again, saying where it stands."""
-
-
-def final_checkpoint_failed(step: int, error: str) -> str:
-    return f"the checkpoint of its last step ({step}) could not be written: {error}"
 
 
 class Effects:
@@ -187,7 +183,10 @@ class Effects:
         self.executor.do(RecordCheckpointFailure(error=f.error))
         self.ledger.event("checkpoint", f"checkpoint of step {f.step} failed: {f.error}")
         if self.job.outcome == JobState.SUCCEEDED and f.step >= self.job.step:
-            why = final_checkpoint_failed(f.step, f.error)
+            # the end rule's words for it (one source)
+            why = final_checkpoint(
+                step=f.step, written=False, error=f.error, writer=None, writer_live=False
+            ).why
             self.ledger.decide(JobState.FAILED, why, overturn=True)
         elif (
             self.job.outcome is None
