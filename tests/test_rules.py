@@ -32,6 +32,7 @@ from tidal.coordinator.scale_rules import (
     capacity_victims,
     effective_target,
     leaver_target,
+    newer_forming,
     schedule_ahead,
     schedule_due,
     schedule_near,
@@ -574,6 +575,23 @@ def test_schedule_ahead(schedule, done, step, formed, settled, due) -> None:
 )
 def test_schedule_near(step, near) -> None:
     assert schedule_near(SCHEDULE, step) is near
+
+
+@pytest.mark.parametrize(
+    ("at", "latest", "formed", "held", "forming"),
+    [
+        # the lone survivor holds at 20 in generation 3; generation 4 needs it to form
+        (20, 4, False, [(20, 3), None], True),
+        (20, 4, True, [(20, 3), None], False),  # it formed: nothing waits on them
+        # ``10:2,11:3``: the member holds at 11 in generation 2, whose first-step report
+        # has not come yet: generation 2 is theirs, not a newer one
+        (11, 2, False, [(11, 2), None], False),
+        (11, 2, False, [(10, 1), None], False),  # an earlier hold is not this one's
+        (11, 2, False, [None, None], False),  # nobody holds yet
+    ],
+)
+def test_newer_forming(at, latest, formed, held, forming) -> None:
+    assert newer_forming(at=at, latest=latest, formed=formed, held=held) is forming
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,8 @@ class Effects:
     def apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
         w.step = req.step
         w.script_s, w.beat_generation = req.script_s, req.generation
+        if req.holding:
+            w.held = (req.step, req.generation)
         self.job.step = max(self.job.step, req.step)
         self.job.metrics.update(req.metrics)
         for record in req.step_metrics:  # values of tidal.log, one per (step, name)

@@ -17,7 +17,7 @@ from tidal.checkpoint.store import NAME_RE, newest_good
 from tidal.coordinator.actions import OpenGeneration, RecordGeneration
 from tidal.coordinator.records import GenerationRecord
 from tidal.coordinator.reform_rules import every_member_lost
-from tidal.coordinator.scale_rules import schedule_settled
+from tidal.coordinator.scale_rules import newer_forming, schedule_settled
 from tidal.coordinator.verdicts import Act
 from tidal.protocol import JobState, WorkerState
 
@@ -118,7 +118,14 @@ class Generations:
             target=job.target,
             waited_s=time.monotonic() - job.schedule_applied_at,
             timeout_s=self.spec.start_timeout_s,
-            newer_forming=bool(job.members) and not job.latest.formed,
+            newer_forming=at is not None
+            and bool(job.members)
+            and newer_forming(
+                at=at,
+                latest=job.latest.id,
+                formed=job.latest.formed,
+                held=[job.workers[m].held for m in job.members],
+            ),
         ):
             job.settled_step = at
 

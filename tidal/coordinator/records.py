@@ -22,6 +22,9 @@ class WorkerRecord:
     # What its last heartbeat said of its time in the script and its generation (``busy``).
     script_s: float | None = None
     beat_generation: int = 0
+    # (step, generation) of its last holding heartbeat (``scale_rules.newer_forming``);
+    # kept through plain heartbeats, which its other threads send while it holds.
+    held: tuple[int, int] | None = None
     exit_code: int | None = None
     retired: bool = False  # asked to exit (scale-down, job end)
     kill_reason: str | None = None  # why the coordinator killed it, if it did

@@ -5,6 +5,8 @@ settle. Pure, table-tested (``tests/test_rules.py``); ``scaling`` carries them o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 # -- capacity -----------------------------------------------------------------------------
 def capacity_victims(alive: list[int], members: list[int], capacity: int) -> list[int]:
@@ -109,3 +111,17 @@ def schedule_settled(
     if held_at is None or reached(settled, held_at):
         return False
     return members == target or waited_s > timeout_s or newer_forming
+
+
+def newer_forming(
+    *, at: int, latest: int, formed: bool, held: Iterable[tuple[int, int] | None]
+) -> bool:
+    """Whether generation ``latest``, open and not ``formed``, is newer than the one a
+    member held at scheduled step ``at`` holds in (``held``: each of its members' last
+    holding heartbeat, (step, generation), None if it sent none): then it needs them to
+    form (``schedule_settled``). A generation merely not reported formed yet is not one:
+    at ``10:2,11:3`` a member's holding heartbeat at 11 (which makes the entry at 11 due)
+    may come before its generation's first-step report, and releasing the hold then
+    skipped the change at 11 (the job trained on at 2, the third worker's generation
+    never formed)."""
+    return not formed and any(h is not None and h[0] == at and h[1] < latest for h in held)
