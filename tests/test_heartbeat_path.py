@@ -134,7 +134,7 @@ def test_a_holding_member_is_answered_once_its_step_is_settled(served, monkeypat
     held.join(0.5)
     assert held.is_alive() and not done  # not settled: kept back...
     assert coord.job.workers[0].step == 10  # ...though applied before the wait
-    assert beat(client, step=10)["settled_step"] == -1  # a quick beat is answered meanwhile
+    assert beat(client, step=10)["settled_step"] is None  # a quick beat is answered meanwhile
     with coord.lock:
         coord.job.settled_step = 10
         coord.publisher.publish()
@@ -197,7 +197,7 @@ def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(se
     with coord.lock:
         coord.generations.open([1], "a scheduled shrink leaves 0 out")  # publishes
     held.join(10)
-    assert done and done[0]["role"] == "standby" and done[0]["settled_step"] == -1
+    assert done and done[0]["role"] == "standby" and done[0]["settled_step"] is None
 
 
 def test_a_hold_never_settled_is_answered_after_the_bound(served, monkeypatch):
@@ -208,7 +208,7 @@ def test_a_hold_never_settled_is_answered_after_the_bound(served, monkeypatch):
     with coord.lock:
         coord.generations.open([0], "test")
     answer = beat(client, step=10, generation=1, holding=True)
-    assert answer["role"] == "member" and answer["settled_step"] == -1
+    assert answer["role"] == "member" and answer["settled_step"] is None
 
 
 def test_a_worker_of_a_previous_coordinator_must_register_again_on_the_quick_path(served):

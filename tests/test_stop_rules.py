@@ -53,25 +53,38 @@ def test_accept_stop(kw, recorded, step, writer, event) -> None:
         assert v.record.worker_id == kw.get("worker_id", 1) and v.record.members == (0, 1)
 
 
+RUNNING = "running"
+
+
 def _exits(*codes, killed=()):
-    return {i: MemberExit(code=c, killed=i in killed, detail="Boom") for i, c in enumerate(codes)}
+    """One member per code; ``RUNNING``: still running; None: ended, its code unknown."""
+    return {
+        i: MemberExit(
+            running=c == RUNNING,
+            code=None if c == RUNNING else c,
+            killed=i in killed,
+            detail="Boom",
+        )
+        for i, c in enumerate(codes)
+    }
 
 
 @pytest.mark.parametrize(
     "exits, checkpoints, written, error, action, words",
     [
-        (_exits(None, 0), False, False, None, Act.WAIT, ""),  # a member still running
+        (_exits(RUNNING, 0), False, False, None, Act.WAIT, ""),  # a member still running
         (_exits(0, 0), False, False, None, Act.SUCCEED, "stopped the job at step 51"),
         (_exits(0, 0), True, True, None, Act.SUCCEED, "final checkpoint written"),
         (_exits(0, 0), True, False, None, Act.FAIL, "was not written"),
-        (_exits(None, 0), True, False, "disk full", Act.FAIL, "disk full"),
-        (_exits(0, None), True, True, None, Act.WAIT, ""),
+        (_exits(RUNNING, 0), True, False, "disk full", Act.FAIL, "disk full"),
+        (_exits(0, RUNNING), True, True, None, Act.WAIT, ""),
         # a script that raised (a raise closes the loop as a break does): the job fails
         (_exits(0, 1), True, True, None, Act.FAIL, "worker 1 then exited with code 1: Boom"),
-        (_exits(None, 1), False, False, None, Act.FAIL, "exited with code 1"),
+        (_exits(RUNNING, 1), False, False, None, Act.FAIL, "exited with code 1"),
         # killed by the coordinator (outstayed its grace), or lost to a signal: not failed
         (_exits(0, 1, killed=(1,)), False, False, None, Act.SUCCEED, ""),
         (_exits(-9, 0), True, True, None, Act.SUCCEED, ""),
+        (_exits(None, 0), True, True, None, Act.SUCCEED, ""),  # ended, its code unknown: lost
     ],
 )
 def test_stop_outcome(exits, checkpoints, written, error, action, words) -> None:

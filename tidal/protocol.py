@@ -345,7 +345,9 @@ class HeartbeatResponse(BaseModel):
     role: Role
     generation: GenerationInfo | None = None
     stop: bool = False
-    settled_step: int = -1
+    # The newest ``--schedule`` step whose membership is settled: members held there go on
+    # (``Membership.hold``); None before any.
+    settled_step: int | None = None
     interval_s: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
     # A member's script stopped the job (``StopReport``): every member ends at this step, and
     # only the worker told so (``StopAnswer.writer``) writes the final checkpoint.

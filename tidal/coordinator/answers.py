@@ -59,8 +59,7 @@ class Answers:
             stop=self.stop,
             stop_step=self.stop_step,
             busy=sorted(self.busy) if role == Role.MEMBER else [],
-            # The wire's word for none yet is -1 (``HeartbeatResponse``: the API's contract).
-            settled_step=self.settled_step if self.settled_step is not None else -1,
+            settled_step=self.settled_step,
             interval_s=interval if interval != self.base_s else None,
         )
 

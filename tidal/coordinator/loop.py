@@ -159,8 +159,9 @@ class ControlLoop:
             return
         exits = {}
         for w in (job.workers[m] for m in stop.members if m in job.workers):
-            code = None if w.live else (w.exit_code if w.exit_code is not None else -1)
+            code = None if w.live else w.exit_code
             exits[w.id] = MemberExit(
+                running=w.live,
                 code=code,
                 killed=w.kill_reason is not None,
                 detail=self.executor.describe_exit(w.id) if code is not None and code > 0 else "",

@@ -96,11 +96,13 @@ def accept_stop(
 
 @dataclass(frozen=True, kw_only=True)
 class MemberExit:
-    """How a member of the stop's generation ended: ``code`` its exit code (None: still
-    running); ``killed``: the coordinator killed it (it missed heartbeats, or outstayed
-    its grace); ``detail``: a line of its log, for a failed script."""
+    """How a member of the stop's generation ended: ``running``: not yet; ``code`` its exit
+    code (None while running, or when the backend could not learn it: lost, as to a
+    signal); ``killed``: the coordinator killed it (it missed heartbeats, or outstayed its
+    grace); ``detail``: a line of its log, for a failed script."""
 
-    code: int | None
+    running: bool = False
+    code: int | None = None
     killed: bool = False
     detail: str = ""
 
@@ -127,7 +129,7 @@ def stop_outcome(
             return fail(f"{who}; worker {wid} then exited with code {e.code}{line}")
     if error is not None and checkpoints and stop.checkpoint:
         return fail(f"{who}; its final checkpoint could not be written: {error}")
-    if any(e.code is None for e in exits.values()):
+    if any(e.running for e in exits.values()):
         return WAIT
     if not checkpoints:
         return succeed(who)

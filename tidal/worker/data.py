@@ -57,7 +57,7 @@ class ElasticSampler:
         self.seed = seed
         # A stream's one "epoch" never ends.
         self.steps_per_epoch = dataset_size // global_batch_size if dataset_size else None
-        self._perm_epoch = -1
+        self._perm_epoch: int | None = None  # the epoch ``_perm`` is of
         self._perm = torch.empty(0, dtype=torch.long)
 
     def position(self, step: int) -> DataPosition:

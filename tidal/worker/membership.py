@@ -203,7 +203,8 @@ class Membership:
             else:
                 link.notices.mark()  # before the answer, which ``join`` may take as fetched
                 resp = link.agent.beat_now(holding=True)
-            if resp.stop or resp.settled_step >= step or resp.role != Role.MEMBER:
+            settled = resp.settled_step is not None and resp.settled_step >= step
+            if resp.stop or settled or resp.role != Role.MEMBER:
                 break
             link.agent.wait_change(0.005)
         self.hold_answer = (step, resp)  # what it was told (sharding gathers on a shrink)
