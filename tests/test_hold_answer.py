@@ -18,13 +18,13 @@ from e2e_helpers import Home, call_log, relative_l2, summarize
 
 def run_scheduled(home: Home, name: str, opts: tuple[str, ...], script_args: list[str], sizes):
     """Run ``examples/digits.py`` under ``tidal run`` with ``opts``; assert it succeeded with
-    generations of ``sizes`` ((world size, start step), in order); return them."""
+    generations of ``sizes`` ((world size, start step), in order); return its status."""
     proc, job = home.run(name, *opts, script_args=script_args, timeout=140)
     status = job.status()
     assert proc.returncode == 0, summarize(status)
     gens = status["generations"]
     assert [(g["world_size"], g["start_step"]) for g in gens] == sizes, summarize(status)
-    return gens
+    return status
 
 
 SITE = """
@@ -59,13 +59,14 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
     tidal_home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = call_log(tmp_path, monkeypatch, SITE, "HOLD_ANSWER_LOG")
-    gens = run_scheduled(
+    status = run_scheduled(
         tidal_home,
         "held",
         ("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
         ["--max-steps", "90"],
         [(2, 0), (3, 30), (2, 60)],
     )
+    gens = status["generations"]
     calls = [line.split() for line in log.read_text().splitlines()]
     # fetch/beat, worker, generation, step, holding, thread, approaching
     for before, after in zip(gens, gens[1:], strict=False):
@@ -132,9 +133,10 @@ def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
     call_log(tmp_path, monkeypatch, SLOW_BEATS, "SLOW_BEATS")
     opts = ("--workers", "1", "--max-workers", "3", "--schedule", "10:2,11:3")
     opts += ("--heartbeat-timeout", "100", "--collective-timeout", "200", "--orphan-timeout", "300")
-    gens = run_scheduled(
+    status = run_scheduled(
         tidal_home, "consecutive", opts, ["--max-steps", "20"], [(1, 0), (2, 10), (3, 11)]
     )
+    gens = status["generations"]
     # The pause of the change at 11 (its members' gap between steps 10 and 11): a hang
     # detector, a sixth of the beats' interval; such a change takes milliseconds.
     assert gens[2]["pause_s"] is not None and gens[2]["pause_s"] < 10.0, gens
@@ -202,18 +204,23 @@ def test_a_leaver_that_knows_it_leaves_skips_its_last_update(
     log = call_log(tmp_path, monkeypatch, LEAVER_WAITS, "LEAVER_LOG")
     out = tmp_path / "final.safetensors"
     args = ["--max-steps", "90", "--double", "--save", str(out)]
-    gens = run_scheduled(
+    status = run_scheduled(
         tidal_home,
         "leaver",
         ("--workers", "2", "--max-workers", "3", "--schedule", "30:3,60:2"),
         args,
         [(2, 0), (3, 30), (2, 60)],
     )
+    gens = status["generations"]
     said = {
         (int(w), int(step), what, seen)
         for w, step, what, seen in map(str.split, log.read_text().splitlines())
     }
     leaver = set(gens[1]["members"]) - set(gens[2]["members"])
+    # ... and the job's events say so, once per leaver (``protocol.Departure``)
+    left = [e["message"] for e in status["events"] if e["kind"] == "leave"]
+    assert [m.split()[1] for m in left] == [str(w) for w in sorted(leaver)], left
+    assert all("before the update of step 59 of generation 2" in m for m in left), left
     # Every member saw the next generation before its update of the step before the change,
     # without holding there first (no heartbeat said the step itself yet): the change was
     # applied a step ahead. The leaver then left without that update; the others made it.

@@ -298,6 +298,16 @@ class StepSeries(BaseModel):
     value: list[MetricValue] = Field(default_factory=list)
 
 
+class Departure(BaseModel):
+    """A member left a scheduled change before its update of ``step`` in ``generation``,
+    that step uncommitted (``worker.leaving``): the coordinator records it as an event of
+    kind ``leave`` (what ``bench.chaos`` counts, read from the job's events)."""
+
+    step: Step
+    generation: Id
+    why: str = Field(max_length=300)
+
+
 class HeartbeatRequest(BaseModel):
     """``leaving``: the worker got a preemption notice (SIGTERM, or its cloud's metadata:
     ``notice`` says which) and asks to leave at the
@@ -325,6 +335,7 @@ class HeartbeatRequest(BaseModel):
     checkpoints: list[CheckpointView] = Field(default_factory=list, max_length=1000)
     checkpoint_failures: list[CheckpointFailure] = Field(default_factory=list, max_length=1000)
     step_metrics: list[StepMetrics] = Field(default_factory=list, max_length=MAX_STEP_RECORDS)
+    departures: list[Departure] = Field(default_factory=list, max_length=100)
 
     @property
     def held_at(self) -> int | None:

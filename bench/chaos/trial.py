@@ -36,7 +36,6 @@ from e2e_helpers import MARKER_VAR, Home, Job, pid_alive, summarize
 
 from bench.chaos import checks, steps
 from bench.chaos.records import Event, JobEnded, Settings, TrialFailure
-from tidal.worker.leaving import LEFT_BEFORE_UPDATE
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "bench" / "chaos" / "train.py"
@@ -308,16 +307,14 @@ class Trial:
         return self.settle(s["step"], f"scale up to {n} workers")
 
     def leaver_skips(self) -> int:
-        """How many times a member left before its last update (``tidal/worker/leaving.py``:
-        the line each such leaver prints in its log)."""
-        logs = self.job.dir / "logs" if self.job else None
-        found = 0
-        for path in logs.glob("worker-*.log") if logs is not None and logs.is_dir() else []:
-            try:
-                found += path.read_text(errors="replace").count(LEFT_BEFORE_UPDATE)
-            except OSError:  # a log gone with a cleanup: nothing to count there
-                continue
-        return found
+        """How many times a member left before its last update (``tidal/worker/leaving.py``):
+        the job's events of kind ``leave`` (``protocol.Departure``), as status reads them."""
+        if self.job is None:
+            return 0
+        try:
+            return len(_messages(self.job.poll(), "leave"))
+        except Exception:  # noqa: BLE001 - a job that never started has no events
+            return 0
 
     def arm(self, spec: str) -> None:
         write_atomic(self.faults_file, spec + "\n")

@@ -164,6 +164,12 @@ class Effects:
             w.notice = w.notice or req.notice
         for report in req.reports:
             self.on_step_report(report)
+        for d in req.departures:
+            self.ledger.event(
+                "leave",
+                f"worker {w.id} left before the update of step {d.step} of generation "
+                f"{d.generation}: {d.why}",
+            )
         if req.leaving or schedule_near(self.spec.schedule, req.step):
             self.wake.set()  # a preemption notice, or members at or just before a scheduled step
 

@@ -28,6 +28,7 @@ from tidal.protocol import (
     MAX_STEP_RECORDS,
     CheckpointFailure,
     CheckpointView,
+    Departure,
     DoneReport,
     FailureKind,
     FailureReport,
@@ -94,6 +95,7 @@ class Agent:
         self._latest_asked = -1
         self._metrics: dict[str, float] = {}
         self._reports: list[StepReport] = []
+        self._departures: list[Departure] = []
         self._checkpoints: list[CheckpointView] = []
         self._checkpoint_failures: list[CheckpointFailure] = []
         self._step_metrics: list[StepMetrics] = []
@@ -194,11 +196,13 @@ class Agent:
                 script_s=self.script_s(),
                 metrics=self._metrics,
                 reports=self._reports,
+                departures=self._departures,
                 checkpoints=self._checkpoints,
                 checkpoint_failures=self._checkpoint_failures,
                 step_metrics=self._step_metrics[:MAX_STEP_RECORDS],
             )
             self._metrics, self._reports, self._checkpoints = {}, [], []
+            self._departures = []
             self._checkpoint_failures = []
             self._step_metrics = self._step_metrics[MAX_STEP_RECORDS:]
             if self._step_metrics:
@@ -254,6 +258,7 @@ class Agent:
                 self._step_metrics = req.step_metrics + self._step_metrics
                 self._bound_step_metrics()
             self._reports = req.reports + self._reports
+            self._departures = req.departures + self._departures
             self._checkpoints = req.checkpoints + self._checkpoints
             self._checkpoint_failures = req.checkpoint_failures + self._checkpoint_failures
 
@@ -368,6 +373,13 @@ class Agent:
         """Put ``report`` in the outbox: it goes with the next heartbeat (``send_soon``)."""
         with self._lock:
             self._reports.append(report)
+
+    def post_departure(self, departure: Departure) -> None:
+        """Put ``departure`` in the outbox and send it now (a leaver's next call may be its
+        last: it goes to standby or exits)."""
+        with self._lock:
+            self._departures.append(departure)
+        self._wake.set()
 
     def send_soon(self) -> None:
         """Send the next heartbeat now, with whatever waits in the outbox."""

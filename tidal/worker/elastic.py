@@ -28,9 +28,8 @@ import atexit
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from tidal.protocol import Role
+from tidal.protocol import Departure, Role
 from tidal.worker import busy, ddp, landing, probes
-from tidal.worker.leaving import LEFT_BEFORE_UPDATE
 from tidal.worker.step import Step
 from tidal.worker.stopping import LoopStep, commits_on_break, writes_final
 
@@ -252,11 +251,10 @@ class ElasticLoop:
                     continue
                 clock.time_split(step.started, m.control)
                 if (why := m.leaves_uncommitted(index + 1, max_steps)) is not None:
-                    print(  # one line a leaver: what bench.chaos counts
-                        f"tidal: worker {link.worker_id} {LEFT_BEFORE_UPDATE} {index} of "
-                        f"generation {m.generation}: {why}",
-                        flush=True,
-                    )
+                    if link.agent is not None:  # an event of the job's (``Departure``)
+                        link.agent.post_departure(
+                            Departure(step=index, generation=m.generation, why=why)
+                        )
                     if mark is not None:  # as after a failed step: the step is not applied
                         tracked.rewind(mark)
                     objects.optimizer.zero_grad(set_to_none=True)

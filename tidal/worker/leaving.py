@@ -30,11 +30,6 @@ it a step behind and sends it the state.
 
 from __future__ import annotations
 
-#: The words of the one line a leaver prints as it leaves uncommitted (``tidal: worker N``,
-#: these words, ``S of generation G: why``): in the worker's log, and what ``bench.chaos``
-#: counts to show its scale-downs exercised this rule.
-LEFT_BEFORE_UPDATE = "left before the update of step"
-
 
 def leave_uncommitted(
     *,

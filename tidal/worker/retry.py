@@ -44,7 +44,7 @@ class Refused:
         return cls(
             metrics=len(req.metrics),
             step_records=len(req.step_metrics),
-            reports=len(req.reports),
+            reports=len(req.reports) + len(req.departures),  # both Tidal's step reports
             checkpoints=[(c.step, c.path) for c in req.checkpoints],
             checkpoint_failures=len(req.checkpoint_failures),
         )
