@@ -1,6 +1,7 @@
 """Results as data: a run's rows with the facts needed to compare runs.
 
-``write(folder, rows, ...)`` writes ``<folder>/<date>-<commit>.json`` (``record``'s
+``write(folder, rows, ...)`` writes ``<folder>/<date>-<commit>.json`` (``-2``, ``-3`` ... for
+a later run of the same commit on the same day: ``free_name``; ``record``'s
 fields: ``date``, ``commit``, ``dirty``, ``run``, ``measurements``, ``machine`` {``cpus``,
 ``model``, ``platform``}, ``python``, ``torch``, ``peers`` {peer_name: [configs]},
 ``rows`` (the contract's rows, each with ``samples`` {tidal, peer}: a summary of its raw
@@ -84,9 +85,19 @@ def write(folder: Path, rows: list[dict], *, run: str, measurements: list[str],
     data = record(rows, run=run, measurements=measurements, errors=errors, commit=commit,
                   dirty=dirty, date=date, torch_version=torch.__version__)  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{date}-{commit}.json"
+    path = free_name(folder, f"{date}-{commit}")
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     plot(rows, path.with_suffix(".png"))
+    return path
+
+
+def free_name(folder: Path, stem: str) -> Path:
+    """``folder/stem.json``, or ``stem-2.json``, ``stem-3.json``, ... for the second and
+    later runs of one commit on one day: a run never overwrites another."""
+    path, n = folder / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}.json"
     return path
 
 

@@ -145,3 +145,34 @@ def test_the_results_plot_draws_each_row_with_samples_on_both_sides(tmp_path) ->
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot(rows[1:], tmp_path / "none.png") is None  # no row with both sides: nothing
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_second_run_of_a_commit_on_a_day_gets_its_own_file(tmp_path) -> None:
+    from bench.results import free_name
+
+    first = free_name(tmp_path, "2026-12-07-abc1234")
+    assert first.name == "2026-12-07-abc1234.json"
+    first.write_text("{}")
+    second = free_name(tmp_path, "2026-12-07-abc1234")
+    assert second.name == "2026-12-07-abc1234-2.json"
+    second.write_text("{}")
+    assert free_name(tmp_path, "2026-12-07-abc1234").name == "2026-12-07-abc1234-3.json"
+
+
+def test_the_page_table_shows_both_runs_and_judges_each_goal() -> None:
+    from bench.page import table
+
+    def run(commit: str, ratio: float) -> dict:
+        row = {"name": "throughput_ws1", "tidal": 100.0 * ratio, "peer": 100.0, "unit":
+               "samples/s", "ratio": ratio, "peer_name": "ddp"}  # fmt: skip
+        extra = {"name": "cold_start", "tidal": 2.0, "peer": 3.0, "unit": "s", "ratio": 1.5,
+                 "peer_name": "torchrun"}  # fmt: skip
+        return {"commit": commit, "rows": [row] + ([extra] if commit == "b" else [])}
+
+    lines = table([run("a", 0.99), run("b", 0.97)]).splitlines()
+    assert lines[0].startswith("| row | peer | a: Tidal | a: peer | a: ratio | b: Tidal")
+    (thr,) = [line for line in lines if "`throughput_ws1`" in line]
+    assert "| ddp | 99 | 100 | 0.99 | 97 | 100 | 0.97 |" in thr
+    assert thr.endswith("ratio >= 0.98 (met / NOT met) |"), thr
+    (cold,) = [line for line in lines if "`cold_start`" in line]
+    assert "|  |  |  | 2 | 3 | 1.5 |" in cold  # a row only the second run has

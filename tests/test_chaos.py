@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tidal.checkpoint.writer import AsyncCheckpointer
-from tidal.testing.faults import FaultInjector
+from tidal.testing.faults import FaultInjector, fired_records
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["point", "coordinator", "term"]
@@ -43,6 +43,12 @@ def test_faults_armed_in_a_file_fire_once_while_the_worker_runs(
     armed.write_text("raise@worker=3,phase=allreduce,id=b\n")
     with pytest.raises(RuntimeError):
         injector.maybe_fire(7, "allreduce")
+    # what a harness reads: one record a firing, in order (``fired_records``)
+    got = [(r["spec"], r["worker"], r["step"], r["phase"]) for r in fired_records(armed)]
+    assert got == [
+        ("raise@worker=3,phase=allreduce,id=a", 3, 5, "allreduce"),
+        ("raise@worker=3,phase=allreduce,id=b", 3, 7, "allreduce"),
+    ]
 
 
 def test_the_checkpoint_phase_fires_inside_the_write_and_leaves_no_checkpoint(

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "tidal"
 # Bottom to top; a top-level module or package of ``tidal`` may import its own and lower
 # layers only. Packages of one layer are siblings: they import neither each other.
 LAYERS: list[set[str]] = [
-    {"backoff"},  # the retry loops' one wait rule: imports nothing of tidal
+    {"backoff", "logconfig"},  # the retry loops' one wait rule; the log's one handler
     {"restarts", "preemption"},  # pure parsers and rules of settings: import nothing of tidal
     {"config", "protocol", "store_keys", "store_auth", "access", "tracked", "devices", "pids"},
     {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics", "terminal"},

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tidal import logconfig
+
 if TYPE_CHECKING:
     from tidal.worker.runtime import Step, Trainer, log
     from tidal.worker.sources import IndexDataset, sample_seed, sample_seeds
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["Step", "Trainer", "log", "IndexDataset", "sample_seed", "sample_seeds"]
 _SOURCES = {"IndexDataset", "sample_seed", "sample_seeds"}
 __version__ = "0.1.0"
+logconfig.install()  # the ``tidal`` logger's one handler (its own logger only)
 
 
 def __getattr__(name: str) -> object:

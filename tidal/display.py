@@ -115,18 +115,9 @@ def print_outcome(coord: Coordinator) -> int:
                 flush=True,
             )
         return 0
-    prefix = f"job {state.value}: "
-    try:
-        reasons = [
-            e.message.removeprefix(prefix)
-            for e in coord.executor.db.load_events(name)
-            if e.kind == "job" and e.message.startswith(prefix)
-        ]
-    except Exception:  # noqa: BLE001 - the records may be unreadable; say what is known
-        reasons = []
     note = final_note(coord)
     if state == JobState.FAILED:
-        why = reasons[-1] if reasons else f"at step {coord.job.step}; see `tidal status {name}`"
+        why = coord.job.outcome_why or f"at step {coord.job.step}; see `tidal status {name}`"
         if note is not None and "newest checkpoint" not in why:
             why += f"; {newest_line(newest_on_disk(coord))}"
         line = f"tidal: error: job {name} failed: {why}"

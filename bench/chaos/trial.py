@@ -36,6 +36,7 @@ from e2e_helpers import MARKER_VAR, Home, Job, pid_alive, summarize
 
 from bench.chaos import checks, steps
 from bench.chaos.records import Event, JobEnded, Settings, TrialFailure
+from tidal.testing.faults import fired_records
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "bench" / "chaos" / "train.py"
@@ -320,14 +321,9 @@ class Trial:
         write_atomic(self.faults_file, spec + "\n")
 
     def fired(self, spec: str) -> float | None:
-        """When the armed fault ``spec`` fired (its line in a worker log), or None."""
-        logs = self.job.dir / "logs"
-        needle = f"tidal-fault: {spec} fired"
-        for path in logs.glob("worker-*.log") if logs.is_dir() else []:
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith(needle):
-                    return float(line.rsplit(" ", 1)[1])
-        return None
+        """When the armed fault ``spec`` fired (the workers' record of it), or None."""
+        found = [r["time"] for r in fired_records(self.faults_file) if r["spec"] == spec]
+        return found[0] if found else None
 
     def wait_fired(self, spec: str, timeout: float) -> float | None:
         end = time.monotonic() + timeout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -14,6 +15,8 @@ from tidal.backends.gpus import assign_gpu, check_spec, device_entry, entry_inde
 from tidal.backends.pidwatch import PidWatch, proc_gone
 from tidal.backends.zygote import Zygote, fork_refusal
 from tidal.config import JobSpec
+
+log = logging.getLogger(__name__)
 
 #: How many workers a core may hold: a worker spends part of each step waiting on its peers'
 #: gradients, so a few per core still train (the tests run 4 on 2 cores). ``--oversubscribe``
@@ -134,7 +137,7 @@ def start_zygote(spec: JobSpec, log_dir: Path) -> Zygote | None:
     try:
         return Zygote(python=spec.python, env=worker_base_env(), log=log_dir / "zygote.log")
     except OSError as exc:
-        print(f"tidal: the zygote did not start ({exc}): workers start with exec", file=sys.stderr)
+        log.warning("the zygote did not start (%s): workers start with exec", exc)
         return None
 
 

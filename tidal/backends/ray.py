@@ -28,7 +28,6 @@ import hashlib
 import logging
 import os
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,8 @@ from typing import Any
 from tidal.backends.base import Backend, Exit
 from tidal.config import ClusterSpec, JobSpec
 from tidal.protocol import ENV_TOKEN
+
+log = logging.getLogger(__name__)
 
 WAIT_S = 0.05
 NAMESPACE = "tidal"  # where the workers' named actors live, whatever the driver's namespace
@@ -234,7 +235,7 @@ class RayBackend(Backend):
                 # and is handled as hung. Keep trying: the connection may come back.
                 if not self._warned:
                     self._warned = True
-                    print(f"tidal: warning: Ray is not answering: {exc}", file=sys.stderr)
+                    log.warning("Ray is not answering: %s", exc)
                 self._closing.wait(1.0)
                 continue
             for ref in ready:

@@ -17,7 +17,7 @@ sends it to the coordinator, which records an event and decides the job's outcom
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +27,8 @@ import torch
 
 from tidal.checkpoint import store
 from tidal.tracked import TrackedState
+
+log = logging.getLogger(__name__)
 
 
 class AsyncCheckpointer:
@@ -108,8 +110,7 @@ class AsyncCheckpointer:
             store.prune(self.directory, self.keep, fence=self.fence)
         except Exception as exc:  # noqa: BLE001 - a failed write must not kill training
             error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
-            line = f"tidal: checkpoint of step {snap.step} failed: {error}"
-            print(line, file=sys.stderr, flush=True)
+            log.warning("checkpoint of step %s failed: %s", snap.step, error)
             if self.on_failed is not None:
                 self.on_failed(snap.step, error)
             return

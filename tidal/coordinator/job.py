@@ -60,6 +60,9 @@ class Job:
     #: Wall times of the latest losses, as many as a rate of --max-restarts needs.
     loss_times: list[float] = field(default_factory=list, metadata=DURABLE)
     outcome: JobState | None = None
+    #: Why, in the words of the rule that decided it (None: a ``tidal stop``, or none yet):
+    #: what ``tidal run`` prints at the end, read from here, not parsed back from events.
+    outcome_why: str | None = field(default=None, metadata=DURABLE)
     stop_requested_at: float | None = None  # monotonic
     #: A member's collective failed in the latest generation: re-form it.
     reform_requested: ReformRequest | None = None

@@ -86,7 +86,7 @@ def decide(
     elif job.outcome is not None:
         raise PhaseError(f"the job's outcome is decided already ({job.outcome.value})")
     _move(job, Phase.DECIDED)
-    job.outcome = outcome
+    job.outcome, job.outcome_why = outcome, why
     actions: list[Action] = [RecordControl(control=control_of(job).to_dict())]
     if why is not None:
         event = EventView(time=now, kind="job", message=f"job {outcome.value}: {why}")

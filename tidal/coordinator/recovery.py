@@ -53,6 +53,7 @@ class Control:
     schedule_done: int = 0
     stop_requested: bool = False
     outcome: str | None = None  # a decided ``JobState``, not yet reached
+    outcome_why: str | None = None  # ``Job.outcome_why``
     completing: tuple[int, int] | None = None  # (worker, step): awaiting the final checkpoint
     checkpoint_failed: dict[int, str] = field(default_factory=dict)
     # The failed collectives in a row at one step (``reform_rules.repeated_failure``): the count

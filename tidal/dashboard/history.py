@@ -17,8 +17,8 @@ TensorBoard sink, which writes a step once it is settled.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
-import sys
 import threading
 import time
 from collections import deque
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from tidal.coordinator.step_metrics import StepValue
     from tidal.tensorboard import TensorBoardSink
 
+
+log = logging.getLogger(__name__)
 SAMPLE_EVERY_S = 0.2
 IDLE_EVERY_S = 2.0  # a point even when nothing changed, so the time axis keeps moving
 WRITE_EVERY_S = 0.5
@@ -180,17 +182,16 @@ class Recorder:
             text = f"{type(exc).__name__}: {exc}"[:500]
             if text != self._last_error:
                 self._last_error = text
-                print(
-                    f"tidal: warning: dashboard history: {text} (the charts keep the newest "
-                    f"{RING} points in memory until it records again)",
-                    file=sys.stderr,
+                log.warning(
+                    "dashboard history: %s (the charts keep the newest %d points in memory "
+                    "until it records again)",
+                    text,
+                    RING,
                 )
         else:
             if self._failures:
-                print(
-                    f"tidal: dashboard history records again, after {self._failures} failed "
-                    "attempts",
-                    file=sys.stderr,
+                log.info(
+                    "dashboard history records again, after %d failed attempts", self._failures
                 )
                 self._failures, self._last_error = 0, None
 
@@ -225,4 +226,4 @@ class Recorder:
                 if close is not None:
                     close()
             except Exception as exc:  # noqa: BLE001 - the job's outcome matters more
-                print(f"tidal: warning: dashboard history: {exc}", file=sys.stderr)
+                log.warning("dashboard history: %s", exc)

@@ -35,7 +35,9 @@ whichever worker id that turns out to be. Each fault fires once, the first time 
 ``TIDAL_FAULTS=@PATH`` reads the list from the file ``PATH`` instead (``;`` or newlines
 between faults), again whenever the file changes: a campaign arms a fault while the job
 runs (``bench.chaos``). Every fault that fires first prints one line to stderr (the
-worker's log): ``tidal-fault: SPEC fired at step S phase P gen G time T``.
+worker's log): ``tidal-fault: SPEC fired at step S phase P gen G time T``; with ``@PATH``
+it also appends one JSON record to ``PATH.fired`` (``fired_records``), what a harness
+reads instead of the logs.
 
 ``hold`` needs ``@PATH``: the worker writes the file ``PATH.held`` (its spec) and waits,
 without timing out before ``HOLD_S``, until the file ``PATH.release`` exists. A test acts on
@@ -46,6 +48,7 @@ between a member's publishing of its address and its reading of its peers', at
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -112,6 +115,27 @@ class FaultInjector:
         self._seen: tuple[int, int] | None = None
         self._fired: set[Fault] = set()
 
+    def _record(self, fault: Fault, *, step: int, phase: str, gen: int | None, now: float) -> None:
+        """With ``@PATH``: one JSON line in ``PATH.fired`` for what a harness reads
+        (``fired_records``), appended in one write (the members share the file)."""
+        if self._path is None:
+            return
+        line = json.dumps(
+            {
+                "spec": fault.spec,
+                "worker": self._worker_id,
+                "step": step,
+                "phase": phase,
+                "gen": gen,
+                "time": now,
+            }
+        )
+        fd = os.open(f"{self._path}.fired", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
     @classmethod
     def from_environ(cls, worker_id: int) -> FaultInjector:
         spec = os.environ.get("TIDAL_FAULTS", "")
@@ -144,12 +168,14 @@ class FaultInjector:
             if fault.phase == phase and fault.step in (None, step) and fault.gen in (None, gen):
                 self._pending.remove(fault)
                 self._fired.add(fault)
-                print(
+                now = time.time()
+                print(  # for the reader of the worker's log
                     f"{FIRED_PREFIX} {fault.spec} fired at step {step} phase {phase} "
-                    f"gen {gen} time {time.time():.3f}",
+                    f"gen {gen} time {now:.3f}",
                     file=sys.stderr,
                     flush=True,
                 )
+                self._record(fault, step=step, phase=phase, gen=gen, now=now)
                 if fault.kind == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif fault.kind == "sigstop":
@@ -180,3 +206,20 @@ def install_from_environ() -> FaultInjector | None:
     injector = FaultInjector.from_environ(int(wid))
     probes.install(lambda phase, step, gen: injector.maybe_fire(step, phase, gen))
     return injector
+
+
+def fired_records(path: str | os.PathLike) -> list[dict]:
+    """The faults that fired under ``TIDAL_FAULTS=@PATH``, as the workers recorded them
+    (``spec``, ``worker``, ``step``, ``phase``, ``gen``, ``time``), oldest first; a line
+    cut short by a worker killed while writing it is skipped."""
+    try:
+        text = open(f"{os.fspath(path)}.fired").read()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -174,11 +173,11 @@ class Agent:
 
     def _exit_if_orphaned(self, error: Exception) -> None:
         if time.monotonic() - self._last_ok > self._orphan_timeout_s and not self._closed:
-            print(
-                f"tidal: no coordinator answered for {self._orphan_timeout_s:.0f} s "
-                f"({type(error).__name__}: {error}); exiting",
-                file=sys.stderr,
-                flush=True,
+            log.error(
+                "no coordinator answered for %.0f s (%s: %s); exiting",
+                self._orphan_timeout_s,
+                type(error).__name__,
+                error,
             )
             os._exit(3)
 
@@ -236,12 +235,12 @@ class Agent:
                     if verdict.keep_own:
                         self._requeue(req, own_only=True)
                     line = (
-                        f"tidal: warning: the coordinator refused a heartbeat of worker "
+                        f"the coordinator refused a heartbeat of worker "
                         f"{self.worker_id} (HTTP {exc.status}): {exc}"[:1000]
                     ) + (f"; {verdict.dropped}" if verdict.dropped else "")
                     if line != last_refusal:  # once per reason and loss
                         last_refusal = line
-                        print(line, file=sys.stderr, flush=True)
+                        log.warning("%s", line)
                 else:
                     self._requeue(req)
                 self._exit_if_orphaned(exc)
@@ -361,11 +360,11 @@ class Agent:
             return
         del self._step_metrics[:excess]
         if not self._step_metrics_dropped:
-            print(
-                f"tidal: warning: worker {self.worker_id} drops per-step metrics the "
-                f"coordinator has not taken (more than {MAX_STEP_OUTBOX} steps waiting)",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                "worker %s drops per-step metrics the coordinator has not taken (more than "
+                "%d steps waiting)",
+                self.worker_id,
+                MAX_STEP_OUTBOX,
             )
         self._step_metrics_dropped += excess
 

@@ -16,6 +16,7 @@ Contracts:
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 import urllib.parse
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from tidal.worker.parts import Parts
 
 
+log = logging.getLogger(__name__)
+
+
 class JobLink:
     """The job's services for one worker (module doc)."""
 
@@ -56,6 +60,8 @@ class JobLink:
         self.watch: AbortWatch | None = None  # bounds a collective a peer left
         self.waits = Waits()  # gloo: the waits the watch can cut (``waits``)
         self.debug_on = debug
+        if debug:  # the membership's trace (``debug``), in the worker's log
+            logging.getLogger("tidal").setLevel(logging.DEBUG)
 
     @property
     def worker_id(self) -> int | None:
@@ -176,4 +182,4 @@ class JobLink:
 
     def debug(self, msg: str) -> None:
         if self.debug_on:
-            print(f"tidal-debug {time.time():.4f} w{self.worker_id}: {msg}", flush=True)
+            log.debug("%.4f w%s: %s", time.time(), self.worker_id, msg)

@@ -23,7 +23,7 @@ boundaries; forming a generation is ``forming``'s. Contracts:
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -44,6 +44,8 @@ from tidal.worker.reasons import failure_reason
 if TYPE_CHECKING:
     from tidal.worker.parts import Parts
 
+
+log = logging.getLogger(__name__)
 #: How often a worker waiting outside the group asks for its answer when no change is
 #: published (``Notices.wait``): what a retire, which moves no counter, waits at most.
 STANDBY_FETCH_S = 0.25
@@ -90,11 +92,14 @@ class Membership:
             kind, "healing"
         )
         link, step = self.parts.link, self.parts.update.step
-        print(
-            f"tidal: worker {link.worker_id}: {what} failed in generation "
-            f"{generation} at step {step}: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            "worker %s: %s failed in generation %s at step %s: %s: %s",
+            link.worker_id,
+            what,
+            generation,
+            step,
+            type(exc).__name__,
+            exc,
         )
         self.parts.objects.optimizer.zero_grad(set_to_none=True)
         # Sent without waiting for the answer (``Agent.report_failure``); a report that

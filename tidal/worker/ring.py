@@ -30,7 +30,7 @@ previous pair too.
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +42,8 @@ from tidal.tracked import TrackedState
 from tidal.worker.shard_plan import Layout
 from tidal.worker.sharded import Key, ShardedModel
 from tidal.worker.shards import shard_range
+
+log = logging.getLogger(__name__)
 
 #: Steps between two neighbour copies: the steps a failure redoes at most.
 DEFAULT_EVERY = 10
@@ -133,11 +135,11 @@ class Ring:
         except Exception as exc:  # noqa: BLE001 - the generation's failure is seen elsewhere
             self.error = " ".join(f"{type(exc).__name__}: {exc}".split())
             self.failures += 1
-            print(
-                f"tidal: neighbour copy of step {copy.step} failed (the copy of step "
-                f"{self.copies.step if self.copies else None} stays): {self.error}",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                "neighbour copy of step %s failed (the copy of step %s stays): %s",
+                copy.step,
+                self.copies.step if self.copies else None,
+                self.error,
             )
             return
         self.exchange_s = time.perf_counter() - t0

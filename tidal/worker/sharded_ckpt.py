@@ -17,10 +17,10 @@ write is synchronous: each member writes 1/n of the state, in parallel with the 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +32,8 @@ from tidal.checkpoint import store
 from tidal.protocol import CheckpointView
 from tidal.tracked import TrackedState
 from tidal.worker.sharded import ShardedModel
+
+log = logging.getLogger(__name__)
 
 NAME_BYTES = 1024
 
@@ -82,7 +84,7 @@ def save_sharded(
         try:
             (directory / name).mkdir(parents=True)
         except OSError as exc:
-            print(f"tidal: checkpoint of step {step} failed: {exc}", file=sys.stderr, flush=True)
+            log.warning("checkpoint of step %s failed: %s", step, exc)
             name = ""
     name = _broadcast_name(name)
     tmp = directory / name
@@ -94,7 +96,7 @@ def save_sharded(
             entry = disk.write_shard(tmp, rank, world, rows)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
-            print(f"tidal: checkpoint of step {step} failed: {error}", file=sys.stderr, flush=True)
+            log.warning("checkpoint of step %s failed: %s", step, error)
     mine = _entry_row(entry)
     rows_of = [torch.empty_like(mine) for _ in range(world)]
     try:
@@ -126,7 +128,7 @@ def save_sharded(
         store.prune(directory, keep, fence=fence)
     except Exception as exc:  # noqa: BLE001 - a failed write must not stop training
         error = " ".join(f"{type(exc).__name__}: {exc}".split())
-        print(f"tidal: checkpoint of step {step} failed: {error}", file=sys.stderr, flush=True)
+        log.warning("checkpoint of step %s failed: %s", step, error)
         agent.post_checkpoint_failure(step, error)
         return
     agent.post_checkpoint(
