@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,18 @@ DEVICES = [
     ),
 ]
 
+
+
+@pytest.fixture(autouse=True)
+def tidal_records_reach_caplog() -> Iterator[None]:
+    """The ``tidal`` logger does not propagate (``tidal.logconfig``: a script's own root
+    handler would print each line twice); in tests it does, so that ``caplog`` (a handler on
+    the root logger) sees Tidal's records. Its own handler still writes the lines."""
+    logger = logging.getLogger("tidal")
+    before = logger.propagate
+    logger.propagate = True
+    yield
+    logger.propagate = before
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
