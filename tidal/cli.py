@@ -214,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: the job's recorded --max-workers, raised to a larger --workers "
         "(given with a larger --workers: refused, as by run)",
     )
+    resume.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR|URL",
+        help="where the job's checkpoints are (default: where it ran with them); a job "
+        "that --home has no record of (its home is gone) is rebuilt from the spec kept there",
+    )
     _add_launch_flags(resume)
     resume.set_defaults(fn=cmd_resume)
 

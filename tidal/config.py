@@ -16,6 +16,18 @@ from tidal.restarts import DEFAULT_MAX_RESTARTS, RestartLimit, parse_max_restart
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+def storage_error(text: str) -> str | None:
+    """Why ``text`` cannot be a ``--checkpoint-dir`` (a folder, or an fsspec URL with a
+    bucket: ``s3://BUCKET/PATH``), or None. Whether the URL's filesystem is installed is
+    checked where it is used (``checkpoint.remote.check_url``)."""
+    if not text.strip():
+        return "--checkpoint-dir must name a folder or a URL, got ''"
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() != "file" and not rest.strip("/"):
+        return f"--checkpoint-dir {text!r} names no bucket: write {scheme}://BUCKET/PATH"
+    return None
+
+
 def job_name_error(name: object) -> str | None:
     """Why ``name`` cannot be a job's name, in one line, or None. A name is one folder under
     ``HOME/jobs`` and a key of the home's records, so every command checks it before it
@@ -330,6 +342,18 @@ class JobSpec:
     keep_checkpoints: int = field(
         default=3, metadata=flag("--keep-checkpoints", "keep the last K (default {default})")
     )
+    # Where the job's checkpoints go: ``STORAGE/NAME/`` (``home.checkpoint_folder``), a folder
+    # every host mounts or an fsspec URL (``tidal.checkpoint.remote``); None: the job's folder
+    # under ``--home``. A folder is stored absolute.
+    checkpoint_storage: str | None = field(
+        default=None,
+        metadata=flag(
+            "--checkpoint-dir",
+            "where the checkpoints go, in DIR/NAME: a folder (shared by the hosts) or an "
+            "fsspec URL such as s3://BUCKET/PATH, gs://..., az://... (default: the job's "
+            "folder under --home)",
+        ),
+    )
     price_per_worker_hour: float = field(
         default=0.0,
         metadata=flag(
@@ -437,6 +461,13 @@ class JobSpec:
             )
         if self.keep_checkpoints < 1:
             raise ValueError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if self.checkpoint_storage is not None:
+            if (why := storage_error(self.checkpoint_storage)) is not None:
+                raise ValueError(why)
+            if not self.checkpoints:
+                raise ValueError(
+                    "--checkpoint-dir needs --checkpoint-every N or --checkpoint-interval S"
+                )
         if self.price_per_worker_hour < 0:
             raise ValueError(f"--price must be at least 0, got {self.price_per_worker_hour}")
         if not 0 < self.min_efficiency <= 1:

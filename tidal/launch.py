@@ -93,6 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         schedule=schedule,
         capacity_trace=capacity_trace_path(args.capacity),
         deadline_s=parse_duration(args.deadline) if args.deadline else None,
+        checkpoint_storage=checkpoint_storage(args.checkpoint_dir),
     )
     from tidal.backends import check_capacity
     from tidal.policy import get_policy
@@ -104,6 +105,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         import_ray()  # one line if the extra is missing, before anything is recorded
     get_policy(spec.policy)
     return launch(spec, home, args, resume=None)
+
+
+def checkpoint_storage(text: str | None) -> str | None:
+    """``--checkpoint-dir`` as the spec keeps it: a folder made absolute (workers and a later
+    ``tidal resume`` may start elsewhere), a URL as given, once its fsspec filesystem is
+    found installed (one line otherwise)."""
+    if text is None:
+        return None
+    from tidal.checkpoint import location
+
+    where = location.of(text)
+    if location.is_url(where):
+        from tidal.checkpoint.remote import check_url
+
+        check_url(where)
+        return where
+    return str(Path(where).resolve())
 
 
 def capacity_trace_path(path: str | None) -> str | None:
@@ -179,18 +197,26 @@ def launch(
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from tidal.checkpoint.layout import newest_good, verify
+    from tidal.checkpoint.layout import newest_good, step_of
+    from tidal.checkpoint.location import base_name
+    from tidal.coordinator.home import checkpoint_folder
 
     home = resolve_home(args.home)
     job_dir(home, args.job)  # first: one line for a name that is no job's
     check_home(home)
-    restore_record(home, args.job)
+    storage = checkpoint_storage(args.checkpoint_dir)
+    restore_record(home, args.job, storage=storage)
+    elsewhere = "" if storage else "; a job whose home is gone: give its --checkpoint-dir"
     if not db_path(home).exists():
-        raise CliError(f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME)")
+        raise CliError(
+            f"unknown job {args.job!r}: no jobs in {home} (set --home or $TIDAL_HOME{elsewhere})"
+        )
     db = database(home)
     try:
         if not db.has_job(args.job):
-            raise CliError(f"unknown job {args.job!r} in {home} (`tidal jobs` lists them)")
+            raise CliError(
+                f"unknown job {args.job!r} in {home} (`tidal jobs` lists them{elsewhere})"
+            )
         try:  # held from here until the new coordinator ends: no other can start meanwhile
             lock = job_dir(home, args.job).lock()
         except JobBusy as exc:
@@ -216,13 +242,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
         spec_dict.update(
             resume_counts(spec_dict, workers=args.workers, max_workers=args.max_workers)
         )
+        if storage is not None:  # where they are now (a bucket copied elsewhere, too)
+            spec_dict["checkpoint_storage"] = storage
         spec = JobSpec.from_dict(spec_dict)  # run's validation: one line, nothing changed
-        path, warnings = newest_good(job_dir(home, args.job).path / "checkpoints")
+        folder = checkpoint_folder(home, args.job, spec.checkpoint_storage)
+        path, warnings = newest_good(folder)
         for line in warnings:
             print(f"tidal: warning: {line}", file=sys.stderr)
         if path is None:
-            raise CliError(f"job {args.job!r} has no good checkpoint to resume from")
-        step = verify(path, hashes=False)["step"]  # verified just now, with the hashes
+            raise CliError(f"job {args.job!r} has no good checkpoint to resume from in {folder}")
+        step = step_of(path)  # verified just now: its manifest says the step its name does
         # One set of workers per job: the previous run's, if any still train, go first.
         from tidal.coordinator.fencing import end_previous_run
 
@@ -236,7 +265,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise
     resume = Resume(path=str(path), step=step, warnings=warnings, ended=ended)
     print(
-        f"{spec.name}: resuming from {path.name} (step {step}) with {spec.workers} workers",
+        f"{spec.name}: resuming from {base_name(path)} (step {step}) with {spec.workers} workers",
         file=sys.stderr,
     )
     return launch(spec, home, args, resume, lock)
@@ -258,16 +287,26 @@ def resume_counts(
     return {"workers": n, "max_workers": top, "min_workers": min(int(saved["min_workers"]), n)}
 
 
-def restore_record(home: Path, name: str) -> None:
-    """A job with no record in ``tidal.db`` (the damaged file moved aside) but with its
-    spec's copy (``JobDir.spec_file``) and checkpoints: its record again, from that copy, so
-    it resumes from its newest checkpoint (``docs/decisions/damaged-journal.md``)."""
+def restore_record(home: Path, name: str, *, storage: str | None = None) -> None:
+    """A job with no record in ``tidal.db`` but with a copy of its spec: its record again,
+    from that copy, so it resumes from its newest checkpoint. The copy is the home's
+    (``JobDir.spec_file``, beside its checkpoints: the damaged file moved aside,
+    ``docs/decisions/damaged-journal.md``) or, with ``storage`` (``--checkpoint-dir``), the
+    one in the job's checkpoint folder there (``fence.SPEC``: the home is gone,
+    ``docs/decisions/object-store-checkpoints.md``)."""
+    from tidal.checkpoint import fence
     from tidal.coordinator.db import Database
+    from tidal.coordinator.home import checkpoint_folder
     from tidal.protocol import EventView
 
     jd = job_dir(home, name)
-    spec = jd.read_spec()
+    spec, source = jd.read_spec(), str(jd.spec_file)
     if spec is None or not (jd.path / "checkpoints").is_dir():
+        spec = None
+    if spec is None and storage is not None:
+        folder = checkpoint_folder(home, name, storage)
+        spec, source = fence.read_spec(folder), f"{folder}/{fence.SPEC}"
+    if spec is None or spec.get("name") != name:
         return
     if db_path(home).exists():
         db = database(home)
@@ -279,7 +318,7 @@ def restore_record(home: Path, name: str) -> None:
     db = Database(db_path(home))
     try:
         db.create_job(name=name, spec=spec, target=spec["workers"])
-        why = f"job {name}'s record rebuilt from {jd.spec_file} (no record in {db_path(home)})"
+        why = f"job {name}'s record rebuilt from {source} (no record in {db_path(home)})"
         db.add_event(name, EventView(time=time.time(), kind="job", message=why))
     finally:
         db.close()

@@ -66,6 +66,7 @@ def get_status(home: Path, name: str, *, check: bool = True) -> JobStatus:
     db = database(home, check=check)
     try:
         status = db.load_status(name)
+        storage = db.job_spec(name).get("checkpoint_storage")
     except UnknownJob:
         raise CliError(f"unknown job {name!r} in {home} (`tidal jobs` lists them)") from None
     finally:
@@ -80,7 +81,7 @@ def get_status(home: Path, name: str, *, check: bool = True) -> JobStatus:
             status.world_size = 0
             status.dashboard_url = status.metrics_url = None  # nothing serves them
             mark_lost_workers(status)
-    add_checkpoints_on_disk(home, status)
+    add_checkpoints_on_disk(home, status, storage)
     return status
 
 
@@ -101,14 +102,27 @@ def mark_lost_workers(status: JobStatus) -> None:
             w.state, w.rank = WorkerState.FAILED, None
 
 
-def add_checkpoints_on_disk(home: Path, status: JobStatus) -> None:
-    """The checkpoints on disk, whether or not their report reached the records (a report
-    lost with its coordinator); records whose folder is gone are left out."""
+def add_checkpoints_on_disk(home: Path, status: JobStatus, storage: str | None = None) -> None:
+    """The checkpoints in the job's folder (``storage``: its ``--checkpoint-dir``), whether or
+    not their report reached the records (a report lost with its coordinator); records whose
+    folder is gone are left out. A store that does not answer leaves the records as they
+    are."""
     from tidal.checkpoint.layout import found_on_disk
+    from tidal.checkpoint.location import is_url
+    from tidal.coordinator.home import checkpoint_folder
     from tidal.protocol import CheckpointView
 
-    listed = {c.step: c for c in status.checkpoints if Path(c.path).is_dir()}
-    for step, path, size in found_on_disk(job_dir(home, status.name).path / "checkpoints"):
+    try:
+        found = found_on_disk(checkpoint_folder(home, status.name, storage))
+    except OSError:
+        return
+    there = {str(path) for _, path, _ in found}
+    listed = {
+        c.step: c
+        for c in status.checkpoints
+        if (c.path in there if is_url(c.path) else Path(c.path).is_dir())
+    }
+    for step, path, size in found:
         listed.setdefault(step, CheckpointView(step=step, path=str(path), bytes=size))
     status.checkpoints = [listed[s] for s in sorted(listed)]
 

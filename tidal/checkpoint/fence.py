@@ -22,16 +22,25 @@ Contract:
 The check and the rename are two steps: a fence moved in between lets one last write land.
 ``tidal resume`` therefore also ends the old set's local processes first
 (``coordinator.fencing``); the fence covers those it cannot reach.
+
+Beside the fence, a run that starts copies the job's spec (``SPEC``): the folder says whose it
+is, and ``tidal resume NAME --checkpoint-dir DIR|URL`` rebuilds a job whose home is gone
+from it. Both are single small files, replaced atomically (a rename in a folder, one PUT at a
+URL: ``remote``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.checkpoint.location import Location, is_url
+
 FENCE = ".fence"
+SPEC = "spec.json"
 
 
 @dataclass(frozen=True)
@@ -44,21 +53,67 @@ class Fenced(RuntimeError):
     """This writer's run no longer owns the checkpoint folder; the message says why."""
 
 
-def read(directory: Path) -> Fence | None:
+def read(directory: Location) -> Fence | None:
     """The folder's fence; None if it has none (or it cannot be read as one)."""
     try:
-        data = json.loads((directory / FENCE).read_text())
+        data = json.loads(_read(directory, FENCE))
         return Fence(epoch=str(data["epoch"]), sealed=data.get("sealed"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def write(directory: Path, fence: Fence) -> None:
+def write(directory: Location, fence: Fence) -> None:
     """Replace the folder's fence atomically (the folder is made if missing)."""
+    data = json.dumps({"epoch": fence.epoch, "sealed": fence.sealed}).encode()
+    if is_url(directory):
+        from tidal.checkpoint import remote
+
+        remote.write_bytes(f"{directory}/{FENCE}", data)
+        return
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f"{FENCE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"epoch": fence.epoch, "sealed": fence.sealed}))
+    tmp.write_bytes(data)
     os.replace(tmp, directory / FENCE)
+
+
+def read_spec(directory: Location) -> dict | None:
+    """The job's spec copied into its checkpoint folder (``SPEC``), or None."""
+    try:
+        data = json.loads(_read(directory, SPEC))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_spec(directory: Location, spec: dict) -> None:
+    """Copy the job's spec into its checkpoint folder, atomically; raises OSError."""
+    data = json.dumps(spec, indent=1, sort_keys=True).encode()
+    if is_url(directory):
+        from tidal.checkpoint import remote
+
+        remote.write_bytes(f"{directory}/{SPEC}", data)
+        return
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{SPEC}.{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, directory / SPEC)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read(directory: Location, name: str) -> bytes:
+    """A small file of the folder; raises OSError (FileNotFoundError if it is not there)."""
+    if is_url(directory):
+        from tidal.checkpoint import remote
+
+        data = remote.read_bytes(f"{directory}/{name}")
+        if data is None:
+            raise FileNotFoundError(f"{directory}/{name}")
+        return data
+    return (Path(directory) / name).read_bytes()
 
 
 def refusal(held: str | None, on_disk: Fence | None) -> str | None:
@@ -73,7 +128,7 @@ def refusal(held: str | None, on_disk: Fence | None) -> str | None:
     return None
 
 
-def check(directory: Path, held: str | None) -> None:
+def check(directory: Location, held: str | None) -> None:
     """Raise ``Fenced`` if a writer holding ``held`` must not publish into ``directory``."""
     why = refusal(held, read(directory) if held is not None else None)
     if why is not None:

@@ -29,10 +29,13 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
+
+from tidal.checkpoint.location import Location, base_name, is_url
 
 MANIFEST = "MANIFEST.json"
 BAD = "BAD"
@@ -117,8 +120,23 @@ def stale_temporary(
     return None
 
 
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete-looking checkpoint folders, newest first (temporary folders never count)."""
+def step_of(where: Location) -> int:
+    """The step a checkpoint's folder name says (``step-00000100``: 100)."""
+    m = NAME_RE.match(base_name(where))
+    if m is None:
+        raise ValueError(f"{where} is not a checkpoint's folder")
+    return int(m.group(1))
+
+
+def list_checkpoints(directory: Location) -> list[Location]:
+    """Complete-looking checkpoint folders, newest first (temporary folders never count).
+    At a URL (``remote``): every ``step-*`` prefix, a write in progress too (no manifest yet:
+    ``verify`` refuses it)."""
+    if is_url(directory):
+        from tidal.checkpoint import remote
+
+        return remote.list_checkpoints(directory)
+    directory = Path(directory)
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if p.is_dir() and NAME_RE.match(p.name)]
@@ -183,9 +201,14 @@ def bad_reason(path: Path) -> str | None:
         return f"marked bad ({_one_line(exc)})"
 
 
-def mark_bad(path: Path, reason: str) -> bool:
+def mark_bad(path: Location, reason: str) -> bool:
     """Record that ``path`` failed to load (``BAD``, written atomically); False if the folder
     cannot be written (it is then refused again by the same load, as before)."""
+    if is_url(path):
+        from tidal.checkpoint import remote
+
+        return remote.mark_bad(path, reason)
+    path = Path(path)
     tmp = path / f".{BAD}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.write_text(" ".join(reason.split()) + "\n")
@@ -197,6 +220,45 @@ def mark_bad(path: Path, reason: str) -> bool:
         except OSError:
             pass
         return False
+
+
+def manifest_files(manifest: dict, name: str) -> list[str]:
+    """The files a checkpoint folder named ``name`` must hold, as its ``manifest`` lists
+    them (each entry with an integer size); raises ValueError saying what is wrong with the
+    manifest itself (its files are not looked at: ``verify``). Pure: a folder's manifest and
+    an object store's (``remote``) are read by the same rule."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ValueError("the manifest has no table of files")
+    sharded = manifest.get("layout") == SHARDED
+    shards = manifest.get("shards")
+    if sharded and not (_is_int(shards) and shards >= 1):
+        raise ValueError("the manifest of a sharded checkpoint gives no number of shards")
+    required = (
+        (*(shard_file(r, shards) for r in range(shards)), *SHARDED_REQUIRED)
+        if sharded
+        else REQUIRED
+    )
+    missing = [n for n in required if n not in files]
+    if missing:
+        raise ValueError(f"the manifest does not list {', '.join(missing)}")
+    extra = sorted(set(files) - set(required) - set(OPTIONAL))
+    if extra:
+        raise ValueError(f"the manifest lists unexpected files: {', '.join(extra)}")
+    present = [n for n in OPTIONAL if n in files]
+    if present and len(present) != len(OPTIONAL):
+        raise ValueError(f"the manifest lists {present[0]} without its pair")
+    step = manifest.get("step")
+    if not _is_int(step):
+        raise ValueError("the manifest has no integer step")
+    named = NAME_RE.match(name)
+    if named and int(named.group(1)) != step:
+        raise ValueError(f"the manifest says step {step}, the folder's name another")
+    for n in (*required, *present):
+        want = files[n]
+        if not (isinstance(want, dict) and _is_int(want.get("bytes"))):
+            raise ValueError(f"the manifest's entry for {n} is malformed")
+    return [*required, *present]
 
 
 def verify(path: Path, *, hashes: bool = True) -> dict:
@@ -216,37 +278,15 @@ def verify(path: Path, *, hashes: bool = True) -> dict:
         manifest = _json_object(path / MANIFEST)
     except ValueError as exc:
         raise refuse(f"unreadable manifest ({exc})") from None
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise refuse("the manifest has no table of files")
-    sharded = manifest.get("layout") == SHARDED
-    shards = manifest.get("shards")
-    if sharded and not (_is_int(shards) and shards >= 1):
-        raise refuse("the manifest of a sharded checkpoint gives no number of shards")
-    required = (
-        (*(shard_file(r, shards) for r in range(shards)), *SHARDED_REQUIRED)
-        if sharded
-        else REQUIRED
-    )
-    missing = [n for n in required if n not in files]
-    if missing:
-        raise refuse(f"the manifest does not list {', '.join(missing)}")
-    extra = sorted(set(files) - set(required) - set(OPTIONAL))
-    if extra:
-        raise refuse(f"the manifest lists unexpected files: {', '.join(extra)}")
+    try:
+        listed = manifest_files(manifest, path.name)
+    except ValueError as exc:
+        raise refuse(str(exc)) from None
+    files, step = manifest["files"], manifest["step"]
+    sharded, shards = manifest.get("layout") == SHARDED, manifest.get("shards")
     present = [n for n in OPTIONAL if n in files]
-    if present and len(present) != len(OPTIONAL):
-        raise refuse(f"the manifest lists {present[0]} without its pair")
-    step = manifest.get("step")
-    if not _is_int(step):
-        raise refuse("the manifest has no integer step")
-    named = NAME_RE.match(path.name)
-    if named and int(named.group(1)) != step:
-        raise refuse(f"the manifest says step {step}, the folder's name another")
-    for name in (*required, *present):
+    for name in listed:
         want, f = files[name], path / name
-        if not (isinstance(want, dict) and _is_int(want.get("bytes"))):
-            raise refuse(f"the manifest's entry for {name} is malformed")
         if not f.is_file():
             raise refuse(f"{name} is missing")
         if f.stat().st_size != want["bytes"]:
@@ -307,8 +347,14 @@ def _check_tracked(path: Path) -> None:
         raise ValueError(f"{TRACKED_TENSORS} does not hold the tensors {TRACKED_JSON} lists")
 
 
-def newest_good(directory: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and a warning line for each newer one refused."""
+def newest_good(directory: Location) -> tuple[Location | None, list[str]]:
+    """The newest checkpoint that verifies, and a warning line for each newer one refused.
+    At a URL each candidate is verified in a local copy (``remote.newest_good``)."""
+    if is_url(directory):
+        from tidal.checkpoint import remote
+
+        return remote.newest_good(directory)
+    directory = Path(directory)
     warnings = []
     for path in list_checkpoints(directory):
         try:
@@ -319,9 +365,25 @@ def newest_good(directory: Path) -> tuple[Path | None, list[str]]:
     return None, warnings
 
 
-def found_on_disk(directory: Path) -> list[tuple[int, Path, int]]:
+def newest_usable(directory: Location) -> tuple[Location | None, int | None, list[str]]:
+    """``newest_good`` and its step, for the coordinator's loop, which must not die of a
+    storage outage: a folder or store that cannot be read is a warning and no checkpoint."""
+    try:
+        path, warnings = newest_good(directory)
+    except OSError as exc:
+        return None, None, [f"the checkpoints in {directory} could not be read: {exc}"]
+    return path, (step_of(path) if path is not None else None), warnings
+
+
+def found_on_disk(directory: Location) -> list[tuple[int, Location, int]]:
     """``(step, path, bytes)`` of the checkpoints in ``directory`` that pass the cheap check
-    (``verify(hashes=False)``), oldest first."""
+    (``verify(hashes=False)``; at a URL: the manifest's rules and the objects' sizes),
+    oldest first."""
+    if is_url(directory):
+        from tidal.checkpoint import remote
+
+        return remote.found(directory)
+    directory = Path(directory)
     found = []
     for path in list_checkpoints(directory):
         try:
@@ -331,3 +393,17 @@ def found_on_disk(directory: Path) -> list[tuple[int, Path, int]]:
         size = sum(f["bytes"] for f in manifest["files"].values())
         found.append((manifest["step"], path, size))
     return found[::-1]
+
+
+@contextmanager
+def readable(path: Location) -> Iterator[Path]:
+    """``path`` as a folder of this machine, for ``verify`` and the loaders: a folder is
+    itself; a checkpoint at a URL is downloaded into a temporary folder, removed after
+    (``remote.local_copy``: refusals name the URL)."""
+    if is_url(path):
+        from tidal.checkpoint import remote
+
+        with remote.local_copy(path) as local:
+            yield local
+    else:
+        yield Path(path)

@@ -14,16 +14,16 @@ A folder ``step-NNNNNNNN`` of the sharded layout (``layout.SHARDED``) holds:
 - ``MANIFEST.json``, written last: ``"layout": "sharded"``, ``"shards": W``, the size and
   checksum of every file.
 
-The same guarantees as the replicated layout (``store``): written in a temporary folder,
-every file fsynced, the manifest last, renamed into place; verified by ``layout.verify``
-before use; safetensors and JSON only. It loads at any world size and into either sharding:
+The same guarantees as the replicated layout (``store``): written through one ``staging``
+write that every member joins (a temporary folder renamed into place, or at a URL the final
+prefix with the manifest last); verified by ``layout.verify`` before use; safetensors and
+JSON only. It loads at any world size and into either sharding:
 ``read_full`` gives whole tensors (``store.load`` fills an unsharded model with them).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -35,23 +35,21 @@ from tidal.checkpoint.layout import (
     SHARDED,
     TRACKED_JSON,
     TRACKED_TENSORS,
-    checkpoint_name,
     shard_file,
     verify,
 )
-from tidal.checkpoint.store import Written, publish, write_json_files
-from tidal.checkpoint.tensorfile import HASH, write_tensors
+from tidal.checkpoint.staging import Staging
+from tidal.checkpoint.store import Written
+from tidal.checkpoint.tensorfile import HASH  # noqa: F401 - the manifest's checksum, re-exported
 
 
-def write_shard(tmp: Path, rank: int, world: int, rows: dict[str, torch.Tensor]) -> dict:
-    """Write this member's rows into the write's temporary folder; its manifest entry."""
-    size, digest = write_tensors(tmp / shard_file(rank, world), rows)
-    return {HASH: digest, "bytes": size}
+def write_shard(target: Staging, rank: int, world: int, rows: dict[str, torch.Tensor]) -> dict:
+    """Write this member's rows into the write (``staging.join``); its manifest entry."""
+    return target.write_tensors(shard_file(rank, world), rows)
 
 
 def finalize(
-    tmp: Path,
-    directory: Path,
+    target: Staging,
     *,
     step: int,
     world: int,
@@ -64,28 +62,25 @@ def finalize(
     started: float,
     fence: str | None = None,
 ) -> Written:
-    """Rank 0, once every member's shard is in ``tmp`` (``shards``: their manifest entries,
-    by rank): write the replicated files and the manifest, then rename into place (unless
-    the writer's run, ``fence``, no longer owns the folder: ``store.publish``)."""
+    """Rank 0, once every member's shard is in the write ``target`` (``shards``: their
+    manifest entries, by rank): write the replicated files and the manifest, which makes it
+    count (unless the writer's run, ``fence``, no longer owns the folder: ``staging``)."""
     files = {shard_file(r, world): entry for r, entry in enumerate(shards)}
     try:
         for name, held in ((REPLICATED, replicated), (TRACKED_TENSORS, tracked_tensors)):
-            size, digest = write_tensors(tmp / name, held)
-            files[name] = {HASH: digest, "bytes": size}
-        write_json_files(
-            tmp,
+            files[name] = target.write_tensors(name, held)
+        target.write_json(
             files,
             {"optimizer.json": optimizer_meta, "meta.json": meta, TRACKED_JSON: tracked_meta},
         )
-        final = directory / checkpoint_name(step)
         manifest = {"step": step, "layout": SHARDED, "shards": world, "files": files}
-        publish(tmp, final, manifest, fence=fence)
+        target.publish(manifest, fence=fence)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.discard()
         raise
     return Written(
         step=step,
-        path=str(final),
+        path=target.final,
         bytes=sum(f["bytes"] for f in files.values()),
         seconds_to_write=time.monotonic() - started,
     )

@@ -8,7 +8,9 @@ and size of every other file). Contracts:
 - **Atomic.** It is written under a temporary name (``.tmp-...``), every file fsynced, the
   manifest written last and fsynced, then renamed into place and the parent folder fsynced.
   A crash at any point leaves either no ``step-*`` folder or a complete one; temporary
-  folders are never taken for checkpoints.
+  folders are never taken for checkpoints. At an fsspec URL (``s3://...``: ``remote``) the
+  files go to the final prefix and the manifest, uploaded last, is the commit
+  (``staging``); a prefix without one is never taken for a checkpoint.
 - **Verified.** ``verify`` (``layout``) recomputes every file's checksum against the manifest
   and checks the structure of what the files hold; a truncated, bit-flipped, half-written or
   malformed checkpoint is refused with the reason, and ``newest_good`` falls back to the
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import socket
 import time
@@ -37,7 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from tidal import devices, pids
-from tidal.checkpoint.fence import check as check_fence
+from tidal.checkpoint import remote, staging
 from tidal.checkpoint.fence import read as read_fence
 from tidal.checkpoint.fence import refusal
 from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's names
@@ -57,12 +58,13 @@ from tidal.checkpoint.layout import (  # noqa: F401 - re-exported: the store's n
     mark_bad,
     marks_bad,
     newest_good,
+    readable,
     stale_temporary,
     temporary_name,
     verify,
 )
 from tidal.checkpoint.layout import sha256 as _sha256  # noqa: F401 - tests craft old manifests
-from tidal.checkpoint.tensorfile import HASH, write_tensors
+from tidal.checkpoint.location import Location, is_url
 from tidal.tracked import Captured, TrackedState
 
 
@@ -235,75 +237,29 @@ def take_snapshot(
 
 
 # -- writing -----------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=1, sort_keys=True))
-
-
-def write_json_files(tmp: Path, files: dict, contents: dict[str, object]) -> None:
-    """Write each JSON file into the write's folder, fsynced; its manifest entry in ``files``."""
-    for name, data in contents.items():
-        _write_json(tmp / name, data)
-        _fsync_file(tmp / name)
-        files[name] = {HASH: file_digest(tmp / name, HASH), "bytes": (tmp / name).stat().st_size}
-
-
-def publish(tmp: Path, final: Path, manifest: dict, *, fence: str | None = None) -> None:
-    """The manifest last, fsynced, then the folder renamed into place and its parent
-    fsynced: a crash leaves no ``step-*`` folder or a complete one. ``fence``: the writer's
-    run (``checkpoint.fence``); ``fence.Fenced`` instead of the rename if it no longer owns
-    the folder."""
-    _write_json(tmp / MANIFEST, manifest)
-    _fsync_file(tmp / MANIFEST)
-    _fsync_dir(tmp)
-    check_fence(final.parent, fence)
-    if final.exists():  # the same step written again (e.g. a stop right after a save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
-
 def write(
     snapshot: Snapshot,
-    directory: Path,
+    directory: Location,
     *,
     during: Callable[[], None] | None = None,
     fence: str | None = None,
 ) -> Written:
-    """Write ``snapshot`` as ``directory/step-N`` atomically (see the module contract).
-    ``during`` (a test hook: the ``checkpoint`` fault phase) runs once the first file is in
-    the temporary folder. ``fence``: the writer's run (``publish``)."""
+    """Write ``snapshot`` as ``directory/step-N`` atomically (see the module contract; at a
+    URL the manifest uploaded last is the commit: ``staging``). ``during`` (a test hook: the
+    ``checkpoint`` fault phase) runs once the first file is written. ``fence``: the writer's
+    run (``staging.publish``)."""
     start = time.monotonic()
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / checkpoint_name(snapshot.step)
-    tmp = directory / temporary_name(snapshot.step, pid=os.getpid(), host=socket.gethostname())
-    tmp.mkdir()
+    target = staging.begin(directory, snapshot.step)
     files = {}
-
-    def tensors(name: str, held: dict[str, torch.Tensor]) -> None:
-        size, digest = write_tensors(tmp / name, held)  # fsynced, hashed while written
-        files[name] = {HASH: digest, "bytes": size}
-
     try:
-        tensors("model.safetensors", snapshot.model)
+        files["model.safetensors"] = target.write_tensors("model.safetensors", snapshot.model)
         if during is not None:
             during()
-        tensors("optimizer.safetensors", snapshot.optimizer_tensors)
-        tensors(TRACKED_TENSORS, snapshot.tracked_tensors)
-        write_json_files(
-            tmp,
+        files["optimizer.safetensors"] = target.write_tensors(
+            "optimizer.safetensors", snapshot.optimizer_tensors
+        )
+        files[TRACKED_TENSORS] = target.write_tensors(TRACKED_TENSORS, snapshot.tracked_tensors)
+        target.write_json(
             files,
             {
                 "optimizer.json": snapshot.optimizer_meta,
@@ -311,20 +267,27 @@ def write(
                 TRACKED_JSON: snapshot.tracked_meta,
             },
         )
-        publish(tmp, final, {"step": snapshot.step, "files": files}, fence=fence)
+        target.publish({"step": snapshot.step, "files": files}, fence=fence)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.discard()
         raise
     size = sum(f["bytes"] for f in files.values())
     return Written(
-        step=snapshot.step, path=str(final), bytes=size, seconds_to_write=time.monotonic() - start
+        step=snapshot.step,
+        path=target.final,
+        bytes=size,
+        seconds_to_write=time.monotonic() - start,
     )
 
 
-def prune(directory: Path, keep: int, *, fence: str | None = None) -> list[Path]:
+def prune(directory: Location, keep: int, *, fence: str | None = None) -> list[Location]:
     """Delete all but the newest ``keep`` checkpoints, and the temporary folders of writes
-    whose writer died in them (``layout.stale_temporary``); returns what was deleted. A
-    writer whose run no longer owns the folder (``fence``) deletes nothing."""
+    whose writer died in them (``layout.stale_temporary``; at a URL, ``remote.prune``);
+    returns what was deleted. A writer whose run no longer owns the folder (``fence``)
+    deletes nothing."""
+    if is_url(directory):
+        return remote.prune(directory, keep, fence=fence)
+    directory = Path(directory)
     if refusal(fence, read_fence(directory) if fence is not None else None):
         return []
     doomed = list_checkpoints(directory)[keep:]
@@ -375,6 +338,19 @@ def check_model(path: Path, tensors: dict[str, torch.Tensor], module: torch.nn.M
 
 
 def load(
+    path: Location,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    tracked: TrackedState | None = None,
+) -> dict:
+    """``load_folder`` of ``path``, a folder or a checkpoint at a URL (downloaded first:
+    ``layout.readable``; refusals name the URL)."""
+    with readable(path) as local:
+        return load_folder(local, module, optimizer, tracked=tracked)
+
+
+def load_folder(
     path: Path,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

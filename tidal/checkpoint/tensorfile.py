@@ -22,6 +22,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import xxhash
@@ -55,6 +56,16 @@ def _raw(t: torch.Tensor) -> memoryview:
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
     """Write ``tensors`` as a safetensors file at ``path`` and fsync it; returns its size in
     bytes and its ``HASH`` digest (hex)."""
+    with open(path, "wb", buffering=0) as f:
+        written = write_tensors_to(f, tensors)
+        os.fsync(f.fileno())
+    return written
+
+
+def write_tensors_to(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Write ``tensors`` as a safetensors file into the binary file ``f`` (a local file, or
+    an fsspec file object that uploads what it is given: ``staging``); returns its size in
+    bytes and its ``HASH`` digest (hex). The caller closes (and syncs) ``f``."""
     order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     header, offset = {}, 0
     for name, t in order:
@@ -70,21 +81,21 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, st
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     digest = xxhash.xxh3_128()
-    with open(path, "wb", buffering=0) as f:
-        for piece in (struct.pack("<Q", len(head)), head):
-            f.write(piece)
+    for piece in (struct.pack("<Q", len(head)), head):
+        _write_all(f, memoryview(piece))
+        digest.update(piece)
+    for _, t in order:
+        raw = _raw(t)
+        for start in range(0, len(raw), CHUNK):
+            piece = raw[start : start + CHUNK]
+            _write_all(f, piece)
             digest.update(piece)
-        for _, t in order:
-            raw = _raw(t)
-            for start in range(0, len(raw), CHUNK):
-                piece = raw[start : start + CHUNK]
-                _write_all(f, piece)
-                digest.update(piece)
-        os.fsync(f.fileno())
     return 8 + len(head) + offset, digest.hexdigest()
 
 
-def _write_all(f, piece: memoryview) -> None:
-    """``write`` of an unbuffered file may write less than asked: the rest, until done."""
+def _write_all(f: BinaryIO, piece: memoryview) -> None:
+    """``write`` of an unbuffered file may write less than asked: the rest, until done (a
+    file object that returns None wrote it all)."""
     while piece:
-        piece = piece[f.write(piece) :]
+        n = f.write(piece)
+        piece = piece[len(piece) if n is None else n :]

@@ -1,4 +1,5 @@
-"""When failed checkpoints end a job, and how its end names the newest good one.
+"""When failed checkpoints end a job, how its end names the newest good one, and which
+records of checkpoints their writer pruned.
 
 Pure functions of what the coordinator knows: the steps whose checkpoint was written in this
 run, those whose write failed (``Job.checkpointed``, ``Job.checkpoint_failed``), and the newest
@@ -8,7 +9,9 @@ checkpoint on disk (``checkpoint.layout.found_on_disk``). Decided in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from tidal.checkpoint.location import is_url
 
 #: Checkpoints that may fail in a row before the job fails: enough to ride out a disk that
 #: is briefly full or a slow mount, few enough that the work a crash would lose stays at
@@ -59,3 +62,18 @@ def final_checkpoint_note(
         f"its final checkpoint (step {step}) could not be written ({failed[step]}); "
         f"{newest_line(newest_on_disk)}"
     )
+
+
+def pruned_records(
+    records: Sequence[tuple[int, str]], *, keep: int, exists: Callable[[str], bool]
+) -> list[int]:
+    """The steps of the recorded checkpoints (``(step, path)``) that their writer pruned
+    since: a folder that ``exists`` no longer; a URL's (``s3://...``, which the loop does
+    not look up) beyond the newest ``keep`` recorded, as the writer's prune keeps
+    (``checkpoint.remote.doomed``: the newest ``keep`` complete ones)."""
+    newest = set(sorted((s for s, _ in records), reverse=True)[:keep])
+    return [
+        step
+        for step, path in records
+        if (step not in newest if is_url(path) else not exists(path))
+    ]

@@ -42,13 +42,14 @@ import torch.distributed as dist
 
 from tidal.backends import get_backend
 from tidal.checkpoint import fence
+from tidal.checkpoint.location import Location
 from tidal.config import JobSpec
 from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.actions import FenceCheckpoints, RecordWorkers
 from tidal.coordinator.db import Database
 from tidal.coordinator.executor import Executor
 from tidal.coordinator.fencing import settled_rows
-from tidal.coordinator.home import db_path, job_dir
+from tidal.coordinator.home import checkpoint_folder, db_path, job_dir
 from tidal.coordinator.job import Job
 from tidal.coordinator.journal import Journal
 from tidal.coordinator.lifecycle import recovered_job
@@ -96,6 +97,7 @@ class Coordinator:
         self.resume = resume
         self.hosting = hosting
         self.token = hosting.token if hosting else secrets.token_urlsafe(24)
+        self.home = home
         self.jobdir = job_dir(home, spec.name)
         self.jobdir.logs.mkdir(parents=True, exist_ok=True)
         # Before the job's record: a backend that cannot start (no cluster) leaves none.
@@ -256,8 +258,11 @@ class Coordinator:
         self.lifecycle.url = self.views.url = value
 
     @property
-    def checkpoint_dir(self) -> Path | None:
-        return self.jobdir.path / "checkpoints" if self.spec.checkpoints else None
+    def checkpoint_dir(self) -> Location | None:
+        """The job's checkpoint folder or URL (``home.checkpoint_folder``); None: none."""
+        if not self.spec.checkpoints:
+            return None
+        return checkpoint_folder(self.home, self.spec.name, self.spec.checkpoint_storage)
 
     def _fence_checkpoints(self, *, recover: bool) -> str | None:
         """This run's epoch (``checkpoint.fence``), which its workers' checkpoint writes are
@@ -270,7 +275,11 @@ class Coordinator:
         if on_disk is not None:
             return on_disk.epoch
         epoch = secrets.token_hex(8)
-        failed = self.executor.do(FenceCheckpoints(directory=str(self.checkpoint_dir), epoch=epoch))
+        failed = self.executor.do(
+            FenceCheckpoints(
+                directory=str(self.checkpoint_dir), epoch=epoch, spec=self.spec.to_dict()
+            )
+        )
         if failed:
             self._fence_failed = f"the checkpoint folder's fence could not be written ({failed})"
         return epoch

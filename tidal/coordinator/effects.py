@@ -23,7 +23,7 @@ from tidal.coordinator.actions import (
     RecordCheckpointFailure,
     RecordGeneration,
 )
-from tidal.coordinator.checkpoint_rules import streak_verdict
+from tidal.coordinator.checkpoint_rules import pruned_records, streak_verdict
 from tidal.coordinator.end_rules import completion_refused, final_checkpoint
 from tidal.coordinator.records import ReformRequest
 from tidal.coordinator.reform_rules import merge_recovery, neighbour_copy_event
@@ -176,9 +176,11 @@ class Effects:
     def on_checkpoint(self, c: CheckpointView) -> None:
         self.executor.do(RecordCheckpoint(checkpoint=c))
         self.job.checkpointed = {*self.job.checkpointed, c.step}
-        for old in self.executor.checkpoints():  # pruned by the writer
-            if not Path(old.path).exists():
-                self.executor.do(DropCheckpoint(step=old.step))
+        records = [(old.step, old.path) for old in self.executor.checkpoints()]
+        for step in pruned_records(
+            records, keep=self.spec.keep_checkpoints, exists=lambda p: Path(p).exists()
+        ):
+            self.executor.do(DropCheckpoint(step=step))
         size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
         took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
         self.ledger.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")

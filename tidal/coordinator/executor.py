@@ -19,10 +19,9 @@ from __future__ import annotations
 import signal
 import time
 from collections import deque
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.checkpoint import fence
+from tidal.checkpoint import fence, location
 from tidal.coordinator.actions import (
     AbandonGeneration,
     Action,
@@ -130,9 +129,12 @@ class Executor:
                 self.journal.drop_checkpoint(step)
             case RecordCheckpointFailure(error=error):
                 self.journal.add_checkpoint_failure(error)
-            case FenceCheckpoints(directory=directory, epoch=epoch, sealed=sealed):
+            case FenceCheckpoints(directory=directory, epoch=epoch, sealed=sealed, spec=spec):
                 try:  # returns why it could not be written (the job goes on), or None
-                    fence.write(Path(directory), fence.Fence(epoch=epoch, sealed=sealed))
+                    where = location.of(directory)
+                    if spec is not None:
+                        fence.write_spec(where, spec)
+                    fence.write(where, fence.Fence(epoch=epoch, sealed=sealed))
                 except OSError as exc:
                     return f"{exc.strerror or exc}: {exc.filename or directory}"
             case _:

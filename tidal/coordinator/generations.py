@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.checkpoint.store import NAME_RE, newest_good
+from tidal.checkpoint.layout import newest_usable
+from tidal.checkpoint.location import Location
 from tidal.coordinator.actions import OpenGeneration, RecordGeneration
 from tidal.coordinator.records import GenerationRecord
 from tidal.coordinator.reform_rules import every_member_lost
@@ -40,7 +40,7 @@ class Generations:
         publisher: Publisher,
         namespace: str,
         first_id: int,
-        checkpoint_dir: Path | None,
+        checkpoint_dir: Location | None,
     ) -> None:
         """``namespace``: the coordinator's store namespace; ``first_id``: the id of the
         job's first generation if it has none (a resumed job's go on from its records')."""
@@ -134,10 +134,9 @@ class Generations:
         (``reform_rules.every_member_lost``) or fail."""
         step = None
         if self.checkpoint_dir is not None:
-            path, warnings = newest_good(self.checkpoint_dir)
+            _, step, warnings = newest_usable(self.checkpoint_dir)
             for line in warnings:
                 self.ledger.event("checkpoint", line)
-            step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
         verdict = every_member_lost(
             keeps_checkpoints=self.checkpoint_dir is not None,
             checkpoint_step=step,

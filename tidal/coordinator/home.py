@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.checkpoint import location
+from tidal.checkpoint.location import Location
 from tidal.config import job_name_error
 
 ENV_HOME = "TIDAL_HOME"
@@ -162,6 +164,15 @@ def job_dir(home: Path, name: str) -> JobDir:
     if (why := job_name_error(name)) is not None:
         raise BadJobName(why)
     return JobDir(home / "jobs" / name)
+
+
+def checkpoint_folder(home: Path, name: str, storage: str | None) -> Location:
+    """Where job ``name``'s checkpoints are: ``STORAGE/NAME`` for a job run with
+    ``--checkpoint-dir STORAGE`` (a shared folder or an fsspec URL), else the job's folder
+    under ``home`` (``HOME/jobs/NAME/checkpoints``)."""
+    if storage is None:
+        return job_dir(home, name).path / "checkpoints"
+    return location.join(location.of(storage), name)
 
 
 def db_path(home: Path) -> Path:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.backends import Exit
-from tidal.checkpoint.store import NAME_RE, newest_good
+from tidal.checkpoint.layout import newest_usable
+from tidal.checkpoint.location import Location
 from tidal.coordinator.actions import AdoptWorker, SignalWorker, StartWorker
 from tidal.coordinator.busy import BusyFacts, busy_members
 from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, judge_exit, to_kill
@@ -77,7 +77,7 @@ class Lifecycle:
         token: str,
         url: str,
         first_worker_id: int,
-        checkpoint_dir: Path | None,
+        checkpoint_dir: Location | None,
     ) -> None:
         """``token``: the job's, from which each worker's credential is derived; ``url``:
         the API's, given to workers; ``first_worker_id``: the first worker's id (a resumed
@@ -270,10 +270,11 @@ class Lifecycle:
             return
         self.ledger.event("failure", why)
         lost = latest.committed_step
-        path, warnings = newest_good(self.checkpoint_dir) if self.checkpoint_dir else (None, [])
+        path, step, warnings = (
+            newest_usable(self.checkpoint_dir) if self.checkpoint_dir else (None, None, [])
+        )
         for line in warnings:
             self.ledger.event("checkpoint", line)
-        step = int(NAME_RE.match(path.name).group(1)) if path is not None else None
         verdict = roll_back(lost_step=lost, checkpoint_step=step)
         if verdict.act is Act.FAIL:
             self.ledger.decide(JobState.FAILED, verdict.why)

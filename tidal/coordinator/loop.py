@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.checkpoint.location import Location
 from tidal.coordinator import phase
 from tidal.coordinator.actions import AbandonGeneration, KillEveryWorker
 from tidal.coordinator.end_rules import final_checkpoint, start_timed_out, wind_down
@@ -66,7 +66,7 @@ class ControlLoop:
         lifecycle: Lifecycle,
         generations: Generations,
         scaling: Scaling,
-        checkpoint_dir: Path | None,
+        checkpoint_dir: Location | None,
     ) -> None:
         self.job = job
         self.spec = spec

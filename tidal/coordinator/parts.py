@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.checkpoint.location import Location
 from tidal.coordinator.effects import Effects
 from tidal.coordinator.generations import Generations
 from tidal.coordinator.handlers import Handlers
@@ -62,7 +62,7 @@ def compose(
     namespace: str,
     first_generation: int,
     first_worker: int,
-    checkpoint_dir: Path | None,
+    checkpoint_dir: Location | None,
     token: str,
     url: str,
     config: WorkerConfig | None,

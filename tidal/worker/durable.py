@@ -10,11 +10,10 @@ worker waits for its write in flight before it exits, and the job's last step (c
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
-from tidal.checkpoint import store
+from tidal.checkpoint import location, store
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.protocol import CheckpointView, WorkerConfig
 from tidal.tracked import TrackedState
@@ -30,7 +29,7 @@ class Durable:
         self._writer: AsyncCheckpointer | None = None
         if cfg.checkpoint_dir is not None:
             self._writer = AsyncCheckpointer(
-                Path(cfg.checkpoint_dir),
+                location.of(cfg.checkpoint_dir),
                 keep=cfg.keep_checkpoints,
                 on_written=lambda w: agent.post_checkpoint(
                     CheckpointView(
@@ -57,7 +56,7 @@ class Durable:
         another ``data_order`` (``identity.check_resume``) is refused and kept as it is."""
         if self.cfg.resume_from is None:
             return None
-        path = Path(self.cfg.resume_from)
+        path = location.of(self.cfg.resume_from)
         try:
             meta = store.load(path, module, optimizer, tracked=tracked)
         except store.CheckpointError as exc:

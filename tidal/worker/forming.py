@@ -16,10 +16,10 @@ Called by ``Membership.join`` once the generation's rendezvous completed. Contra
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import devices
+from tidal.checkpoint import location
 from tidal.checkpoint import store as checkpoints
 from tidal.protocol import GenerationInfo, RecoveryPath
 from tidal.worker import ddp, probes
@@ -40,7 +40,7 @@ def form(parts: Parts, info: GenerationInfo) -> None:
     if info.resume_from is not None and update.step != info.resume_step:
         before = update.step
         if sharded.fsdp is not None:
-            update.restore(sharded.load_for_roll_back(Path(info.resume_from), gen=info.id))
+            update.restore(sharded.load_for_roll_back(location.of(info.resume_from), gen=info.id))
         else:
             roll_back(parts, info)
         rolled_back = max(0, before - update.step)
@@ -108,7 +108,7 @@ def roll_back(parts: Parts, info: GenerationInfo) -> None:
     state; every member of ``info`` does the same, so all continue from its step."""
     objects = parts.objects
     meta = checkpoints.load(
-        Path(info.resume_from), objects.module, objects.optimizer, tracked=objects.tracked
+        location.of(info.resume_from), objects.module, objects.optimizer, tracked=objects.tracked
     )
     checkpoints.restore_rng(meta)
     parts.update.restore(int(meta["step"]))

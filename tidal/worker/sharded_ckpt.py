@@ -2,8 +2,9 @@
 
 At a checkpoint step (``Durable.due``) every member, after committing the step:
 
-1. learns the write's temporary folder, which rank 0 makes and names (after its own pid,
-   so ``store.prune`` removes it if rank 0 dies in the write);
+1. learns the write, which rank 0 opens and names (``staging.begin``: a temporary folder
+   named after its pid, so ``store.prune`` removes it if rank 0 dies in the write; at a
+   URL the final prefix, whose manifest rank 0 uploads last);
 2. writes its own rows there (``checkpoint.sharded.write_shard``, hashed while written);
 3. all-gathers every member's result (bytes and checksum, or a failure);
 4. rank 0 writes the replicated files and the manifest and renames the folder into place
@@ -18,17 +19,14 @@ write is synchronous: each member writes 1/n of the state, in parallel with the 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import socket
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tidal.checkpoint import sharded as disk
-from tidal.checkpoint import store
+from tidal.checkpoint import staging, store
+from tidal.checkpoint.location import Location
 from tidal.protocol import CheckpointView
 from tidal.tracked import TrackedState
 from tidal.worker.sharded import ShardedModel
@@ -67,7 +65,7 @@ def _row_entry(row: torch.Tensor) -> dict | None:
 def save_sharded(
     sm: ShardedModel,
     *,
-    directory: Path,
+    directory: Location,
     step: int,
     position: dict,
     tracked: TrackedState | None,
@@ -78,22 +76,22 @@ def save_sharded(
     """This member's part of the checkpoint of ``step`` (module contract)."""
     started = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
-    name = ""
+    name, target = "", None
     if rank == 0:
-        name = store.temporary_name(step, pid=os.getpid(), host=socket.gethostname())
         try:
-            (directory / name).mkdir(parents=True)
+            target = staging.begin(directory, step)
+            name = target.name
         except OSError as exc:
             log.warning("checkpoint of step %s failed: %s", step, exc)
-            name = ""
     name = _broadcast_name(name)
-    tmp = directory / name
+    if name and target is None:
+        target = staging.join(directory, name, step)
     held = sm.held()
     entry, error = None, None
-    if name:
+    if target is not None:
         try:
             rows = {".".join(k): t.contiguous() for k, t in held.rows.items()}
-            entry = disk.write_shard(tmp, rank, world, rows)
+            entry = disk.write_shard(target, rank, world, rows)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("checkpoint of step %s failed: %s", step, error)
@@ -102,22 +100,21 @@ def save_sharded(
     try:
         dist.all_gather(rows_of, mine)
     except BaseException:
-        if rank == 0 and name:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0 and target is not None:
+            target.discard()
         raise
     if rank != 0:
         return
     entries = [_row_entry(r) for r in rows_of]
-    if not name or any(e is None for e in entries):
+    if target is None or any(e is None for e in entries):
         failed = [r for r, e in enumerate(entries) if e is None]
-        if name:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if target is not None:
+            target.discard()
         agent.post_checkpoint_failure(step, error or f"ranks {failed} could not write their shard")
         return
     try:
         written = disk.finalize(
-            tmp,
-            directory,
+            target,
             step=step,
             world=world,
             shards=entries,
@@ -171,19 +168,20 @@ def _replicated(sm, held, *, step, world, position, tracked) -> dict:  # noqa: A
     }
 
 
-def load_for_roll_back(sm: ShardedModel, path: Path, *, gen: int, tracked) -> int:  # noqa: ANN001
+def load_for_roll_back(sm: ShardedModel, path: Location, *, gen: int, tracked) -> int:  # noqa: ANN001
     """Hold the whole state of the sharded checkpoint ``path`` (a roll-back the coordinator
     chose: every member of generation ``gen`` loads it, so all hold the same layout
     ``(gen, 1, 0)``, and the heal cuts each member's rows from it); returns its step."""
-    from tidal.checkpoint.layout import SHARDED
+    from tidal.checkpoint.layout import SHARDED, readable
     from tidal.worker.shard_plan import Layout
     from tidal.worker.sharded import Held
 
-    if store.verify(path).get("layout") != SHARDED:
-        raise store.CheckpointError(
-            f"checkpoint {path} refused: sharding='fsdp' rolls back only to sharded checkpoints"
-        )
-    full = disk.read_full(path)
+    with readable(path) as local:
+        if store.verify(local).get("layout") != SHARDED:
+            raise store.CheckpointError(
+                f"checkpoint {path} refused: sharding='fsdp' rolls back only to sharded checkpoints"
+            )
+        full = disk.read_full(local)
     rows = {tuple(_split_key(k, sm.names)): t for k, t in full["rows"].items()}
     scalars: dict[str, dict] = {n: dict(e) for n, e in full["optimizer"]["state"].items()}
     for key, t in full["replicated"].items():

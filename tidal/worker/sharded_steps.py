@@ -18,11 +18,12 @@ Each duty is a no-op with ``sharding="ddp"`` (``fsdp`` is None). Contracts:
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tidal.checkpoint import location
+from tidal.checkpoint.location import Location
 from tidal.protocol import GenerationInfo, HeartbeatResponse, RecoveryPath, Role
 from tidal.worker import group as grp
 from tidal.worker import probes
@@ -81,7 +82,7 @@ class ShardedSteps:
         if self.fsdp is not None:
             self.fsdp.leave()
 
-    def load_for_roll_back(self, directory: Path, *, gen: int) -> int:
+    def load_for_roll_back(self, directory: Location, *, gen: int) -> int:
         """Load the sharded checkpoint the coordinator chose; its step."""
         from tidal.worker.sharded_ckpt import load_for_roll_back
 
@@ -143,7 +144,7 @@ class ShardedSteps:
         def save() -> None:
             save_sharded(
                 self.fsdp.sharded,
-                directory=Path(cfg.checkpoint_dir),
+                directory=location.of(cfg.checkpoint_dir),
                 step=step,
                 position=self.parts.loader.position(step),
                 tracked=self.parts.objects.tracked,
