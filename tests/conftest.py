@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from e2e_helpers import Home, standalone_params
+from s3_server import Moto
+from s3_server import env as s3_env
 
 from tidal.config import JobSpec
 from tidal.coordinator.controller import Coordinator
@@ -137,3 +140,43 @@ def cross_memory() -> bool:
     finally:
         src.stdin.close()
         src.wait(timeout=30)
+
+
+# -- an S3-compatible server (moto's server mode; ``s3_server``) ------------------------------
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[Moto]:
+    """One moto server for the session; each test takes its own bucket (``s3``)."""
+    server = Moto()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@dataclass
+class S3:
+    moto: Moto
+    bucket: str
+
+    def url(self, *parts: str) -> str:
+        return "/".join([f"s3://{self.bucket}", *parts])
+
+    def use(self, monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+        """Point this process's S3 clients (and the processes it starts) at ``endpoint``."""
+        for name, value in s3_env(endpoint).items():
+            monkeypatch.setenv(name, value)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # a client made for another endpoint
+
+
+@pytest.fixture
+def s3(moto_server: Moto, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """A fresh bucket on the session's moto server; this process's S3 clients (and the
+    processes it starts) reach it through the standard AWS variables."""
+    store = S3(moto=moto_server, bucket=moto_server.bucket())
+    store.use(monkeypatch, moto_server.endpoint)
+    yield store
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
