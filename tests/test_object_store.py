@@ -349,3 +349,22 @@ def test_a_sharded_checkpoint_is_written_by_its_members_at_a_url(s3) -> None:
         assert load_for_roll_back(sm, f"{url}/step-00000007", gen=2, tracked=None) == 7
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--checkpoint-dir", "s3://b/x"], "--checkpoint-dir needs --checkpoint-every N"),
+        (["--checkpoint-dir", "nosuch://b/x", "--checkpoint-every", "5"], "no nosuch://"),
+        (["--checkpoint-dir", "s3://", "--checkpoint-every", "5"], "names no bucket"),
+    ],
+)
+def test_tidal_run_refuses_a_bad_checkpoint_dir_in_one_line(tmp_path, capsys, flags, says):
+    from tidal.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["run", "--home", str(tmp_path / "home"), *flags, str(script)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tidal: error: ") and says in line, line
+    assert not (tmp_path / "home").exists()  # nothing recorded

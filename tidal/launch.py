@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal.config import JobSpec, from_flags, parse_schedule
+from tidal.config import JobSpec, from_flags, parse_schedule, storage_error
 from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
 from tidal.coordinator.supervisor import Attach
 from tidal.lookup import CliError, database
@@ -104,24 +104,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         import_ray()  # one line if the extra is missing, before anything is recorded
     get_policy(spec.policy)
+    check_storage(spec.checkpoint_storage)
     return launch(spec, home, args, resume=None)
 
 
 def checkpoint_storage(text: str | None) -> str | None:
     """``--checkpoint-dir`` as the spec keeps it: a folder made absolute (workers and a later
-    ``tidal resume`` may start elsewhere), a URL as given, once its fsspec filesystem is
-    found installed (one line otherwise)."""
+    ``tidal resume`` may start elsewhere), a URL as given; one line for text that names
+    neither (``config.storage_error``, which ``JobSpec`` applies too)."""
     if text is None:
         return None
     from tidal.checkpoint import location
 
+    if (why := storage_error(text)) is not None:
+        raise CliError(why)
+
     where = location.of(text)
-    if location.is_url(where):
+    return where if location.is_url(where) else str(Path(where).resolve())
+
+
+def check_storage(storage: str | None) -> None:
+    """One line if ``storage`` is a URL whose fsspec filesystem is not installed here."""
+    from tidal.checkpoint.location import is_url
+
+    if storage is not None and is_url(storage):
         from tidal.checkpoint.remote import check_url
 
-        check_url(where)
-        return where
-    return str(Path(where).resolve())
+        check_url(storage)
 
 
 def capacity_trace_path(path: str | None) -> str | None:
@@ -205,6 +214,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     job_dir(home, args.job)  # first: one line for a name that is no job's
     check_home(home)
     storage = checkpoint_storage(args.checkpoint_dir)
+    check_storage(storage)
     restore_record(home, args.job, storage=storage)
     elsewhere = "" if storage else "; a job whose home is gone: give its --checkpoint-dir"
     if not db_path(home).exists():

@@ -34,7 +34,7 @@ def of(text: str | Path) -> Location:
         return Path(text)
     if m.group(1).lower() == "file":
         return Path(m.group(2) or "/")
-    return text.rstrip("/")
+    return f"{m.group(1)}://{m.group(2).rstrip('/')}"
 
 
 def join(where: Location, *names: str) -> Location:
