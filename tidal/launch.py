@@ -118,7 +118,6 @@ def checkpoint_storage(text: str | None) -> str | None:
 
     if (why := storage_error(text)) is not None:
         raise CliError(why)
-
     where = location.of(text)
     return where if location.is_url(where) else str(Path(where).resolve())
 
