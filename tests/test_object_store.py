@@ -18,7 +18,7 @@ import torch
 from s3_server import Relay
 
 from tidal.checkpoint import fence, location, remote, store
-from tidal.checkpoint.layout import MANIFEST, step_of
+from tidal.checkpoint.layout import MANIFEST, found_on_disk, step_of
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.config import JobSpec, storage_error
 from tidal.coordinator.checkpoint_rules import pruned_records
@@ -138,7 +138,7 @@ def test_a_checkpoint_at_a_url_round_trips_and_lists_like_a_folder(s3) -> None:
     assert steps_of(store.list_checkpoints(url)) == [20, 10]
     path, warnings = store.newest_good(url)
     assert path == f"{url}/step-00000020" and warnings == []
-    found = store.found_on_disk(url)
+    found = found_on_disk(url)
     assert [(s, p) for s, p, _ in found] == [(10, written[0].path), (20, written[1].path)]
     assert [b for _, _, b in found] == [w.bytes for w in written]
     # Loaded through a local copy: bit for bit what was saved.
@@ -166,7 +166,7 @@ def test_a_write_in_progress_is_not_a_checkpoint(s3) -> None:
     def during() -> None:
         seen["listed"] = steps_of(store.list_checkpoints(url))
         seen["chosen"] = store.newest_good(url)
-        seen["found"] = [s for s, _, _ in store.found_on_disk(url)]
+        seen["found"] = [s for s, _, _ in found_on_disk(url)]
 
     store.write(snapshot(20), url, during=during)
     assert seen["listed"] == [20, 10] and seen["found"] == [10]
@@ -197,7 +197,7 @@ def test_a_damaged_object_is_refused_named_by_its_url_and_marked_bad(s3) -> None
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data[:-3]) + b"\0\0\0")
     _, (warning,) = store.newest_good(url)
     assert "it failed to load before" in warning and f"delete {newest}/BAD" in warning
-    assert [s for s, _, _ in store.found_on_disk(url)] == [10]
+    assert [s for s, _, _ in found_on_disk(url)] == [10]
 
 
 def test_a_prune_at_a_url_keeps_the_newest_and_removes_interrupted_writes(s3) -> None:
@@ -230,11 +230,16 @@ def test_a_fenced_writer_neither_publishes_nor_prunes_at_a_url(s3) -> None:
     fence.write(url, fence.Fence("old"))
     store.write(snapshot(10), url, fence="old")
     fence.write(url, fence.Fence("new"))  # `tidal resume`: a new run owns the folder
-    with pytest.raises(fence.Fenced, match="owns its checkpoints"):
-        store.write(snapshot(20), url, fence="old")
+    new = store.write(snapshot(20, seed=1), url, fence="new")
+    before = s3.moto.keys(s3.bucket, "fenced/")
+    # The old run's writes touch nothing: not the new run's checkpoint of the same step (a
+    # write at a URL lands where the owner's does), not its prune.
+    for step in (20, 30):
+        with pytest.raises(fence.Fenced, match="owns its checkpoints"):
+            store.write(snapshot(step), url, fence="old")
     assert store.prune(url, keep=1, fence="old") == []
-    assert steps_of(store.list_checkpoints(url)) == [20, 10]  # 20: files, no manifest
-    assert store.newest_good(url)[0] == f"{url}/step-00000010"
+    assert s3.moto.keys(s3.bucket, "fenced/") == before
+    assert store.newest_good(url) == (new.path, [])
 
 
 BIG = 1 << 20  # a width that makes the model's file ~16 MiB: a multipart upload of 4 parts
@@ -264,10 +269,12 @@ def test_an_endpoint_that_dies_mid_upload_leaves_no_complete_checkpoint(s3, monk
     said = str(err.value)
     assert "\n" not in said and took < 30, (took, said)
     s3.use(monkeypatch, s3.moto.endpoint)
+    # A partial upload: the model's multipart upload begun, never completed (not listed).
+    assert s3.moto.pending_uploads(s3.bucket) == ["cut/step-00000020/model.safetensors"]
     assert not s3.moto.keys(s3.bucket, f"cut/step-00000020/{MANIFEST}")
     path, warnings = store.newest_good(url)
     assert path == f"{url}/step-00000010", warnings
-    assert [s for s, _, _ in store.found_on_disk(url)] == [10]
+    assert [s for s, _, _ in found_on_disk(url)] == [10]
     store.write(snapshot(30), url)
     store.prune(url, keep=3)
     assert steps_of(store.list_checkpoints(url)) == [30, 10]
@@ -285,6 +292,7 @@ print("written", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_writer_killed_mid_upload_leaves_no_complete_checkpoint(s3, monkeypatch) -> None:
     """A writer SIGKILLed once its upload began (the model's multipart upload has parts on

@@ -15,7 +15,9 @@ once complete):
   final prefix, after deleting a previous manifest of the same step, and the manifest is
   uploaded last: a crash leaves a prefix without a manifest, which ``verify`` refuses.
 
-Both check the writer's fence (``fence.check``) just before the step that makes it count.
+Both check the writer's fence (``fence.check``) just before the step that makes it count;
+at a URL also before the write begins, since its files land where the owner's would (a
+fenced writer never clears nor discards the prefix: what it may hold is the new run's).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import xxhash
 
 from tidal.checkpoint import remote
+from tidal.checkpoint.fence import Fenced
 from tidal.checkpoint.fence import check as check_fence
 from tidal.checkpoint.layout import MANIFEST, checkpoint_name, file_digest, temporary_name
 from tidal.checkpoint.location import Location, is_url
@@ -107,6 +110,7 @@ class ObjectStaging:
         self.directory, self.name = directory, checkpoint_name(step)
         self.final = f"{directory}/{self.name}"
         self.fs, self.path = remote.filesystem(self.final)
+        self.fenced = False
 
     def clear(self) -> None:
         """A previous write of the same step goes, its manifest first."""
@@ -125,10 +129,20 @@ class ObjectStaging:
             files[name] = {HASH: xxhash.xxh3_128(raw).hexdigest(), "bytes": len(raw)}
 
     def publish(self, manifest: dict, *, fence: str | None = None) -> None:
-        check_fence(self.directory, fence)
+        self.check(fence)
         remote.write_bytes(f"{self.final}/{MANIFEST}", _json_bytes(manifest))
 
+    def check(self, fence: str | None) -> None:
+        """``fence.check``; once refused, this write leaves the prefix alone."""
+        try:
+            check_fence(self.directory, fence)
+        except Fenced:
+            self.fenced = True
+            raise
+
     def discard(self) -> None:
+        if self.fenced:
+            return
         try:
             remote.remove(self.final)
         except OSError:  # the store is gone: the prefix has no manifest, pruned later
@@ -138,10 +152,12 @@ class ObjectStaging:
 Staging = LocalStaging | ObjectStaging
 
 
-def begin(directory: Location, step: int) -> Staging:
-    """Open the write of ``step`` into ``directory`` (made if missing); raises OSError."""
+def begin(directory: Location, step: int, *, fence: str | None = None) -> Staging:
+    """Open the write of ``step`` into ``directory`` (made if missing); raises OSError, and
+    ``fence.Fenced`` at a URL whose folder the writer's run (``fence``) no longer owns."""
     if is_url(directory):
         staging = ObjectStaging(str(directory), step)
+        staging.check(fence)
         staging.clear()
         return staging
     directory = Path(directory)

@@ -249,7 +249,7 @@ def write(
     ``checkpoint`` fault phase) runs once the first file is written. ``fence``: the writer's
     run (``staging.publish``)."""
     start = time.monotonic()
-    target = staging.begin(directory, snapshot.step)
+    target = staging.begin(directory, snapshot.step, fence=fence)
     files = {}
     try:
         files["model.safetensors"] = target.write_tensors("model.safetensors", snapshot.model)

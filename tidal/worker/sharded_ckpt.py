@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from tidal.checkpoint import sharded as disk
 from tidal.checkpoint import staging, store
+from tidal.checkpoint.fence import Fenced
 from tidal.checkpoint.location import Location
 from tidal.protocol import CheckpointView
 from tidal.tracked import TrackedState
@@ -79,9 +80,9 @@ def save_sharded(
     name, target = "", None
     if rank == 0:
         try:
-            target = staging.begin(directory, step)
+            target = staging.begin(directory, step, fence=fence)
             name = target.name
-        except OSError as exc:
+        except (OSError, Fenced) as exc:
             log.warning("checkpoint of step %s failed: %s", step, exc)
     name = _broadcast_name(name)
     if name and target is None:
