@@ -23,8 +23,8 @@ The check and the rename are two steps: a fence moved in between lets one last w
 ``tidal resume`` therefore also ends the old set's local processes first
 (``coordinator.fencing``); the fence covers those it cannot reach.
 
-Beside the fence, a run that starts copies the job's spec (``SPEC``): the folder says whose it
-is, and ``tidal resume NAME --checkpoint-dir DIR|URL`` rebuilds a job whose home is gone
+Beside the fence, a run that starts with ``--checkpoint-dir`` (a folder outside its home)
+copies the job's spec (``SPEC``): the folder says whose it is, and ``tidal resume NAME --checkpoint-dir DIR|URL`` rebuilds a job whose home is gone
 from it. Both are single small files, replaced atomically (a rename in a folder, one PUT at a
 URL: ``remote``).
 """

@@ -146,8 +146,8 @@ class FenceCheckpoints:
     directory: str
     epoch: str
     sealed: str | None = None
-    # A run that starts copies the job's spec beside the fence (``fence.SPEC``): what
-    # ``tidal resume NAME --checkpoint-dir`` reads when the job's home is gone.
+    # A run that starts with ``--checkpoint-dir`` copies the job's spec beside the fence
+    # (``fence.SPEC``): what ``tidal resume NAME --checkpoint-dir`` reads when the home is gone.
     spec: dict | None = None
 
 

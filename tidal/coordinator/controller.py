@@ -275,10 +275,10 @@ class Coordinator:
         if on_disk is not None:
             return on_disk.epoch
         epoch = secrets.token_hex(8)
+        # Outside the home, the folder keeps the job's spec too (the home has its own copy).
+        spec = self.spec.to_dict() if self.spec.checkpoint_storage is not None else None
         failed = self.executor.do(
-            FenceCheckpoints(
-                directory=str(self.checkpoint_dir), epoch=epoch, spec=self.spec.to_dict()
-            )
+            FenceCheckpoints(directory=str(self.checkpoint_dir), epoch=epoch, spec=spec)
         )
         if failed:
             self._fence_failed = f"the checkpoint folder's fence could not be written ({failed})"
