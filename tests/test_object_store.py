@@ -125,6 +125,11 @@ def test_a_url_whose_filesystem_is_missing_is_one_line() -> None:
     with pytest.raises(ValueError, match=r"fsspec knows no nosuch:// filesystem"):
         remote.check_url("nosuch://b/x")
     remote.check_url("s3://b/x")  # s3fs is installed (the `s3` extra)
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:  # not a dependency: its absence is said, with the package to install
+        with pytest.raises(ValueError, match=r"gs://b/x needs gcsfs, which is not installed"):
+            remote.check_url("gs://b/x")
 
 
 # -- against the S3 server --------------------------------------------------------------------
