@@ -25,7 +25,7 @@ from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, judge_exit, to_
 from tidal.coordinator.job import Job, durable_fields
 from tidal.coordinator.pacing import clocks_restart
 from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.recovery import Control, Rebuilt, rebuild
+from tidal.coordinator.recovery import Control, Rebuilt, rebuild, regenerate
 from tidal.coordinator.reform_rules import roll_back
 from tidal.coordinator.verdicts import Act
 from tidal.protocol import JobState, JobStatus, WorkerEnv, WorkerState, worker_token
@@ -96,8 +96,9 @@ class Lifecycle:
     # -- a restarted coordinator ---------------------------------------------------------
     def adopt(self, rebuilt: Rebuilt, *, incarnation: int) -> None:
         """Take over from the job's previous coordinator (``recovered_job``): adopt its live
-        workers, count the ones that are gone as lost, re-open a generation that had not
-        formed."""
+        workers, open the generation ``recovery.regenerate`` says (one that had not formed,
+        or one that names a member the dead coordinator retired), count the ones that are
+        gone as lost."""
         job = self.job
         adopted, lost = [], []
         for w in job.workers.values():
@@ -117,15 +118,19 @@ class Lifecycle:
             f"{len(adopted)} live workers {adopted} adopted, awaiting their re-registration"
             + (f"; {lost} gone" if lost else ""),
         )
+        latest = job.latest
+        if latest is not None and job.outcome is None:
+            again = regenerate(
+                members=list(latest.members),
+                formed=latest.formed,
+                live=set(adopted),
+                retired={w.id for w in job.workers.values() if w.retired},
+            )
+            if again is not None:  # before the lost are counted: they are in neither
+                self.generations.open(*again)
         for wid in lost:
             self.on_exit(
                 Exit(worker_id=wid, returncode=-9, reason="gone when the coordinator restarted")
-            )
-        latest = job.latest
-        if rebuilt.reopen and latest is job.generations[-1] and job.outcome is None:
-            live = [m for m in latest.members if job.workers[m].live]
-            self.generations.open(
-                live, f"re-formed: the coordinator restarted before generation {latest.id} formed"
             )
         self.ledger.save_control()
 

@@ -19,6 +19,10 @@ Rules (the new coordinator then applies them, see ``lifecycle.recovered_job`` an
   is re-opened with the same members: its rendezvous was in the dead coordinator's store.
 - A decided outcome (the job succeeded, failed or was stopped, and was winding down) stays
   decided: the new coordinator finishes the wind-down.
+- A member the dead coordinator retired (a leaver, a scale-down) is in no generation the new
+  one keeps: the retirement is recorded before the generation without it, so a coordinator
+  killed between the two left a formed generation that still names it, and nothing would
+  open one without it (``regenerate``).
 """
 
 from __future__ import annotations
@@ -178,3 +182,20 @@ def rebuild(status: JobStatus, control: Control, *, namespace: str, now: float) 
         step=status.step,
         control=control,
     )
+
+
+def regenerate(
+    *, members: list[int], formed: bool, live: set[int], retired: set[int]
+) -> tuple[list[int], str] | None:
+    """The generation a restarted coordinator opens after adopting the workers, if any:
+    (its members, why). One that had not formed is re-opened with its live members (its
+    rendezvous was in the dead coordinator's store); a formed one that names a retired
+    member is replaced by one without it (module doc). None: the latest generation stays."""
+    keep = [m for m in members if m in live and m not in retired]
+    if not formed:
+        return keep, "re-formed: the coordinator restarted before the generation formed"
+    gone = sorted(set(members) & retired)
+    if gone:
+        who = ", ".join(map(str, gone))
+        return keep, f"worker(s) {who} left: retired by the coordinator before it restarted"
+    return None
