@@ -413,6 +413,15 @@ class JobSpec:
             "default) or start each as a fresh interpreter (exec)",
         ),
     )
+    torchrun: bool = field(
+        default=False,
+        metadata=flag(
+            "--torchrun",
+            "run an unmodified torchrun script: each worker gets torchrun's environment "
+            "(RANK, WORLD_SIZE, MASTER_ADDR...), and every membership change stops every "
+            "worker and starts the new world, which resumes from the script's own snapshot",
+        ),
+    )
     python: str = sys.executable
 
     @property
@@ -483,8 +492,22 @@ class JobSpec:
             raise ValueError(why)
         if self.comm not in COMMS:
             raise ValueError(f"--comm must be nccl, gloo or auto, got {self.comm!r}")
+        if self.torchrun and self.checkpoints:
+            raise ValueError(
+                "--torchrun scripts keep their own snapshots: --checkpoint-every and "
+                "--checkpoint-interval are tidal.Trainer's (drop them)"
+            )
         if self.worker_start not in WORKER_STARTS:
             raise ValueError(f"--worker-start must be fork or exec, got {self.worker_start!r}")
+
+    @property
+    def worker_argv(self) -> list[str]:
+        """What each worker's interpreter runs (after the interpreter itself): the script and
+        its arguments, or under ``--torchrun`` the launcher that gives the script torchrun's
+        environment first (``tidal.worker.torchrun``)."""
+        if self.torchrun:
+            return ["-m", "tidal.worker.torchrun", self.script, *self.script_args]
+        return [self.script, *self.script_args]
 
     @property
     def restart_limit(self) -> RestartLimit:

@@ -176,6 +176,9 @@ class WorkerConfig(BaseModel):
     # ``--preemption-notice`` (None: SIGTERM only) and its polling period (``cloud_watch``).
     preemption_notice: str | None = None
     preemption_poll_s: float = DEFAULT_POLL_S
+    # ``--max-restarts`` as given (a count, ``N/h`` or ``unlimited``): a ``--torchrun``
+    # script's ``TORCHELASTIC_MAX_RESTARTS`` (``worker.torchrun``). A default, as ``comm``.
+    max_restarts: int | str | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, **runtime: object) -> WorkerConfig:

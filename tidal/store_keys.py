@@ -72,3 +72,15 @@ def group_prefix(prefix: str) -> str:
 def copies_prefix(prefix: str) -> str:
     """Where the generation's neighbour-copy group (``sharding="fsdp"``) keeps its keys."""
     return f"{prefix}/copies"
+
+
+def master_key(prefix: str) -> str:
+    """``--torchrun``: ``HOST:PORT`` of the store rank 0's launcher hosts for its world's
+    script (its ``MASTER_ADDR`` and ``MASTER_PORT``: ``worker.torchrun``)."""
+    return f"{prefix}/torchrun/master"
+
+
+def host_key(prefix: str, rank: int) -> str:
+    """``--torchrun``: the host of the world's member of ``rank`` (its ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` are counted from them)."""
+    return f"{prefix}/torchrun/host/{rank}"

@@ -181,7 +181,7 @@ class LocalBackend(Backend):
         check_spec(spec, n_gpus=self.gpus)  # --comm nccl without GPUs, too few GPUs
         self.share_gpus = spec.share_gpus
         self._gpu: dict[int, int] = {}  # worker id -> the GPU index it holds, until its exit
-        self.command = [spec.python, spec.script, *spec.script_args]
+        self.command = [spec.python, *spec.worker_argv]
         self.log_dir = log_dir
         self.cwd = cwd
         self.spec = spec
@@ -266,7 +266,9 @@ class LocalBackend(Backend):
 
     def start(self, worker_id: int, env: dict[str, str]) -> int | None:
         full_env = {**worker_base_env(), **env}
-        gpu, note = self._pick_gpu()
+        # Under --torchrun each worker sees every GPU, as under torchrun: the script picks
+        # its own by LOCAL_RANK.
+        gpu, note = (None, "") if self.spec.torchrun else self._pick_gpu()
         if gpu is not None:
             parent = os.environ.get("CUDA_VISIBLE_DEVICES")
             full_env["CUDA_VISIBLE_DEVICES"] = device_entry(gpu, parent)

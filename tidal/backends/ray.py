@@ -104,7 +104,7 @@ class RayBackend(Backend):
 
         self._ray = ray
         self.host = ray.util.get_node_ip_address()
-        self._command: list[str | None] = [None, spec.script, *spec.script_args]
+        self._command: list[str | None] = [None, *spec.worker_argv]
         self._cwd = str(cwd or Path.cwd())
         self._log_dir = log_dir
         self._host_cls = ray.remote(WorkerHost)

@@ -231,6 +231,10 @@ class Effects:
             pause = r.first_step_time - r.prev_last_step_time
             if gen.pause_s is None or pause > gen.pause_s:
                 gen.pause_s, gen.pause_phases = pause, r.phases or None
+        elif gen.stopped_at is not None:  # a restarted world (--torchrun): since the stop
+            pause = r.first_step_time - gen.stopped_at
+            if gen.pause_s is None or pause > gen.pause_s:
+                gen.pause_s = pause
         recorded = (gen.recovery, gen.redone_steps)
         gen.recovery, gen.redone_steps = merge_recovery(recorded, r.recovery, r.redone_steps)
         self.executor.do(RecordGeneration(generation=gen.view()))

@@ -89,6 +89,10 @@ class Job:
     script_stop: ScriptStop | None = None
     #: Members alive and busy in their script, outside the collectives (``busy``).
     busy: frozenset[int] = frozenset()
+    #: ``--torchrun`` (``worlds``): why the latest world restarts (a member lost, a change),
+    #: the next world's reason; and when it was stopped (wall time): its pause's start.
+    restart_why: str | None = None
+    world_stopped_at: float | None = None
 
     @property
     def phase(self) -> Phase:

@@ -28,6 +28,7 @@ from tidal.coordinator.records import WorkerRecord
 from tidal.coordinator.recovery import Control, Rebuilt, rebuild, regenerate
 from tidal.coordinator.reform_rules import roll_back
 from tidal.coordinator.verdicts import Act
+from tidal.coordinator.world_rules import judge_member_exit
 from tidal.protocol import JobState, JobStatus, WorkerEnv, WorkerState, worker_token
 from tidal.restarts import keep_recent
 
@@ -119,7 +120,8 @@ class Lifecycle:
             + (f"; {lost} gone" if lost else ""),
         )
         latest = job.latest
-        if latest is not None and job.outcome is None:
+        # Not a world's (--torchrun): its members run their script, ``worlds`` decides.
+        if latest is not None and job.outcome is None and not self.spec.torchrun:
             again = regenerate(
                 members=list(latest.members),
                 formed=latest.formed,
@@ -149,32 +151,39 @@ class Lifecycle:
         w.exit_code = ex.returncode
         was_member = w.id in job.members
         now, limit = time.time(), self.spec.restart_limit
-        verdict = judge_exit(
-            ExitFacts(
-                worker_id=w.id,
-                returncode=ex.returncode,
-                how=ex.describe(),
-                reason=ex.reason,
-                detail=self.executor.describe_exit(w.id) if ex.returncode > 0 else "",
-                retired=w.retired,
-                leaving=w.state == WorkerState.STOPPING,
-                was_member=was_member,
-                kill_reason=w.kill_reason,
-                job_decided=job.outcome is not None or job.script_stop is not None,
-                status_known=ex.known,
-                joined=w.last_heartbeat is not None or w.state not in NOT_STARTED,
-                script=os.path.basename(self.spec.script),
-                failures=job.failures,
-                max_restarts=limit,
-                recent=tuple(job.loss_times),
-                now=now,
-                target=job.target,
-                min_workers=self.spec.min_workers,
-                alive_others=sum(
-                    1 for m in job.workers.values() if m.live and not m.retired and m.id != w.id
-                ),
-            )
+        facts = ExitFacts(
+            worker_id=w.id,
+            returncode=ex.returncode,
+            how=ex.describe(),
+            reason=ex.reason,
+            detail=self.executor.describe_exit(w.id) if ex.returncode > 0 else "",
+            retired=w.retired,
+            leaving=w.state == WorkerState.STOPPING,
+            was_member=was_member,
+            kill_reason=w.kill_reason,
+            job_decided=job.outcome is not None or job.script_stop is not None,
+            status_known=ex.known,
+            joined=w.last_heartbeat is not None or w.state not in NOT_STARTED,
+            script=os.path.basename(self.spec.script),
+            failures=job.failures,
+            max_restarts=limit,
+            recent=tuple(job.loss_times),
+            now=now,
+            target=job.target,
+            min_workers=self.spec.min_workers,
+            alive_others=sum(
+                1 for m in job.workers.values() if m.live and not m.retired and m.id != w.id
+            ),
         )
+        if self.spec.torchrun and was_member:  # a world's member (``world_rules``)
+            peers = [job.workers[m] for m in job.members if m != w.id]
+            verdict = judge_member_exit(
+                facts,
+                formed=job.latest.formed,
+                peer_failed=any(p.state == WorkerState.FAILED and not p.retired for p in peers),
+            )
+        else:
+            verdict = judge_exit(facts)
         w.state, w.rank = verdict.state, None
         self.ledger.event(verdict.kind, verdict.message)
         if verdict.lost:
@@ -182,11 +191,11 @@ class Lifecycle:
             job.loss_times = keep_recent(limit, [*job.loss_times, now], now)
             if was_member:  # it explains its peers' failed collectives (``repeated_failure``)
                 job.failed_collectives = None
-        if verdict.reform:
-            self.generations.open(
-                [m for m in job.members if m != w.id],
-                f"worker {w.id} failed ({w.kill_reason or ex.describe()})",
-            )
+        failed = f"worker {w.id} failed ({w.kill_reason or ex.describe()})"
+        if verdict.reform and self.spec.torchrun:  # the whole world restarts (``worlds``)
+            job.restart_why = job.restart_why or failed
+        elif verdict.reform:
+            self.generations.open([m for m in job.members if m != w.id], failed)
         if verdict.fail_job and job.outcome is None:
             self.ledger.decide(JobState.FAILED, verdict.fail_job)
         if verdict.target is not None:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from tidal.coordinator.publish import Publisher
     from tidal.coordinator.scaling import Scaling
     from tidal.coordinator.views import Views
+    from tidal.coordinator.worlds import Worlds
 
 FLUSH_EVERY_S = 0.5
 # Silence is judged against timeouts of seconds: four checks a second are enough, and a
@@ -65,9 +66,12 @@ class ControlLoop:
         views: Views,
         lifecycle: Lifecycle,
         generations: Generations,
+        worlds: Worlds,
         scaling: Scaling,
         checkpoint_dir: Location | None,
     ) -> None:
+        """``worlds``: what reconciles the members with the target under ``--torchrun``
+        (restart-based), instead of ``policy.reconcile``."""
         self.job = job
         self.spec = spec
         self.executor = executor
@@ -78,6 +82,7 @@ class ControlLoop:
         self.views = views
         self.lifecycle = lifecycle
         self.generations = generations
+        self.worlds = worlds
         self.scaling = scaling
         self.checkpoint_dir = checkpoint_dir
         self._last_health = 0.0  # when the loop last checked heartbeats (monotonic)
@@ -95,7 +100,10 @@ class ControlLoop:
         job = self.job
         now = time.monotonic()
         self.handlers.drain()
-        for ex in self.executor.poll():
+        exits = self.executor.poll()
+        if self.spec.torchrun:  # a peer's signal first: its peers' errors follow from it
+            exits.sort(key=lambda ex: ex.returncode >= 0)
+        for ex in exits:
             self.lifecycle.on_exit(ex)
         self.lifecycle.track_placement()
         if now - self._last_health >= HEALTH_EVERY_S:
@@ -103,6 +111,8 @@ class ControlLoop:
             self.lifecycle.check_heartbeats()
         self.lifecycle.answer_state_lost()
         self._finish()
+        if self.spec.torchrun:
+            self.worlds.finish()
         self._finish_script_stop()
         if job.outcome is None and job.script_stop is None:
             self.scaling.observe(now)
@@ -114,6 +124,9 @@ class ControlLoop:
             if job.stop_requested_at is not None:
                 if job.outcome is None:  # its event is the stop's own (``apply_stop``)
                     self.ledger.decide(JobState.STOPPED, None)
+            elif self.spec.torchrun:
+                self.worlds.reconcile()
+                self.worlds.check_formed()
             else:
                 self.reconcile()
             self._check_start_timeout()
@@ -283,6 +296,8 @@ class ControlLoop:
             for w in job.workers.values():
                 if w.live and w.id not in job.members:
                     self.lifecycle.retire(w)
+            if self.spec.torchrun and not plan.kill:  # its scripts learn of it as torchrun's
+                self.worlds.stop_world(f"the job {job.outcome.value}")
         if plan.kill:
             self.executor.do(KillEveryWorker(why=f"{STOP_GRACE_S:.0f} s after the job's end"))
         if not plan.end:

@@ -23,6 +23,7 @@ from tidal.coordinator.loop import ControlLoop
 from tidal.coordinator.publish import Publisher
 from tidal.coordinator.scaling import Scaling
 from tidal.coordinator.views import Views
+from tidal.coordinator.worlds import Worlds
 
 if TYPE_CHECKING:
     from tidal.config import JobSpec
@@ -42,6 +43,7 @@ class Parts:
     publisher: Publisher
     generations: Generations
     lifecycle: Lifecycle
+    worlds: Worlds
     scaling: Scaling
     effects: Effects
     handlers: Handlers
@@ -96,6 +98,14 @@ def compose(
         first_worker_id=first_worker,
         checkpoint_dir=checkpoint_dir,
     )
+    worlds = Worlds(
+        job=job,
+        spec=spec,
+        executor=executor,
+        ledger=ledger,
+        lifecycle=lifecycle,
+        generations=generations,
+    )
     scaling = Scaling(
         job=job,
         spec=spec,
@@ -146,6 +156,7 @@ def compose(
         views=views,
         lifecycle=lifecycle,
         generations=generations,
+        worlds=worlds,
         scaling=scaling,
         checkpoint_dir=checkpoint_dir,
     )
@@ -154,6 +165,7 @@ def compose(
         publisher=publisher,
         generations=generations,
         lifecycle=lifecycle,
+        worlds=worlds,
         scaling=scaling,
         effects=effects,
         handlers=handlers,

@@ -112,6 +112,9 @@ class GenerationRecord:
     recovery: RecoveryPath | None = None  # the most severe its members reported
     redone_steps: int | None = None  # the most steps a member redid
     reported: set[int] = field(default_factory=set)
+    # ``--torchrun``: when the world before it was stopped (wall time): its pause runs from
+    # there to its process group's forming (``Effects.on_step_report``).
+    stopped_at: float | None = None
 
     @property
     def store_prefix(self) -> str:

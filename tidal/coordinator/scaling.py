@@ -120,6 +120,8 @@ class Scaling:
         if cap is None:
             return
         self.ledger.set_target(job.requested, f"capacity {cap} (--capacity)")
+        if self.spec.torchrun:  # the world restarts at the new target (``worlds``)
+            return
         alive = [w.id for w in job.workers.values() if w.live and not w.retired and not w.preempted]
         victims = [job.workers[wid] for wid in capacity_victims(alive, job.members, cap)]
         for w in victims:

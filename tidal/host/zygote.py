@@ -7,7 +7,8 @@ tidal.host.zygote FD`` with the workers' common environment; ``FD`` is a socket 
 backend. Messages are JSON lines:
 
 - backend -> zygote: ``{"id": ID, "ping": true}``, or a fork: ``{"id": ID, "argv": [SCRIPT,
-  ARG...], "env": {...}, "cwd": DIR|null, "log": PATH}``;
+  ARG...], "env": {...}, "cwd": DIR|null, "log": PATH}`` (``argv`` ``["-m", MODULE, ARG...]``:
+  a module run as ``PYTHON -m MODULE ARG...`` runs it);
 - zygote -> backend: ``{"id": ID, "ready": PID}`` for a ping, ``{"id": ID, "pid": N}`` (or
   ``{"id": ID, "error": TEXT}``) for a fork, and ``{"exit": PID, "code": C}`` when a worker it
   forked ends (C as ``Popen.returncode``: ``-N`` for signal N).
@@ -22,13 +23,13 @@ closes, i.e. when the supervisor and its coordinators have ended. If the zygote 
 its workers train on: they become children of the supervisor, the job's subreaper, which
 reports their exits to the coordinator (``tidal.coordinator.supervisor``).
 
-Contract: a forked worker cannot tell itself from ``PYTHON SCRIPT ARG...`` started by
-``subprocess`` with ``start_new_session``:
+Contract: a forked worker cannot tell itself from ``PYTHON SCRIPT ARG...`` (or ``PYTHON -m
+MODULE ARG...``) started by ``subprocess`` with ``start_new_session``:
 
 - its own session; stdin ``/dev/null``; stdout and stderr appended to ``log``;
 - exactly ``env`` as its environment (``os.environ``, so C's ``getenv`` sees it too), ``cwd``,
   ``sys.argv`` and ``sys.path[0]`` the script's real directory (``-P``: the zygote itself
-  put nothing there);
+  put nothing there; a module's: the working directory, as with ``-m``);
 - the signal dispositions of a fresh interpreter, and no death signal;
 - its own random state: ``random`` reseeds itself at a fork, numpy's global generator is
   reseeded here from the OS (the torch generator's default seed is fixed in any process);
@@ -152,9 +153,9 @@ def serve(fd: int) -> dict | None:
             _send(chan, {"id": request.get("id"), "pid": pid})
 
 
-def become(request: dict) -> str:
+def become(request: dict) -> list[str]:
     """Turn this forked process into the requested worker (the module's contract); returns
-    the script's path, for the caller to run."""
+    its ``argv`` (the script's path or ``-m MODULE``, then the arguments), for ``run``."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -167,9 +168,13 @@ def become(request: dict) -> str:
     os.environ.update(request["env"])
     if request.get("cwd"):
         os.chdir(request["cwd"])
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    argv = list(request["argv"])
+    if argv[0] == "-m":  # as ``python -m``: argv[0] "-m" until runpy names the module's file
+        sys.argv = ["-m", *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+    else:
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -179,13 +184,21 @@ def become(request: dict) -> str:
         import importlib
 
         importlib.reload(sys.modules["sitecustomize"])
-    return script
+    return argv
+
+
+def run(argv: list[str]) -> None:
+    """Run the worker ``become`` made: its script, or its module as ``python -m`` does."""
+    import runpy
+
+    if argv[0] == "-m":
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":
     _request = serve(int(sys.argv[1]))
     if _request is None:
         sys.exit(0)
-    import runpy
-
-    runpy.run_path(become(_request), run_name="__main__")
+    run(become(_request))
