@@ -29,6 +29,7 @@ from bench.common import log
 from bench.rows import failed, public
 from bench.runners import (
     run_capacity,
+    run_compat_restart,
     run_dataloader,
     run_recovery,
     run_rescale,
@@ -61,6 +62,7 @@ MEASUREMENTS = (
     "store_auth",
     "torchft",
     "sim_vs_live",
+    "compat_restart",
 )
 
 SIZES = {
@@ -77,21 +79,21 @@ SIZES = {
         loader_steps=150, loader_reps=3, cp_window_s=20.0, cp_warmup_s=3.0, cap_joins=3,
         ckcpu_reps=7, fsdp_changes=6, fsdp_kills=[3, 8], fsdp_peer_changes=4,
         fsdp_steady=60, tc_steps=600, sa_gens=200, ck_quick=False, ck_steps=None,
-        sim_trace_s=120.0,
+        sim_trace_s=120.0, compat_changes=6,
     ),
     "quick": dict(
         tput_steps=120, tput_reps=2, events=6, joins=1, kills=3, peer_kills=1, mb=100, reps=3,
         loader_steps=80, loader_reps=1, cp_window_s=10.0, cp_warmup_s=3.0, cap_joins=2,
         ckcpu_reps=3, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=2,
         fsdp_steady=30, tc_steps=300, sa_gens=80, ck_quick=True, ck_steps=None,
-        sim_trace_s=90.0,
+        sim_trace_s=90.0, compat_changes=2,
     ),
     "tiny": dict(
         tput_steps=30, tput_reps=1, events=2, joins=1, kills=1, peer_kills=1, mb=2, reps=1,
         loader_steps=20, loader_reps=1, cp_window_s=3.0, cp_warmup_s=1.0, cap_joins=1,
         ckcpu_reps=1, fsdp_changes=2, fsdp_kills=[5], fsdp_peer_changes=1,
         fsdp_steady=5, tc_steps=30, sa_gens=10, ck_quick=True, ck_steps=8,
-        sim_trace_s=60.0,
+        sim_trace_s=60.0, compat_changes=2,
     ),
 }  # fmt: skip
 
@@ -202,6 +204,8 @@ RUNNERS = {
     "store_auth": (run_store_auth, ["store_auth_reform"], "s"),
     "torchft": (run_torchft, ["torchft_recovery", "torchft_join", "torchft_throughput"], "s"),
     "sim_vs_live": (run_sim_vs_live, ["sim_vs_live", "sim_vs_live_cost"], "s"),
+    "compat_restart": (run_compat_restart, ["compat_restart", "compat_restart_join_p50",
+                                            "compat_restart_leave_p50"], "s"),
 }  # fmt: skip
 
 

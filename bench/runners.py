@@ -188,3 +188,32 @@ def run_capacity(size: dict, tmp: Path) -> tuple[list[dict], dict]:
         for kind in ("cold", "spare")
     ]  # fmt: skip
     return rows, res
+
+
+def run_compat_restart(size: dict, tmp: Path) -> tuple[list[dict], dict]:
+    """An unmodified torchrun script's restart-based changes: Tidal's ``--torchrun`` against
+    torchrun's own, the same script and the same pause (``bench.compat_restart``)."""
+    from bench import compat_restart
+
+    (tmp / "tidal").mkdir(parents=True)
+    (tmp / "peer").mkdir(parents=True)
+    t = compat_restart.tidal_pauses(size["compat_changes"], tmp / "tidal")
+    p = compat_restart.peer_pauses(size["compat_changes"], tmp / "peer")
+    config = peers.torchrun_config("--nnodes=1:2 --nproc-per-node=1, one agent per node") | {
+        "script": "examples/ddp_torchrun.py (unmodified: env://, DistributedSampler, its own "
+        "torch.save snapshot), " + " ".join(compat_restart.SCRIPT_ARGS),
+        "tidal": "tidal run --torchrun --workers 1 --max-workers 2, tidal scale 2 / 1",
+    }
+    torchrun = {"peer_name": "torchrun", "peer_config": config}
+    rows = [
+        row("compat_restart", percentile(t["pauses_s"], 50), percentile(p["pauses_s"], 50), "s",
+            higher_is_better=False, tidal_samples=t["pauses_s"], peer_samples=p["pauses_s"],
+            **torchrun),
+        row("compat_restart_join_p50", percentile(t["up_s"], 50), percentile(p["up_s"], 50),
+            "s", higher_is_better=False, tidal_samples=t["up_s"], peer_samples=p["up_s"],
+            **torchrun),
+        row("compat_restart_leave_p50", percentile(t["down_s"], 50),
+            percentile(p["down_s"], 50), "s", higher_is_better=False,
+            tidal_samples=t["down_s"], peer_samples=p["down_s"], **torchrun),
+    ]  # fmt: skip
+    return rows, {"tidal": t, "peer": p}
