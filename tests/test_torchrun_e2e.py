@@ -117,3 +117,47 @@ def test_a_script_that_never_forms_a_process_group_fails_in_one_line(
     assert line in lines[0] or line.replace("worker 0", "worker 1") in lines[0], lines
     assert status["state"] == "failed" and len(status["generations"]) == 1, summarize(status)
     tidal_home.assert_no_processes()
+
+
+LOGS_STEPS = """
+import os, sys, time
+import torch, torch.distributed as dist
+import tidal
+
+snap = sys.argv[1]
+dist.init_process_group("gloo")
+step = int(open(snap).read()) if os.path.exists(snap) else 0
+while step < 60:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    step += 1
+    time.sleep(0.02)
+    if dist.get_rank() == 0:
+        with open(snap + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(snap + ".tmp", snap)
+    tidal.log(step=step, loss=1.0 / step, world=t.item())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_script_that_logs_its_steps_gets_them_and_the_schedule(
+    tidal_home: Home, tmp_path: Path
+) -> None:
+    """``tidal.log(step=N, ...)`` from a --torchrun script: the job's step, its metrics,
+    and a ``--schedule`` that restarts the world at its step."""
+    script = tmp_path / "logs.py"
+    script.write_text(LOGS_STEPS)
+    proc, job = tidal_home.run(
+        "logs", "--torchrun", "--workers", "2", "--schedule", "20:1",
+        script=script, script_args=[str(tmp_path / "snap.txt")], timeout=60,
+    )  # fmt: skip
+    status = job.status()
+    assert proc.returncode == 0, f"{proc.stderr}\n{summarize(status)}\n{job.logs_tail()}"
+    assert status["state"] == "succeeded" and status["step"] == 60, summarize(status)
+    assert [g["world_size"] for g in status["generations"]] == [2, 1], summarize(status)
+    assert status["metrics"]["loss"] == pytest.approx(1 / 60) and status["metrics"]["world"] == 1
+    assert any("--schedule at step 20" in e["message"] for e in status["events"])
+    tidal_home.assert_no_processes()

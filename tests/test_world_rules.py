@@ -235,7 +235,7 @@ def test_a_scale_up_stops_the_world_and_opens_the_next_once_it_is_gone() -> None
     r.ex.exits = [Exit(worker_id=0, returncode=-15), Exit(worker_id=1, returncode=-15)]
     r.pass_()
     assert r.job.members == [2, 3, 4] and r.job.latest.id == 2
-    assert r.job.latest.reason.startswith("restart 1: target 3")
+    assert r.job.latest.reason == "restart 1: 2 -> 3 workers"
     assert [r.job.workers[w].state for w in (0, 1)] == [EXITED, EXITED]
     assert r.job.failures == 0  # a planned change costs nothing
     formed(r, 2, t=r.job.latest.stopped_at + 1.5)

@@ -26,6 +26,14 @@ def _fmt_time(t: float) -> str:
     return datetime.fromtimestamp(t).strftime("%H:%M:%S")
 
 
+def _since(t: float) -> str:
+    """``12:03:44 (1h 02m ago)``: a job's start and its age (its uptime while it runs)."""
+    age = max(0, int(time.time() - t))
+    h, m, sec = age // 3600, age % 3600 // 60, age % 60
+    ago = f"{h}h {m:02d}m" if h else f"{m}m {sec:02d}s" if m else f"{sec}s"
+    return f"{_fmt_time(t)} ({ago} ago)"
+
+
 class _PipeConsole(Console):
     """A console whose closed pipe is an error for its caller (rich's default ends the
     process with ``SystemExit(1)``: a coordinator whose output was piped into ``head`` ended
@@ -168,7 +176,7 @@ def print_status(s: JobStatus) -> None:
     )
     per_1k = f", ${s.cost_per_1k_samples:.4g}/1k samples" if s.cost_per_1k_samples else ""
     projected = f", ~${s.projected_cost:.2f} at the end" if s.projected_cost else ""
-    summary.add_row("cost", f"${s.cost:.2f}{per_1k}{projected}", "", "")
+    summary.add_row("cost", f"${s.cost:.2f}{per_1k}{projected}", "started", _since(s.created))
     if s.checkpoint_failures:
         summary.add_row(
             "checkpoints",

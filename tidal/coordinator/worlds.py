@@ -84,7 +84,7 @@ class Worlds:
         latest = job.latest
         plan = plan_world(self.facts())
         if plan.stop:
-            why = job.restart_why or f"target {job.target}, world of {len(latest.members)}"
+            why = job.restart_why or f"{len(latest.members)} -> {job.target} workers"
             job.restart_why = why
             self.stop_world(why)
         for wid in plan.retire:

@@ -49,6 +49,15 @@ from tidal.worker.update import Update
 __all__ = ["SHARDINGS", "LOG_REDUCTIONS", "Step", "Trainer", "log"]
 
 _current: Trainer | None = None
+#: Where ``log`` reports when no Trainer runs in this process (``set_log_sink``).
+_sink: Callable[[dict[str, float], str | None], None] | None = None
+
+
+def set_log_sink(sink: Callable[[dict[str, float], str | None], None] | None) -> None:
+    """Report ``log``'s values to ``sink(values, reduce)`` while no Trainer runs here: the
+    ``--torchrun`` launcher's (``worker.torchrun``), for a script that is no Trainer's."""
+    global _sink
+    _sink = sink
 
 #: The values of ``tidal.log(..., reduce=...)``: None keeps rank 0's value, "mean" averages.
 LOG_REDUCTIONS = (None, "mean")
@@ -68,6 +77,8 @@ def log(*, reduce: str | None = None, **metrics: float) -> None:
     values = {k: float(v) for k, v in metrics.items()}
     if _current is not None:
         _current._parts.loop.log(values, reduce)
+    elif _sink is not None:
+        _sink(values, reduce)
 
 
 class Trainer:

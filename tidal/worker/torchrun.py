@@ -22,8 +22,11 @@ A thread watches for the script's process group (``torch.distributed.is_initiali
 polled every ``POLL_S`` until it is) and reports it as the world's first step
 (``StepReport``): the coordinator counts the world formed from then on
 (``world_rules.judge_member_exit``: an exit 0 before it is a script that never formed one).
-The script's SIGTERM is its own (torchrun's: the default ends the process); so is
-``tidal.log``, which reports nothing here.
+The script's SIGTERM is its own (torchrun's: the default ends the process).
+
+A script may call ``tidal.log(step=N, loss=...)`` (``LogSink``): ``step`` is then the job's
+step (``tidal status``, ``--schedule``), the other values its metrics, rank 0's unless
+``reduce="mean"``, as from a Trainer.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from tidal.restarts import parse_max_restarts
 from tidal.store_auth import AuthStore
 from tidal.store_keys import host_key, master_key
 from tidal.worker.agent import Agent
+from tidal.worker.elastic import post_step_metrics
 from tidal.worker.notice import Notices
+from tidal.worker.runtime import set_log_sink
 
 #: How often the watch looks for the script's process group.
 POLL_S = 0.005
@@ -201,6 +206,28 @@ class FormWatch:
             self.report()
 
 
+class LogSink:
+    """``tidal.log`` from a script that is no Trainer's (``runtime.set_log_sink``): its
+    ``step`` value is the step the values are for, and this worker's step from then on."""
+
+    def __init__(self, agent: Agent, info: GenerationInfo, rank: int) -> None:
+        self.agent, self.generation, self.rank = agent, info.id, rank
+
+    def __call__(self, values: dict[str, float], reduce: str | None) -> None:
+        step = values.pop("step", None)
+        if step is not None:
+            self.agent.step = max(self.agent.step, int(step))
+        if values:
+            post_step_metrics(
+                self.agent,
+                last_rank=self.rank,
+                step=self.agent.step,
+                generation=self.generation,
+                metrics=values,
+                reduce=reduce,
+            )
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m tidal.worker.torchrun SCRIPT [ARG...] (under tidal run)")
@@ -218,7 +245,9 @@ def main(argv: list[str]) -> None:
         notices.close()
         if info is None:
             return  # told to exit before it trained: exit 0
-        variables, served = meet(agent.config, info, info.members.index(agent.worker_id))
+        rank = info.members.index(agent.worker_id)
+        variables, served = meet(agent.config, info, rank)
+        set_log_sink(LogSink(agent, info, rank))
         os.environ.update(variables)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun does
         watch = FormWatch(agent, info)
