@@ -10,7 +10,7 @@ workers), ``changes`` changes. Peer: torchrun elastic, one agent per node (``--n
 every new worker loads the script's snapshot.
 
 The pause has one definition for both: from rank 0's last step before the change to the
-first step at the new size, from the script's own step records (``--log``); so it holds
+first step at the new size, from the script's own step records (``--record``); so it holds
 the stop, the fresh processes' start, the script's imports, its snapshot's load, the
 process group's forming and the first step.
 """
@@ -75,7 +75,7 @@ def tidal_pauses(changes: int, tmp: Path, timeout: float = 120) -> dict:
     from tidal.lookup import running_client
 
     home, name, out = tmp / "home", "compat", tmp / "tidal.jsonl"
-    args = ["--snapshot", str(tmp / "tidal.pt"), "--log", str(out), *SCRIPT_ARGS]
+    args = ["--snapshot", str(tmp / "tidal.pt"), "--record", str(out), *SCRIPT_ARGS]
     cmd = tidal_cmd(home, name, "--torchrun", "--workers", "1", "--max-workers", "2")
     procs = Procs()
     pauses: dict[int, list[float]] = {1: [], 2: []}
@@ -101,7 +101,7 @@ def tidal_pauses(changes: int, tmp: Path, timeout: float = 120) -> dict:
 
 def peer_pauses(changes: int, tmp: Path, timeout: float = 120) -> dict:
     out, port = tmp / "peer.jsonl", free_port()
-    args = ["--snapshot", str(tmp / "peer.pt"), "--log", str(out), *SCRIPT_ARGS]
+    args = ["--snapshot", str(tmp / "peer.pt"), "--record", str(out), *SCRIPT_ARGS]
 
     def agent(tag: str, procs: Procs):
         opts = ["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",

@@ -7,7 +7,7 @@ As torchrun's fault-tolerance tutorial has it: the process group from ``env://``
 optimizer's state) that rank 0 saves every ``--save-every`` steps and every start loads,
 so a restarted world (after a failure, or a change of size) resumes where it was.
 
-``--log FILE``: each worker appends one JSON line when it starts (``rank``, ``world``,
+``--record FILE``: each worker appends one JSON line when it starts (``rank``, ``world``,
 ``restart_count``, ``resumed_step``) and rank 0 one per step (``step``, ``t``, ``world``):
 what the tests and ``bench`` read.
 """
@@ -33,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
-    p.add_argument("--log", help="append JSON lines here (see the docstring)")
+    p.add_argument("--record", help="append JSON lines here (see the docstring)")
     return p.parse_args()
 
 
@@ -70,7 +70,7 @@ def main() -> None:
         opt.load_state_dict(snap["optimizer"])
         step = snap["step"]
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    note(args.log, rank=rank, world=world, restart_count=restarts, resumed_step=step)
+    note(args.record, rank=rank, world=world, restart_count=restarts, resumed_step=step)
     ddp = DDP(model)
     dataset = data()
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
@@ -88,7 +88,7 @@ def main() -> None:
             if args.sleep:
                 time.sleep(args.sleep)
             if rank == 0:
-                note(args.log, step=step, t=time.time(), world=world, loss=loss.item())
+                note(args.record, step=step, t=time.time(), world=world, loss=loss.item())
                 if step % args.save_every == 0 or step == args.max_steps:
                     save(args.snapshot, step, model, opt)
             if step >= args.max_steps:

@@ -43,7 +43,7 @@ def test_an_unmodified_ddp_script_scales_2_3_1_resuming_from_its_snapshot(
     tidal_home: Home, tmp_path: Path
 ) -> None:
     log, snap = tmp_path / "log.jsonl", tmp_path / "snapshot.pt"
-    args = ["--snapshot", str(snap), "--log", str(log), "--max-steps", "150", "--sleep", "0.02"]
+    args = ["--snapshot", str(snap), "--record", str(log), "--max-steps", "150", "--sleep", "0.02"]
     run = tidal_home.popen(
         "run", "--name", "ddp", "--quiet", "--torchrun", "--workers", "2", "--max-workers", "3",
         str(SCRIPT), *args,
