@@ -155,6 +155,36 @@ def test_a_forked_worker_sees_what_an_execd_one_sees_and_ends_as_it_would(setup)
     assert forked["draws"][1] != again["draws"][1]
 
 
+@pytest.mark.slow
+def test_a_forked_module_sees_what_python_m_sees(setup):
+    """``["-m", MODULE, ...]`` (the ``--torchrun`` launcher's form): as ``python -m``."""
+    tmp, base, probe = setup
+    (tmp / "hooks" / "probemod.py").write_text(probe.read_text())  # on PYTHONPATH
+    z = Zygote(python=sys.executable, env=base, log=tmp / "zygote.log")
+    cwd = tmp / "cwd"
+    cwd.mkdir()
+    env = {**base, "TIDAL_WORKER_ID": "7"}
+    try:
+        assert z.ready(wait=60), (tmp / "zygote.log").read_text()
+        pid = z.spawn(argv=["-m", "probemod", "3"], env=env, cwd=cwd, log=tmp / "forked.log")
+        assert _exits(z, {pid}) == {pid: 3}
+        forked = _record(tmp / "forked.log")
+    finally:
+        z.close()
+    with open(tmp / "exec.log", "wb") as out:
+        code = subprocess.run(
+            [sys.executable, "-m", "probemod", "3"], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, timeout=60,
+        ).returncode  # fmt: skip
+    assert code == 3
+    execd = _record(tmp / "exec.log")
+    assert {k: v for k, v in forked.items() if k != "draws"} == {
+        k: v for k, v in execd.items() if k != "draws"
+    }
+    assert forked["name"] == "__main__" and forked["argv"][1:] == ["3"]
+    assert forked["file"].endswith("probemod.py") and forked["path0"] == str(cwd)
+
+
 def _spec(script: Path, **kw) -> JobSpec:
     return JobSpec(name="z", script=str(script), workers=1, max_workers=4, **kw)
 
