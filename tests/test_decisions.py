@@ -451,6 +451,7 @@ def test_the_coordinator_is_composed_not_inherited() -> None:
         "publisher",
         "generations",
         "lifecycle",
+        "worlds",
         "scaling",
         "effects",
         "handlers",

@@ -18,6 +18,7 @@ here with exactly what it needs, and the parts call each other's public methods 
 - ``publisher`` (``publish.Publisher``): what workers are told, lock-free;
 - ``generations`` (``generations.Generations``): generations opened;
 - ``lifecycle`` (``lifecycle.Lifecycle``): the workers' processes;
+- ``worlds`` (``worlds.Worlds``): restart-based membership under ``--torchrun``;
 - ``scaling`` (``scaling.Scaling``): schedule, policy, capacity, leavers;
 - ``effects`` (``effects.Effects``) and ``handlers`` (``handlers.Handlers``): the API's
   facts and what each does;

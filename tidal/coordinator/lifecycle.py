@@ -6,7 +6,9 @@ reports (exits, placement, read through the executor); these methods turn report
 worker states and generations, and what the rules decide (``exit_rules``, ``reform_rules``)
 into actions (``actions``: start, signal, adopt) that the executor carries out. An exit is
 a failure to recover from unless the worker was asked to leave; an exit with a positive
-code (the script raised) fails the job, since every worker runs the same code.
+code (the script raised) fails the job, since every worker runs the same code. Under
+``--torchrun`` a world's member's end is judged by ``world_rules.judge_member_exit`` and a
+loss restarts the whole world (``worlds``) instead of re-forming without it.
 """
 
 from __future__ import annotations
