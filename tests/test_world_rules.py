@@ -206,6 +206,8 @@ def test_torchrun_workers_run_the_launcher() -> None:
     assert JobSpec(name="j", script="/t.py").worker_argv == ["/t.py"]
     with pytest.raises(ValueError, match="--torchrun scripts keep their own snapshots"):
         JobSpec(name="j", script="/t.py", torchrun=True, checkpoint_every=5)
+    with pytest.raises(ValueError, match="--preemption-notice is tidal.Trainer's"):
+        JobSpec(name="j", script="/t.py", torchrun=True, preemption_notice="aws")
 
 
 # -- the coordinator's passes ----------------------------------------------------------------

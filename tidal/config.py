@@ -497,6 +497,11 @@ class JobSpec:
                 "--torchrun scripts keep their own snapshots: --checkpoint-every and "
                 "--checkpoint-interval are tidal.Trainer's (drop them)"
             )
+        if self.torchrun and self.preemption_notice is not None:
+            raise ValueError(
+                "--preemption-notice is tidal.Trainer's: a --torchrun script gets the "
+                "machine's SIGTERM itself, as under torchrun (drop the flag)"
+            )
         if self.worker_start not in WORKER_STARTS:
             raise ValueError(f"--worker-start must be fork or exec, got {self.worker_start!r}")
 
