@@ -18,12 +18,13 @@ ROOT = Path(__file__).resolve().parents[1] / "tidal"
 LAYERS: list[set[str]] = [
     {"backoff", "logconfig"},  # the retry loops' one wait rule; the log's one handler
     {"restarts", "preemption"},  # pure parsers and rules of settings: import nothing of tidal
-    {"config", "protocol", "store_keys", "store_auth", "access", "tracked", "devices", "pids"},
+    {"config", "protocol", "store_keys", "store_auth", "access", "tracked", "devices", "pids"}
+    | {"hosts_protocol"},
     {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics", "terminal"},
-    {"coordinator", "worker"},
+    {"coordinator", "worker", "hosts"},  # hosts: a joined host's agent (``tidal worker``)
     {"dashboard", "tensorboard", "display", "lookup"},
     {"host", "testing"},
-    {"cli", "launch", "attach_cli", "sim_cli", "__init__"},
+    {"cli", "launch", "attach_cli", "sim_cli", "worker_cli", "__init__"},
     {"__main__"},  # ``python -m tidal``: the command itself
 ]
 SIBLINGS_MAY_IMPORT = {
@@ -35,6 +36,9 @@ SIBLINGS_MAY_IMPORT = {
     ("cli", "attach_cli"),
     ("cli", "launch"),
     ("cli", "sim_cli"),
+    ("cli", "worker_cli"),
+    ("hosts_protocol", "protocol"),  # the API's prefix and id bound
+    ("hosts", "coordinator"),  # the agent's logs go where a job's logs go (``home.job_dir``)
     ("protocol", "config"),
     ("attach_cli", "cli"),
 }

@@ -97,6 +97,10 @@ def _address(spec: JobSpec) -> str:
         from tidal.backends.ray import node_address
 
         return node_address()
+    if spec.backend == "hosts":
+        from tidal.config import parse_listen
+
+        return parse_listen(spec.listen or "")[0]
     return "127.0.0.1"
 
 

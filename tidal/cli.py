@@ -272,9 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tidal.attach_cli import add_parser as add_attach_parser
     from tidal.sim_cli import add_parser as add_simulate_parser
+    from tidal.worker_cli import add_parser as add_worker_parser
 
     add_attach_parser(sub, common, launch)
     add_simulate_parser(sub)
+    add_worker_parser(sub, common)
     return parser
 
 

@@ -10,6 +10,7 @@ import socket
 
 import httpx
 
+from tidal.hosts_protocol import HostJoined, HostOrders, HostPoll, HostRegister
 from tidal.protocol import (
     API_PREFIX,
     DoneReport,
@@ -76,9 +77,12 @@ class CoordinatorClient:
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, method: str, path: str, body: object | None = None) -> dict:
+    def _call(
+        self, method: str, path: str, body: object | None = None, timeout_s: float | None = None
+    ) -> dict:
         payload = body.model_dump(mode="json") if body is not None else None
-        resp = self._http.request(method, path, json=payload)
+        extra = {} if timeout_s is None else {"timeout": timeout_s}
+        resp = self._http.request(method, path, json=payload, **extra)
         if resp.status_code >= 400:
             try:
                 detail = resp.json().get("detail", resp.text)
@@ -112,6 +116,15 @@ class CoordinatorClient:
         """This member's script ended the job early (``StopReport``); the answer says where
         the job stops and whether this worker writes the final checkpoint."""
         return StopAnswer.model_validate(self._call("POST", f"/workers/{worker_id}/stop", req))
+
+    # -- host agents' calls (``tidal worker --join``; the client holds the hosts' token) ---
+    def register_host(self, req: HostRegister) -> HostJoined:
+        return HostJoined.model_validate(self._call("POST", "/hosts/register", req))
+
+    def poll_host(self, host_id: int, req: HostPoll) -> HostOrders:
+        """The host's orders; held up to ``req.wait_s`` by the coordinator (a long poll)."""
+        path = f"/hosts/{host_id}/poll"
+        return HostOrders.model_validate(self._call("POST", path, req, req.wait_s + 10.0))
 
     # -- CLI calls ------------------------------------------------------------------
     def status(self) -> JobStatus:

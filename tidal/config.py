@@ -186,6 +186,25 @@ def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(entries)
 
 
+def parse_listen(text: str) -> tuple[str, int]:
+    """``--listen HOST:PORT`` (``[::1]:7000`` for IPv6) -> ``(host, port)``; port 0: one the
+    OS picks. ``ValueError`` with the fix for anything else, or a wildcard address: workers
+    on other machines are given ``HOST`` to reach the coordinator and its store at."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip().removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"--listen takes HOST:PORT, the address other machines reach this one at (e.g. "
+            f"10.0.0.5:7000; port 0: one the OS picks), got {text!r}"
+        )
+    if host in ("0.0.0.0", "::", "*"):
+        raise ValueError(
+            f"--listen needs the address other machines reach this one at, not {host}: the "
+            "hosts' workers are given it to connect to (e.g. --listen 10.0.0.5:7000)"
+        )
+    return host, int(port)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     """Where workers run on a cluster backend (``ray``): the cluster's address and what each
@@ -250,6 +269,23 @@ class JobSpec:
         metadata=flag("--backend", "local (subprocesses, default) or ray (a Ray cluster)"),
     )
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    listen: str | None = field(
+        default=None,
+        metadata=flag(
+            "--listen",
+            "serve the job on HOST:PORT, an address other machines reach, for the hosts that "
+            "join it with `tidal worker --join` (the hosts backend; its token is required on "
+            "every call)",
+        ),
+    )
+    local_slots: int = field(
+        default=0,
+        metadata=flag(
+            "--local-slots",
+            "with --listen: workers this machine runs itself besides the joined hosts' "
+            "(default {default})",
+        ),
+    )
     policy: str = field(
         default="static", metadata=flag("--policy", "scaling policy (default {default})")
     )
@@ -502,6 +538,22 @@ class JobSpec:
                 "--preemption-notice is tidal.Trainer's: a --torchrun script gets the "
                 "machine's SIGTERM itself, as under torchrun (drop the flag)"
             )
+        if self.backend == "hosts" and self.listen is None:
+            raise ValueError(
+                "--backend hosts needs --listen HOST:PORT, the address the hosts reach this "
+                "machine at"
+            )
+        if self.listen is not None:
+            parse_listen(self.listen)
+            if self.backend != "hosts":
+                raise ValueError(
+                    f"--listen serves the hosts that join the job (the hosts backend), not "
+                    f"the {self.backend} backend"
+                )
+        if self.local_slots < 0:
+            raise ValueError(f"--local-slots must be at least 0, got {self.local_slots}")
+        if self.local_slots and self.backend != "hosts":
+            raise ValueError("--local-slots goes with --listen (workers beside joined hosts)")
         if self.worker_start not in WORKER_STARTS:
             raise ValueError(f"--worker-start must be fork or exec, got {self.worker_start!r}")
 

@@ -86,6 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = from_flags(
         JobSpec,
         vars(args),
+        backend="hosts" if args.listen and args.backend == "local" else args.backend,
         name=args.name or f"{script.stem}-{secrets.token_hex(2)}",
         script=str(script.resolve()),
         script_args=list(args.script_args),
@@ -369,6 +370,12 @@ def detach(
     while time.monotonic() < deadline:
         info = jd.read_coordinator()
         if info and info != old:
+            if spec.backend == "hosts":  # the line that adds a host (its file is written)
+                print(
+                    f"tidal: to add a host, run there: tidal worker --join {info['url']} "
+                    f"--token-file {jd.join_token_file}",
+                    file=sys.stderr,
+                )
             print(spec.name)
             return 0
         if proc.poll() is not None:

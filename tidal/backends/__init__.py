@@ -1,11 +1,15 @@
 """Backends start and stop worker processes; register by name.
 
-``local`` (subprocesses of the coordinator) is built in; ``ray`` (actors on a Ray cluster)
-needs the ``ray`` extra and imports Ray only when a job asks for it.
+``local`` (subprocesses of the coordinator) is built in, and so is ``hosts`` (machines that
+joined the job: ``tidal run --listen``, ``tidal worker --join``); ``ray`` (actors on a Ray
+cluster) needs the ``ray`` extra and imports Ray only when a job asks for it.
 """
 
 from tidal.backends import local as _local  # noqa: F401 - registers "local"
 from tidal.backends.base import Backend, Exit, get_backend, known_backends, register_backend
+from tidal.backends.hosts import HostsBackend
+
+register_backend("hosts", HostsBackend)
 
 
 def _ray_backend(**kwargs: object) -> Backend:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tidal.backends.host_registry import HostRegistry
     from tidal.backends.zygote import Zygote
 
 
@@ -110,6 +111,16 @@ class Backend(ABC):
         control loop sleeps on them (and on its ``Wake``) between passes, so an exit is
         handled at once however long the loop sleeps. None by default: the loop then
         sees exits at its passes."""
+        return []
+
+    @property
+    def hosts(self) -> HostRegistry | None:
+        """What the agents of joined hosts call (the API's ``/hosts`` routes): the hosts
+        backend's registry; None for a backend that takes no hosts."""
+        return None
+
+    def news(self) -> list[str]:
+        """Lines for the job's events since the last call (a host joined, left, was lost)."""
         return []
 
     def describe_exit(self, worker_id: int) -> str:

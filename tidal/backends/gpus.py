@@ -131,6 +131,8 @@ def check_launch(
     ``--comm nccl`` needs ``--worker-gpus`` above 0 (Ray places the GPUs)."""
     if comm not in COMMS:
         raise ValueError(f"--comm must be nccl, gloo or auto, got {comm!r}")
+    if backend == "hosts":
+        return  # the joined hosts' GPUs: each agent gives its workers one each
     if backend == "ray":
         if comm == "nccl" and worker_gpus <= 0:
             raise ValueError(
@@ -160,7 +162,7 @@ def check_spec(spec: JobSpec, *, n_gpus: int | None = None) -> None:
     """``check_launch`` for a job: the local backend counts this machine's GPUs
     (``visible_gpus(n_gpus)``); Ray's are the cluster's, not counted here."""
     check_launch(
-        n_gpus=0 if spec.backend == "ray" else visible_gpus(n_gpus),
+        n_gpus=0 if spec.backend in ("ray", "hosts") else visible_gpus(n_gpus),
         max_workers=spec.max_workers,
         spares=spec.spares,
         share=spec.share_gpus,

@@ -129,9 +129,11 @@ def worker_base_env() -> dict[str, str]:
 
 
 def start_zygote(spec: JobSpec, log_dir: Path) -> Zygote | None:
-    """The zygote for ``spec``'s local workers (``--worker-start fork``), or None: exec for
-    every worker (with a line on stderr if it could not start)."""
-    if spec.backend != "local" or spec.worker_start != "fork":
+    """The zygote for ``spec``'s local workers (``--worker-start fork``; on the hosts
+    backend, those of ``--local-slots``), or None: exec for every worker (with a line on
+    stderr if it could not start)."""
+    local = spec.backend == "local" or (spec.backend == "hosts" and spec.local_slots > 0)
+    if not local or spec.worker_start != "fork":
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -25,10 +25,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 #: Variables a forked worker may hold differently from the zygote: Tidal's own, read by its
-#: runtime once the script runs, and ``CUDA_VISIBLE_DEVICES``, read when CUDA initialises
-#: (the zygote never does).
+#: runtime once the script runs, ``CUDA_VISIBLE_DEVICES``, read when CUDA initialises (the
+#: zygote never does), and the interfaces gloo and NCCL bind, read when a group forms
+#: (``--local-slots`` beside joined hosts: ``backends.addresses``).
 PER_WORKER_PREFIXES = ("TIDAL_",)
-PER_WORKER_KEYS = frozenset({"CUDA_VISIBLE_DEVICES"})
+PER_WORKER_KEYS = frozenset({"CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"})
 #: How long a fork waits for the zygote's answer before it gives up on the zygote.
 SPAWN_TIMEOUT_S = 5.0
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.backends import get_backend
+from tidal.backends.host_registry import HostRegistry
 from tidal.checkpoint import fence
 from tidal.checkpoint.location import Location
 from tidal.config import JobSpec
@@ -257,6 +258,12 @@ class Coordinator:
         the parts that give it out take it too."""
         self._url = value
         self.lifecycle.url = self.views.url = value
+
+    @property
+    def hosts(self) -> HostRegistry | None:
+        """What the agents of joined hosts call (``--listen``: the hosts backend), under its
+        own lock, never the coordinator's; None for a job that takes no hosts."""
+        return self.executor.hosts
 
     @property
     def checkpoint_dir(self) -> Location | None:

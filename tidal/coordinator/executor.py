@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from tidal.backends import Backend, Exit
+    from tidal.backends.host_registry import HostRegistry
     from tidal.backends.zygote import Zygote
     from tidal.coordinator.db import Database
     from tidal.coordinator.journal import Journal
@@ -214,6 +215,16 @@ class Executor:
 
     def describe_exit(self, worker_id: int) -> str:
         return self.backend.describe_exit(worker_id)
+
+    def news(self) -> list[str]:
+        """The backend's lines for the job's events (a host joined, left, was lost)."""
+        return self.backend.news()
+
+    @property
+    def hosts(self) -> HostRegistry | None:
+        """What joined hosts' agents call (``Backend.hosts``); None unless the backend takes
+        hosts. Its own lock guards it: the API's threads call it without the coordinator's."""
+        return self.backend.hosts
 
     @property
     def max_starting(self) -> int:

@@ -83,6 +83,19 @@ class JobDir:
             json.dump(record, f)
         os.replace(tmp, self.coordinator_file)
 
+    @property
+    def join_token_file(self) -> Path:
+        """The hosts' credential of a job served with ``--listen`` (``tidal worker --join URL
+        --token-file FILE`` reads it; readable by the owner only)."""
+        return self.path / "join-token"
+
+    def write_join_token(self, token: str) -> None:
+        tmp = self.join_token_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, self.join_token_file)
+
     def read_coordinator(self) -> dict | None:
         try:
             return json.loads(self.coordinator_file.read_text())

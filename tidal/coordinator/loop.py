@@ -105,6 +105,8 @@ class ControlLoop:
             exits.sort(key=lambda ex: ex.returncode >= 0)
         for ex in exits:
             self.lifecycle.on_exit(ex)
+        for line in self.executor.news():
+            self.ledger.event("host", line)
         self.lifecycle.track_placement()
         if now - self._last_health >= HEALTH_EVERY_S:
             self._last_health = now
@@ -249,6 +251,7 @@ class ControlLoop:
                 settling=settling,
                 settling_s=time.time() - job.latest.opened_at if settling else 0.0,
                 ending=any(job.workers[m].state == WorkerState.STOPPING for m in members),
+                nodes={m: job.workers[m].node for m in members},  # a scale-down spreads
             )
         )
         for wid in plan.retire:

@@ -11,7 +11,8 @@ token to ``/scale`` froze the coordinator for 17 s and took 2.7 GB before its 40
   most body bytes the request may send, refused at once when its ``Content-Length`` says
   more. The credentials are the ones the routes' dependencies check (``tidal.host.server``),
   which stay as a second check: a worker's call (``/workers/ID/...``) needs that worker's
-  own credential (``protocol.worker_token``); any other mutating call of the API the job's
+  own credential (``protocol.worker_token``); a host agent's (``/hosts/...``) the hosts'
+  credential (``hosts_protocol.host_token``); any other mutating call of the API the job's
   token as a bearer (one elsewhere, on the dashboard's read-only pages, is FastAPI's 405 or
   404, which reads no body); a read nothing on a loopback bind, the job's token (bearer or HTTP Basic) on any
   other (``tidal.access``). A path under ``/workers/`` that names no worker goes on to
@@ -36,11 +37,15 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidal.access import bearer_ok, read_ok
+from tidal.hosts_protocol import HOSTS_PATH, host_token
 from tidal.protocol import API_PREFIX, MAX_ID, worker_token
 
 #: A worker's call: a heartbeat carries at most ``protocol.MAX_STEP_RECORDS`` per-step metric
 #: records, a few KB each in practice.
 WORKER_BODY_LIMIT = 16 << 20
+#: A host agent's call: a registration or a poll lists at most ``hosts_protocol.MAX_SLOTS``
+#: workers and exits, ~100 bytes each.
+HOST_BODY_LIMIT = 4 << 20
 #: Every other request: ``/scale``'s body is ``{"workers": N}``; reads have none.
 BODY_LIMIT = 64 << 10
 READS = frozenset({"GET", "HEAD"})
@@ -94,6 +99,10 @@ def admit(
         verdict = Verdict(body_limit=WORKER_BODY_LIMIT)
     elif path.startswith(API_PREFIX + "/workers/"):
         pass  # names no worker: FastAPI refuses the path (422)
+    elif path.startswith(HOSTS_PATH + "/"):
+        if not bearer_ok(authorization, host_token(token)):
+            return Verdict(401, "missing or wrong hosts' token")
+        verdict = Verdict(body_limit=HOST_BODY_LIMIT)
     elif method.upper() not in READS:
         if path.startswith(API_PREFIX + "/") and not bearer_ok(authorization, token):
             return Verdict(401, "missing or wrong job token")

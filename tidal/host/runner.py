@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tidal.backends.local import start_zygote
 from tidal.backends.zygote import Zygote
-from tidal.config import JobSpec
+from tidal.config import JobSpec, parse_listen
 from tidal.coordinator import phase
 from tidal.coordinator.actions import KillEveryWorker
 from tidal.coordinator.controller import Coordinator
@@ -42,6 +42,7 @@ from tidal.coordinator.records import Resume
 from tidal.coordinator.supervisor import Attach, Hosting, Supervision, supervise
 from tidal.dashboard.history import Recorder
 from tidal.host.server import ApiServer
+from tidal.hosts_protocol import host_token
 from tidal.protocol import JobState
 from tidal.terminal import Terminal, gone
 
@@ -77,12 +78,14 @@ def run_job(
             raise ValueError(f"job {spec.name!r} is running: {exc}") from None
     terminal = Terminal(job_dir(home, spec.name).path / "coordinator.log", spec.name)
     try:
-        host = "127.0.0.1"
+        host, port = "127.0.0.1", 0
         if spec.backend == "ray":
             from tidal.backends.ray import node_address
 
             host = node_address()
-        elif zygote is None:
+        elif spec.backend == "hosts":  # the address the joined hosts reach, ``--listen``
+            host, port = parse_listen(spec.listen or "")
+        if zygote is None and spec.backend != "ray":
             zygote = start_zygote(spec, job_dir(home, spec.name).logs)
 
         def host_job(hosting: Hosting, recover: bool, stop_requested: bool) -> int:
@@ -102,7 +105,7 @@ def run_job(
             host_job,
             host=host,
             token=attach.token if attach else None,
-            api_port=attach.api_port if attach else 0,
+            api_port=attach.api_port if attach else port,
             recover=attach is not None,
             name=spec.name,
             zygote=zygote,
@@ -173,6 +176,12 @@ def _host(
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
+    if spec.backend == "hosts":  # its token file first: `tidal run --detach` prints it
+        join = join_line(coord, server.url)
+        if not recover:
+            say(f"tidal: to add a host, run there: {join}")
+            with coord.lock:
+                coord.event("host", f"hosts join with: {join}")
     coord.jobdir.write_coordinator(
         url=server.url,
         token=coord.token,
@@ -260,6 +269,13 @@ def _host(
             say(f"tidal: error: job {spec.name} failed at step {coord.job.step}: {note}")
         return 1
     return code
+
+
+def join_line(coord: Coordinator, url: str) -> str:
+    """The command that adds a host to the job (``tidal run --listen``), its credential
+    written first to the file it names (``hosts_protocol.host_token``)."""
+    coord.jobdir.write_join_token(host_token(coord.token))
+    return f"tidal worker --join {url} --token-file {coord.jobdir.join_token_file}"
 
 
 def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:

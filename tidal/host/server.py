@@ -2,7 +2,8 @@
 
 Every mutating call needs a token (``Authorization: Bearer ...``): ``/scale`` and ``/stop``
 the job's token; ``/workers/ID/...`` only that worker's own credential
-(``protocol.worker_token``). Reads (``/status``, ``/metrics``, the dashboard, the OpenAPI
+(``protocol.worker_token``); ``/hosts/...`` (the agents of joined hosts: ``register`` and the
+long ``poll``, ``tidal.hosts_protocol``) the hosts' credential (``hosts_protocol.host_token``). Reads (``/status``, ``/metrics``, the dashboard, the OpenAPI
 schema) are open on a loopback address and need the job's token on any other
 (``tidal.access``). These credentials, the ``Host`` of a read on loopback, and a limit on the
 body's size are checked from the request's headers before any body is read
@@ -16,9 +17,11 @@ Prometheus exposition (``/metrics``; ``tidal.metrics``).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import threading
+from concurrent.futures import Future
 from typing import Annotated
 
 import uvicorn
@@ -28,11 +31,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from tidal.access import bearer_ok, read_ok, reads_need_token
+from tidal.backends.host_registry import HostRegistry, UnknownHost
 from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.effects import RequestError, ReRegister
 from tidal.coordinator.supervisor import listen, url_of
 from tidal.host.admission import RequestGuard
 from tidal.host.hot_path import HeartbeatHotPath
+from tidal.hosts_protocol import (
+    HOSTS_PATH,
+    HostJoined,
+    HostOrders,
+    HostPoll,
+    HostRegister,
+    host_token,
+)
 from tidal.protocol import (
     API_PREFIX,
     MAX_ID,
@@ -60,6 +72,23 @@ def validation_errors(exc: RequestValidationError) -> list[dict]:
         {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": e.get("type")}
         for e in exc.errors()
     ]
+
+
+async def held(waiter: Future, request: Request, wait_s: float) -> bool:
+    """Wait until ``waiter`` completes or ``wait_s`` passes, on the event loop (no thread
+    held: an agent's long poll costs nothing while it waits); True if the client's
+    connection closed meanwhile (its agent died: ``HostRegistry.cut``)."""
+    news = asyncio.wrap_future(waiter)
+    gone = asyncio.ensure_future(request.receive())  # the body is read: only a disconnect
+    try:
+        done, _ = await asyncio.wait(
+            {news, gone}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for task in (news, gone):
+            if not task.done():
+                task.cancel()
+    return gone in done and not gone.cancelled() and gone.result()["type"] == "http.disconnect"
 
 
 def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
@@ -109,7 +138,21 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
         if not worker_authorized(wid, authorization):
             raise HTTPException(status_code=401, detail=f"missing or wrong token of worker {wid}")
 
+    def require_host(authorization: str | None = Header(default=None)) -> None:
+        if not bearer_ok(authorization, host_token(coord.token)):
+            raise HTTPException(status_code=401, detail="missing or wrong hosts' token")
+
+    def hosts() -> HostRegistry:
+        registry = coord.hosts
+        if registry is None:
+            raise HTTPException(
+                status_code=409,
+                detail=f"job {coord.spec.name} takes no hosts: it was started without --listen",
+            )
+        return registry
+
     auth = [Depends(require_token)]
+    host_auth = [Depends(require_host)]
     read_auth = [Depends(require_read)] if guarded else []
     worker_auth = [Depends(require_worker)]
     refused: dict[int, str] = {}  # the last refusal recorded as an event, per worker
@@ -205,6 +248,27 @@ def make_app(coord: Coordinator, host: str | None = None) -> FastAPI:
     def stop_by_script(wid: int, req: StopReport) -> StopAnswer:
         return call(coord.on_script_stop, wid, req)
 
+    @app.post(HOSTS_PATH + "/register", response_model=HostJoined, dependencies=host_auth)
+    def host_register(req: HostRegister, request: Request) -> HostJoined:
+        return hosts().register(req, peer=request.client.host if request.client else "")
+
+    @app.post(HOSTS_PATH + "/{hid}/poll", response_model=HostOrders, dependencies=host_auth)
+    async def host_poll(
+        hid: Annotated[int, Path(ge=1, le=MAX_ID)], req: HostPoll, request: Request
+    ) -> HostOrders:
+        registry = hosts()
+        try:
+            orders = registry.poll(hid, req)
+            waiter = registry.waiter(hid, req.version) if req.wait_s > 0 else None
+            if waiter is not None:  # no news for it yet: hold the answer
+                hold_s = min(req.wait_s, registry.joined.lost_after_s / 4)
+                if await held(waiter, request, hold_s):
+                    registry.cut(hid)
+                orders = registry.orders(hid)
+        except UnknownHost as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from None
+        return orders
+
     return app
 
 
@@ -220,6 +284,7 @@ class ApiServer:
         picks."""
         self.sock = sock if sock is not None else listen(host)
         self.url = url_of(self.sock)
+        self.coord = coord
         self.app = make_app(coord)
         served = HeartbeatHotPath(self.app, coord)  # the hot path in front of FastAPI
         config = uvicorn.Config(served, log_level="warning", access_log=False)
@@ -237,6 +302,8 @@ class ApiServer:
         return self._server.started
 
     def stop(self) -> None:
+        if self.coord.hosts is not None:  # answer the agents' held polls: nothing waits on them
+            self.coord.hosts.close()
         self._server.should_exit = True
         self._thread.join(timeout=5)
         self.sock.close()

@@ -6,6 +6,7 @@ tests call ``reconcile`` directly with any pool they like.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: The longest a start waits for the settling generation's first step (``Pool.settling_s``):
@@ -40,6 +41,7 @@ class Pool:
     leave may re-form it (the members that finished cannot meet again; a joiner admitted at
     the last step waited for them in vain, and the finished members, made members again,
     had their clean exits counted as failures). The exits and the wind-down decide.
+    ``nodes``: where each member runs (a host), where the backend says (``leavers``).
     """
 
     members: list[int]
@@ -51,6 +53,29 @@ class Pool:
     settling: bool = False
     settling_s: float = 0.0
     ending: bool = False
+    nodes: Mapping[int, str | None] = field(default_factory=dict)
+
+
+def leavers(members: Sequence[int], nodes: Mapping[int, str | None], count: int) -> list[int]:
+    """The ``count`` members a scale-down removes, in rank order: one at a time from the
+    node holding the most of the members still kept, its highest rank (what stays is spread
+    over the hosts, as ``tidal scale`` up spread it); between nodes holding as many, the
+    node of the highest rank. On one node (every local job), or with no node known, these
+    are the last ``count`` ranks."""
+    count = max(0, min(count, len(members)))
+    if len({nodes.get(m) for m in members}) <= 1:
+        return list(members[len(members) - count :])  # one node: O(N), as it always was
+    kept = list(members)
+    for _ in range(count):
+        load: dict[str | None, int] = {}
+        for m in kept:
+            load[nodes.get(m)] = load.get(nodes.get(m), 0) + 1
+        most = max(load.values())
+        # the highest rank whose node is among the most loaded
+        victim = next(m for m in reversed(kept) if load[nodes.get(m)] == most)
+        kept.remove(victim)
+    stay = set(kept)
+    return [m for m in members if m not in stay]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +115,8 @@ def reconcile(pool: Pool) -> Plan:
                 else f"worker{'s' if len(admit) > 1 else ''} {names} joined (target {pool.target})"
             )
     elif need < 0:
-        removed = members[pool.target :]
-        new_members = members[: pool.target]
+        removed = leavers(members, pool.nodes, -need)
+        new_members = [m for m in members if m not in removed]
         names = ", ".join(str(w) for w in removed)
         reason = f"worker{'s' if len(removed) > 1 else ''} {names} left (target {pool.target})"
     members_after = new_members if new_members is not None else members
