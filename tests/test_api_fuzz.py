@@ -3,12 +3,13 @@ OpenAPI schema the running server serves, valid ones (positive) and ones that br
 (negative), and sends them over real HTTP to a real coordinator on 127.0.0.1.
 
 - without a credential, with a wrong one, with an unprintable one, or with the other kind
-  (a worker's on ``/scale``, the job's on a worker's call, another worker's): every call that
+  (a worker's on ``/scale``, the job's on a worker's or a host's call, another worker's): every call that
   needs one is refused (401, or 422 for a path that names no worker) and nothing about the
   job changes (target, state, workers, generations, events, metrics, checkpoints);
 - with the right one (the job's token for ``/scale`` and ``/stop``, the worker's own
-  ``protocol.worker_token`` for ``/workers/{wid}/...``): no answer is a 5xx, every 2xx
-  matches the schema, and the server keeps answering;
+  ``protocol.worker_token`` for ``/workers/{wid}/...``, the hosts' ``host_token`` for
+  ``/hosts/...``): no answer is a 5xx, every 2xx matches the schema, and the server keeps
+  answering;
 - the dashboard's routes (outside the schema) with random names and numbers: no 5xx.
 
 Seeded (``derandomize``) and bounded (``EXAMPLES`` per operation and mode): CI sees the same
@@ -19,6 +20,7 @@ for a longer campaign.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from urllib.parse import quote
 
@@ -32,7 +34,11 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from tidal.config import JobSpec
+from tidal.coordinator.controller import Coordinator
 from tidal.coordinator.records import WorkerRecord
+from tidal.host.server import ApiServer
+from tidal.hosts_protocol import HostRegister, host_token
 from tidal.protocol import API_PREFIX, JobStatus, worker_token
 
 EXAMPLES = int(os.environ.get("TIDAL_FUZZ_EXAMPLES", "20"))
@@ -49,6 +55,8 @@ OPERATIONS = {
     ("POST", "/workers/{wid}/failure"),
     ("POST", "/workers/{wid}/done"),
     ("POST", "/workers/{wid}/stop"),
+    ("POST", "/hosts/register"),
+    ("POST", "/hosts/{hid}/poll"),
 }
 
 
@@ -68,10 +76,41 @@ def run_given(test: Callable, examples: int = EXAMPLES, **strategies) -> None:
 
 
 @pytest.fixture
-def fuzzed(served_coordinator) -> Iterator[tuple]:
+def served_hosts_job(tmp_path) -> Iterator[tuple[Coordinator, str]]:
+    """A real coordinator of a job that takes hosts (``--listen 127.0.0.1:0``, the hosts
+    backend, so every route answers), never ticking, its server on 127.0.0.1, one host
+    joined (id 1). Its heartbeat timeout is short: a fuzzed poll is held 0.1 s at most."""
+    spec = JobSpec(
+        name="served",
+        script=str(tmp_path / "x.py"),
+        workers=1,
+        max_workers=2,
+        backend="hosts",
+        listen="127.0.0.1:0",
+        heartbeat_timeout_s=0.4,
+    )
+    coord = Coordinator(spec, tmp_path)
+    server = ApiServer(coord)
+    coord.url = server.url
+    coord.flush()
+    server.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    coord.hosts.register(HostRegister(name="h", address="127.0.0.1", slots=2, pid=1))
+    try:
+        yield coord, server.url
+    finally:
+        server.stop()
+        coord.close()
+
+
+@pytest.fixture
+def fuzzed(served_hosts_job) -> Iterator[tuple]:
     """``(coordinator, base URL, schema, session)``: the served job with four worker
     records (no process), 0 and 1 the members of generation 1, and the schema it serves."""
-    coord, url = served_coordinator
+    coord, url = served_hosts_job
     with coord.lock:
         for wid in range(WORKERS):
             coord.job.workers[wid] = WorkerRecord(id=wid)
@@ -149,7 +188,10 @@ def wrong_credentials(coord, op, case, odd: bytes) -> list[dict]:
     the credentials of others."""
     creds = [{}, bearer("nope"), {"Authorization": odd}]
     wid = (case.path_parameters or {}).get("wid")
-    if "{wid}" in op.path:
+    if "/hosts/" in op.path:
+        creds.append(bearer(coord.token))  # the job's token is not the hosts'
+        creds.append(bearer(worker_token(coord.token, 0)))
+    elif "{wid}" in op.path:
         creds.append(bearer(coord.token))  # the job's token is no worker's credential
         if isinstance(wid, int):
             creds.append(bearer(worker_token(coord.token, wid + 1)))  # another worker's
@@ -200,6 +242,8 @@ def steer(coord, case, known: bool) -> None:
     wid = (case.path_parameters or {}).get("wid")
     if isinstance(wid, int) and not isinstance(wid, bool):
         case.path_parameters["wid"] = wid % WORKERS
+    if isinstance((case.path_parameters or {}).get("hid"), int):
+        case.path_parameters["hid"] = 1  # the host joined, unless a goodbye removed it
     body = case.body if isinstance(case.body, dict) else {}
     if isinstance(body.get("generation"), int) and coord.job.latest is not None:
         body["generation"] = coord.job.latest.id
@@ -208,6 +252,8 @@ def steer(coord, case, known: bool) -> None:
 
 
 def credential(coord, op, case) -> dict[str, str]:
+    if "/hosts/" in op.path:
+        return bearer(host_token(coord.token))
     if "{wid}" not in op.path:
         return bearer(coord.token)
     return bearer(worker_token(coord.token, (case.path_parameters or {}).get("wid")))

@@ -7,9 +7,22 @@ cluster) needs the ``ray`` extra and imports Ray only when a job asks for it.
 
 from tidal.backends import local as _local  # noqa: F401 - registers "local"
 from tidal.backends.base import Backend, Exit, get_backend, known_backends, register_backend
-from tidal.backends.hosts import HostsBackend
 
-register_backend("hosts", HostsBackend)
+
+def _hosts_backend(**kwargs: object) -> Backend:
+    from tidal.backends.hosts import HostsBackend  # pydantic: not for the CLI's parser
+
+    return HostsBackend(**kwargs)
+
+
+def _check_hosts(spec: object) -> None:
+    from tidal.backends.hosts import HostsBackend
+
+    HostsBackend.check_capacity(spec)
+
+
+_hosts_backend.check_capacity = _check_hosts  # type: ignore[attr-defined]
+register_backend("hosts", _hosts_backend)
 
 
 def _ray_backend(**kwargs: object) -> Backend:

@@ -270,9 +270,10 @@ class HostRegistry:
         with self._lock:
             self._expected[wid] = (pid, time.monotonic() + wait_s)
 
-    def check(self) -> None:
-        """Count lost hosts (``placement.lost_hosts``) and unclaimed adoptions as exits."""
-        now = time.monotonic()
+    def check(self, now: float | None = None) -> None:
+        """Count lost hosts (``placement.lost_hosts``) and unclaimed adoptions as exits, as
+        of ``now`` (monotonic; default: now)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             heard = [
                 Heard(

@@ -330,5 +330,7 @@ class Lifecycle:
             )
         else:
             w.node = self.executor.node(wid)
-            self.ledger.event("worker", f"worker {wid} started (pid {w.pid})")
+            # a joined host's agent starts it: its pid comes with its registration
+            where = f"pid {w.pid}" if w.pid is not None else f"on {w.node}"
+            self.ledger.event("worker", f"worker {wid} started ({where})")
         self.ledger.save_worker(w)
