@@ -41,19 +41,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NET = "10.213.0"
 ADDRESS = {"a": f"{NET}.1", "b": f"{NET}.2", "c": f"{NET}.3"}
 STEPS = 1500  # the reference the Ray and coordinator-crash tests share (one run a session)
-PACE_S = 0.015  # a sleep per micro-batch: the job lasts through every change (~25 s)
 NAME = "spread"
+#: Seconds a worker sleeps in each loss it computes, while the test waits for a worker to
+#: start (exec and ``import torch``: seconds, more on a loaded machine): the job keeps
+#: training, slowly, and does not run out of steps before every change is done; then 0.
+SLOW_S = 0.05
 
-# Paces the job's workers (never the agents, whose environment has no worker id): one sleep
-# in each loss computed. The mathematics is untouched.
-PACE = f"""
+# Paces the job's workers (never the agents, whose environment has no worker id): a sleep in
+# each loss computed, as long as the file ``$HOSTS_TEST_PACE`` says. The mathematics is
+# untouched.
+PACE = """
 import os
-if os.environ.get("TIDAL_WORKER_ID") is not None:
+if os.environ.get("TIDAL_WORKER_ID") is not None and os.environ.get("HOSTS_TEST_PACE"):
     import time
     import torch.nn.functional as F
-    _cross_entropy = F.cross_entropy
+    _pace, _cross_entropy = os.environ["HOSTS_TEST_PACE"], F.cross_entropy
     def cross_entropy(*args, **kwargs):
-        time.sleep({PACE_S})
+        try:
+            with open(_pace) as f:
+                time.sleep(float(f.read()))
+        except (OSError, ValueError):
+            pass
         return _cross_entropy(*args, **kwargs)
     F.cross_entropy = cross_entropy
 """
@@ -202,11 +210,11 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(PACE)
+    pace = tmp_path / "pace"
+    pace.write_text(str(SLOW_S))
     env = tidal_home.env()
-    agent_env = {
-        **env,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")])),
-    }
+    path = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
+    agent_env = {**env, "PYTHONPATH": path, "HOSTS_TEST_PACE": str(pace)}
     home = str(tidal_home.path)
 
     def cli(m: str, *args: str) -> list[str]:
@@ -219,13 +227,19 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
         cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    t0 = time.monotonic()
+    timeline: list[str] = []  # when each phase ended: in a failure's message (and with -s)
+
+    def mark(what: str) -> None:
+        timeline.append(f"{time.monotonic() - t0:6.1f} s  {what}")
+
     said: list[str] = []
     reader = threading.Thread(target=lambda: said.extend(coordinator.stderr), daemon=True)
     reader.start()
     agents: dict[str, subprocess.Popen] = {}
 
     def logs() -> str:
-        parts = ["--- tidal run ---", *said[-20:]]
+        parts = ["--- timeline ---", *timeline, "--- tidal run ---", *said[-20:]]
         for m in agents:
             parts += [f"--- agent {m} ---", (tmp_path / f"agent-{m}.log").read_text()[-3000:]]
         for log in sorted(tmp_path.glob("host-*/jobs/*/logs/worker-*.log")):
@@ -255,10 +269,12 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
         wait(
             tidal_home, lambda s: formed(2)(s) and s["step"] >= 20, 120, "2 workers training", logs
         )
+        mark("2 workers training")
         scaled = subprocess.run(cli("a", "scale", "--home", home, NAME, "3"), env=env,
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         assert scaled.returncode == 0, scaled.stderr
         three = wait(tidal_home, formed(3), 90, "3 workers training", logs)
+        mark("3 workers training")
         assert {host_of(w) for w in members(three)} == {ADDRESS["b"], ADDRESS["c"]}, summarize(
             three
         )
@@ -272,6 +288,7 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         assert scaled.returncode == 0, scaled.stderr
         two = wait(tidal_home, formed(2), 60, "back to 2 workers", logs)
+        mark("back to 2 workers")
         # The scale-down took from the host holding two: one worker on each host.
         assert sorted(host_of(w) for w in members(two)) == [ADDRESS["b"], ADDRESS["c"]]
         assert two["step"] < STEPS - 300, "the job ran out of steps before the host's loss"
@@ -292,12 +309,22 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
         for pid in doomed:
             os.kill(pid, signal.SIGKILL)
         killed_at, known = two["step"], max(w["id"] for w in two["workers"])
+        wait(
+            tidal_home,
+            lambda s: formed(2)(s) and max(s["generations"][-1]["members"]) > known,
+            120,
+            "a replacement for the lost host's worker to join",
+            logs,
+        )
+        mark("the replacement joined")
+        pace.write_text("0")  # every change is done: the rest at full speed
 
         end = wait(
             tidal_home, lambda s: s["state"] in ("succeeded", "failed"), 150, "the end", logs
         )
         assert coordinator.wait(timeout=60) == 0, logs()
         assert agents["b"].wait(timeout=60) == 0, logs()  # it leaves when the job is gone
+        mark("the job ended, its hosts left")
     finally:
         for proc in [coordinator, *agents.values()]:
             if proc.poll() is None:
@@ -322,5 +349,8 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
     last = status["generations"][-1]
     assert last["world_size"] == 2 and last["start_step"] >= killed_at, summarize(status)
     # One worker's mathematics, to float64 rounding, through 2 -> 3 -> 2 and a lost host.
-    assert relative_l2(out, reference_params(STEPS, 0, double=True)) < 1e-12
+    reference = reference_params(STEPS, 0, double=True)
+    mark("the reference: a one-worker run (once a session)")
+    print("\n".join(timeline))
+    assert relative_l2(out, reference) < 1e-12
     tidal_home.assert_no_processes()
