@@ -33,6 +33,7 @@ FOREIGN_PRIVATE = {
     # argparse's subparsers action: the type of ``add_subparsers``' result, for annotations
     ("tidal/attach_cli.py", "_SubParsersAction"),
     ("tidal/sim_cli.py", "_SubParsersAction"),
+    ("tidal/worker_cli.py", "_SubParsersAction"),
     ("tidal/worker/agent.py", "_exit"),  # os._exit: leave without running atexit handlers
     ("tidal/worker/busy.py", "_set_pg_timeout"),  # c10d: a group's timeout, changed in place
     ("tidal/worker/ddp.py", "_rebuild_buckets"),  # DDP's bucket rebuild, made between steps

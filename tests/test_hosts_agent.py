@@ -6,11 +6,13 @@ address for gloo, the URL it joined with), a signal order reaches it, its end is
 with its code and its log's last line, SIGTERM takes the host out of the job after its
 workers' planned leave, and a SIGKILLed agent takes its workers with it and its host is
 counted lost within about a second (its poll's connection closed), not after the heartbeat
-timeout. The whole job across three machines is ``tests/test_hosts_netns.py``."""
+timeout. Last, a real job (``tidal run --listen``) whose coordinator is SIGKILLed: its
+supervisor restarts it and the host's workers are adopted. The whole job across three machines is ``tests/test_hosts_netns.py``."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from e2e_helpers import ROOT, pid_alive
+from e2e_helpers import ROOT, pid_alive, relative_l2
 
 from tidal.backends import Exit
 from tidal.config import JobSpec
@@ -210,3 +212,35 @@ def test_the_agent_leaves_when_the_job_is_gone(served: Served):
     served.stop_serving()  # the job ended: nothing listens at its URL any more
     assert agent.wait(timeout=30) == 0
     assert "is gone (the job ended): leaving" in agent.stderr.read()
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_coordinator_adopts_the_workers_of_its_hosts(tidal_home, reference_params):
+    """The coordinator dies (SIGKILL) while a joined host's workers train; its supervisor
+    restarts it, the agent registers again listing them, and they are adopted: the job goes
+    on and ends as a one-worker run would."""
+    out = tidal_home.path / "final.safetensors"
+    job = tidal_home.start(
+        "adopt",
+        *("--listen", "127.0.0.1:0", "--workers", "2"),
+        script_args=["--max-steps", "1500", "--double", "--save", str(out)],
+    )
+    info = job.coordinator_info()
+    token_file = job.dir / "join-token"
+    agent = tidal_home.popen("worker", "--join", info["url"], "--token-file", str(token_file))
+    try:
+        job.wait_for(lambda s: s["world_size"] == 2 and s["step"] > 30, 180, "2 workers training")
+        os.kill(info["pid"], signal.SIGKILL)  # the coordinator, not its supervisor
+        status = job.wait_state("succeeded", "failed", timeout=120)
+        assert agent.wait(timeout=60) == 0  # it leaves with the job
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=10)
+    events = [e["message"] for e in status["events"]]
+    assert status["state"] == "succeeded", "\n".join(events)
+    assert any("2 live workers [0, 1] adopted" in e for e in events), events
+    assert any(e.endswith("running workers [0, 1] (adopted)") for e in events), events
+    assert not any("failed" in e for e in events if e.startswith("worker")), events
+    assert relative_l2(out, reference_params(1500, 0, double=True)) < 1e-12
+    tidal_home.assert_no_processes()

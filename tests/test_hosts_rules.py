@@ -286,13 +286,16 @@ def test_a_restarted_coordinator_adopts_what_a_host_lists_and_loses_the_rest():
     reg = registry()
     reg.expect(3, 4242, wait_s=5.0)
     reg.expect(4, 4343, wait_s=5.0)
+    reg.expect(5, 4444, wait_s=5.0)
     running = [HostWorker(worker_id=3, pid=4242), HostWorker(worker_id=9, pid=99)]
-    a = join(reg, running=running)
+    ended = [HostExit(worker_id=5, returncode=0, last_line="done")]  # during the restart
+    a = join(reg, running=running, exits=ended)
     assert [o.worker_id for o in reg.orders(a).workers] == [3]  # 9: unknown, its agent kills it
     assert "running workers [3] (adopted)" in reg.take_news()[0]
+    assert [(e.worker_id, e.returncode) for e in reg.take_exits()] == [(5, 0)]  # its own end
     reg.check(time.monotonic() + 6.0)
     exits = reg.take_exits()
-    assert [(e.worker_id, e.known) for e in exits] == [(4, False)]
+    assert [(e.worker_id, e.known) for e in exits] == [(4, False)]  # no host claimed it
 
 
 def test_a_leaving_host_takes_no_more_and_its_goodbye_ends_what_it_never_started():

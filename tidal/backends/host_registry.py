@@ -154,6 +154,12 @@ class HostRegistry:
                     self._where[w.worker_id] = hid
                     adopted.append(w.worker_id)
             self._record_exits(host, req.exits)
+            for e in req.exits:  # ended while no coordinator ran: its real end, not "lost"
+                if self._expected.pop(e.worker_id, None) is not None:
+                    self._last_lines[e.worker_id] = e.last_line
+                    self._exit(
+                        Exit(worker_id=e.worker_id, returncode=e.returncode, reason=e.reason)
+                    )
             seen = f" from {peer}" if peer and peer != req.address else ""
             self._news.append(
                 f"host {hid} joined: {node}{seen}, {req.slots} slot{'s' if req.slots > 1 else ''}"
