@@ -190,6 +190,9 @@ class Recorder:
     def node(self, wid: int) -> str:
         return "node"
 
+    def news(self) -> list[str]:
+        return []
+
     def describe_exit(self, wid: int) -> str:
         return ""
 

@@ -66,6 +66,12 @@ class AgentSettings:
     gpus: int = 0  # this host's GPUs (``gpus.visible_gpus``): one per worker
 
 
+def transient(exc: CoordinatorError) -> bool:
+    """An error answer worth retrying: a 5xx (a proxy in front of a coordinator that is
+    restarting answers 502 or 503), not a refusal (4xx)."""
+    return exc.status >= 500
+
+
 def refused(exc: BaseException) -> bool:
     """Whether a failed call met a closed port (nothing listens at the URL any more)."""
     seen: BaseException | None = exc
@@ -116,13 +122,13 @@ class HostAgent:
             try:
                 joined = self.client.register_host(req)
                 break
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, CoordinatorError) as exc:
+                if isinstance(exc, CoordinatorError) and not transient(exc):
+                    raise ValueError(self._refusal(exc)) from None
                 if time.monotonic() > deadline:
                     raise ValueError(
                         f"cannot reach the job's coordinator at {self.s.url}: {exc}"
                     ) from None
-            except CoordinatorError as exc:
-                raise ValueError(self._refusal(exc)) from None
             time.sleep(capped(failures, base_s=0.1, cap_s=2.0, draw=random.random()))
             failures += 1
         if self.children is None:
@@ -183,27 +189,34 @@ class HostAgent:
                 leaving=bool(self.leaving),
                 goodbye=done,
             )
+            problem: Exception | None = None
             try:
                 orders = self.client.poll_host(self.joined.host_id, req)
             except CoordinatorError as exc:
-                if exc.status != 404:
+                if exc.status == 404:
+                    log.warning(
+                        "the coordinator no longer knows this host (%s): joining again", exc
+                    )
+                    self.register(wait_s=self.joined.orphan_timeout_s)
+                    continue
+                if not transient(exc):
                     log.error("%s", self._refusal(exc))
                     return 1
-                log.warning("the coordinator no longer knows this host (%s): joining again", exc)
-                self.register(wait_s=self.joined.orphan_timeout_s)
-                continue
+                problem = exc  # a proxy's 502 while the coordinator restarts
             except httpx.TransportError as exc:
                 if refused(exc) and not children.running_ids():
                     log.info(
                         "the job's coordinator at %s is gone (the job ended): leaving", self.s.url
                     )
                     return 0
+                problem = exc
+            if problem is not None:
                 if time.monotonic() - last_ok > self.joined.orphan_timeout_s:
                     log.error(
                         "no answer from the job's coordinator for %.0f s (%s): ending this "
                         "host's workers",
                         self.joined.orphan_timeout_s,
-                        exc,
+                        problem,
                     )
                     return 1
                 time.sleep(capped(failures, base_s=0.1, cap_s=2.0, draw=random.random()))
