@@ -227,9 +227,11 @@ def test_a_restarted_coordinator_adopts_the_workers_of_its_hosts(tidal_home, ref
     )
     info = job.coordinator_info()
     token_file = job.dir / "join-token"
-    agent = tidal_home.popen("worker", "--join", info["url"], "--token-file", str(token_file))
+    agent = tidal_home.popen(
+        "worker", "--join", info["url"], "--token-file", str(token_file), "--slots", "2"
+    )
     try:
-        job.wait_for(lambda s: s["world_size"] == 2 and s["step"] > 30, 180, "2 workers training")
+        job.wait_for(lambda s: s["world_size"] == 2 and s["step"] > 30, 120, "2 workers training")
         os.kill(info["pid"], signal.SIGKILL)  # the coordinator, not its supervisor
         status = job.wait_state("succeeded", "failed", timeout=120)
         assert agent.wait(timeout=60) == 0  # it leaves with the job
