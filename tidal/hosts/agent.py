@@ -66,6 +66,10 @@ class AgentSettings:
     gpus: int = 0  # this host's GPUs (``gpus.visible_gpus``): one per worker
 
 
+class Stopped(Exception):
+    """The agent was told to stop (SIGTERM, Ctrl-C) while it waited to (re)join."""
+
+
 def transient(exc: CoordinatorError) -> bool:
     """An error answer worth retrying: a 5xx (a proxy in front of a coordinator that is
     restarting answers 502 or 503), not a refusal (4xx)."""
@@ -111,6 +115,8 @@ class HostAgent:
         """Register (again), retrying while nothing listens for up to ``wait_s``."""
         failures, deadline = 0, time.monotonic() + wait_s
         while True:
+            if self.leaving:
+                raise Stopped("stopped before the coordinator answered")
             req = HostRegister(
                 name=self.s.name,
                 address=self.address,
@@ -129,6 +135,8 @@ class HostAgent:
                     raise ValueError(
                         f"cannot reach the job's coordinator at {self.s.url}: {exc}"
                     ) from None
+                if failures == 0:
+                    log.info("waiting for the job's coordinator at %s (%s)", self.s.url, exc)
             time.sleep(capped(failures, base_s=0.1, cap_s=2.0, draw=random.random()))
             failures += 1
         if self.children is None:
@@ -161,6 +169,9 @@ class HostAgent:
             self.register(wait_s=START_WAIT_S)
             threading.Thread(target=self._reporter, name="tidal-report", daemon=True).start()
             return self._loop()
+        except Stopped as exc:
+            log.info("%s: leaving", exc)
+            return 0
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
