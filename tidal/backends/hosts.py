@@ -74,7 +74,7 @@ class HostsBackend(Backend):
         self._local_env = socket_env(self.host, os.environ)  # gloo binds HOST here too
         self.registry = HostRegistry(
             job=spec.name,
-            command=[spec.script, *spec.script_args],
+            command=list(spec.worker_argv),  # the script, or --torchrun's launcher first
             cwd=str(cwd or Path.cwd()),
             lost_after_s=spec.heartbeat_timeout_s,
             orphan_timeout_s=spec.orphan_timeout_s,
