@@ -7,7 +7,8 @@ with its code and its log's last line, SIGTERM takes the host out of the job aft
 workers' planned leave, and a SIGKILLed agent takes its workers with it and its host is
 counted lost within about a second (its poll's connection closed), not after the heartbeat
 timeout. Last, a real job (``tidal run --listen``) whose coordinator is SIGKILLed: its
-supervisor restarts it and the host's workers are adopted. The whole job across three machines is ``tests/test_hosts_netns.py``."""
+supervisor restarts it and the host's workers are adopted. The whole job across three
+machines is ``tests/test_hosts_netns.py``."""
 
 from __future__ import annotations
 

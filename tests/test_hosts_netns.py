@@ -261,9 +261,10 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
 
         for m in ("b", "c"):  # the line as printed, run on each host
             with open(tmp_path / f"agent-{m}.log", "w") as log:
+                argv = [*join.split()[1:], "--slots", "2", "--home", str(tmp_path / f"host-{m}")]
                 agents[m] = subprocess.Popen(
-                    cli(m, *join.split()[1:], "--slots", "2", "--home", str(tmp_path / f"host-{m}")),
-                    cwd=ROOT, env=agent_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    cli(m, *argv), cwd=ROOT, env=agent_env, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=log,
                 )  # fmt: skip
 
         wait(

@@ -83,9 +83,10 @@ class HostRegister(BaseModel):
 class HostJoined(BaseModel):
     """The answer to a registration: the host's id, and what every worker it starts runs
     (``JobSpec.worker_argv``: the script and its arguments, with the host's own Python, in
-    ``cwd`` where that folder exists there). ``lost_after_s``: a host the coordinator does not hear from for this long
-    is lost, its workers failed; ``orphan_timeout_s``: how long the agent keeps its workers
-    while the coordinator cannot be reached (they give up after it too)."""
+    ``cwd`` where that folder exists there). ``lost_after_s``: a host the coordinator does
+    not hear from for this long is lost, its workers failed; ``orphan_timeout_s``: how long
+    the agent keeps its workers while the coordinator cannot be reached (they give up after
+    it too)."""
 
     host_id: HostId
     job: str

@@ -3,7 +3,8 @@
 Every mutating call needs a token (``Authorization: Bearer ...``): ``/scale`` and ``/stop``
 the job's token; ``/workers/ID/...`` only that worker's own credential
 (``protocol.worker_token``); ``/hosts/...`` (the agents of joined hosts: ``register`` and the
-long ``poll``, ``tidal.hosts_protocol``) the hosts' credential (``hosts_protocol.host_token``). Reads (``/status``, ``/metrics``, the dashboard, the OpenAPI
+long ``poll``, ``tidal.hosts_protocol``) the hosts' credential (``hosts_protocol.host_token``).
+Reads (``/status``, ``/metrics``, the dashboard, the OpenAPI
 schema) are open on a loopback address and need the job's token on any other
 (``tidal.access``). These credentials, the ``Host`` of a read on loopback, and a limit on the
 body's size are checked from the request's headers before any body is read
