@@ -6,7 +6,8 @@ address for gloo, the URL it joined with), a signal order reaches it, its end is
 with its code and its log's last line, SIGTERM takes the host out of the job after its
 workers' planned leave, and a SIGKILLed agent takes its workers with it and its host is
 counted lost within about a second (its poll's connection closed), not after the heartbeat
-timeout. Last, a real job (``tidal run --listen``) whose coordinator is SIGKILLed: its
+timeout, while a silent one (a cut network) is lost after the heartbeat timeout and, when
+it comes back, ends the worker counted lost. Last, a real job (``tidal run --listen``) whose coordinator is SIGKILLed: its
 supervisor restarts it and the host's workers are adopted. The whole job across three
 machines is ``tests/test_hosts_netns.py``."""
 
@@ -63,12 +64,17 @@ def until(pred: Callable[[], object], timeout: float, what: str) -> object:
 class Served:
     """A served job on the hosts backend and the agents the test started."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, **spec: object) -> None:
         self.tmp = tmp
         script = tmp / "w.py"
         script.write_text(WORKER)
         spec = JobSpec(
-            name="hosted", script=str(script), backend="hosts", listen="127.0.0.1:0", max_workers=4
+            name="hosted",
+            script=str(script),
+            backend="hosts",
+            listen="127.0.0.1:0",
+            max_workers=4,
+            **spec,
         )
         self.coord = Coordinator(spec, tmp / "home")
         self.server = ApiServer(self.coord)
@@ -194,6 +200,32 @@ def test_a_killed_agent_takes_its_workers_and_its_host_is_lost_at_once(served: S
     assert "connection closed" in ex.reason and lost_s < 5, (ex.reason, lost_s)
     served.backend.poll()
     assert any(" lost: " in n for n in served.backend.news())
+
+
+def test_a_silent_host_is_lost_and_what_it_ran_is_ended_when_it_comes_back(tmp_path: Path):
+    """A host whose network is cut closes no connection: it is lost after the heartbeat
+    timeout of silence (here its agent is stopped, SIGSTOP, its worker running on). When it
+    comes back the coordinator no longer knows it: it joins again, and ends the worker that
+    was counted lost rather than let it train beside its replacement."""
+    served = Served(tmp_path, heartbeat_timeout_s=2.0)
+    try:
+        agent = served.agent("--slots", "1")
+        served.joined(1)
+        served.backend.start(0, served.env(0))
+        pid = served.started(0)["pid"]
+        t0 = time.monotonic()
+        agent.send_signal(signal.SIGSTOP)
+        ex = served.exit_of(0, 15)
+        silent_s = time.monotonic() - t0
+        assert ex.returncode == -signal.SIGKILL and "no word from its agent" in ex.reason, ex
+        assert 1.0 <= silent_s < 8.0, silent_s  # 2 s from its last call, before the stop
+        assert pid_alive(pid)  # its agent lives: nothing ended it yet
+        agent.send_signal(signal.SIGCONT)
+        until(lambda: not pid_alive(pid), 15, "the agent to end the worker counted lost")
+        served.joined(2)  # it came back as a new host
+        assert [e.worker_id for e in served.exits] == [0]  # its end is not reported twice
+    finally:
+        served.close()
 
 
 def test_an_agent_with_a_wrong_token_says_so_in_one_line(served: Served, tmp_path: Path):
