@@ -1,8 +1,9 @@
 """Tidal: elastic distributed training for PyTorch.
 
 The public surface is what a training script needs: ``Trainer`` (hands the model, optimizer
-and dataset to Tidal), the ``Step`` it yields, and ``log`` (report metrics to the job).
-Everything else is importable but internal.
+and dataset to Tidal), the ``Step`` it yields, ``prepare`` (the script's own loop instead:
+``tidal.worker.prepare``), and ``log`` (report metrics to the job). Everything else is
+importable but internal.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import TYPE_CHECKING
 from tidal import logconfig
 
 if TYPE_CHECKING:
+    from tidal.worker.prepare import prepare
     from tidal.worker.runtime import Step, Trainer, log
     from tidal.worker.sources import IndexDataset, sample_seed, sample_seeds
 
-__all__ = ["Step", "Trainer", "log", "IndexDataset", "sample_seed", "sample_seeds"]
+__all__ = ["Step", "Trainer", "log", "prepare", "IndexDataset", "sample_seed", "sample_seeds"]
 _SOURCES = {"IndexDataset", "sample_seed", "sample_seeds"}
 __version__ = "0.1.0"
 logconfig.install()  # the ``tidal`` logger's one handler (its own logger only)
@@ -27,6 +29,10 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return importlib.import_module("tidal.data")
+    if name == "prepare":
+        from tidal.worker.prepare import prepare
+
+        return prepare
     if name in _SOURCES:
         from tidal.worker import sources
 

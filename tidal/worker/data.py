@@ -9,6 +9,9 @@ The ``n mod G`` samples left over at an epoch's end are not used in that epoch (
 epoch's permutation differs), the ``drop_last`` of DistributedSampler: every step then has
 exactly ``G`` samples and the update is the same mean whatever the world size.
 
+With ``shuffle=False`` every epoch's order is the dataset's own (``0, 1, ..., n - 1``), as a
+DataLoader's without ``shuffle`` (``tidal.prepare`` of such a loader).
+
 A stream (``dataset_size=None``: it has no length) is read in its own order, without epochs:
 step ``s`` consumes positions ``[s * G, (s + 1) * G)``.
 """
@@ -38,6 +41,7 @@ class ElasticSampler:
         global_batch_size: int,
         micro_batch_size: int | None = None,
         seed: int = 0,
+        shuffle: bool = True,
     ) -> None:
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
@@ -55,6 +59,7 @@ class ElasticSampler:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.seed = seed
+        self.shuffle = shuffle
         # A stream's one "epoch" never ends.
         self.steps_per_epoch = dataset_size // global_batch_size if dataset_size else None
         self._perm_epoch: int | None = None  # the epoch ``_perm`` is of
@@ -67,10 +72,14 @@ class ElasticSampler:
         return DataPosition(epoch=epoch, index=index)
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        """The sample order of ``epoch``: a pure function of (seed, epoch)."""
+        """The sample order of ``epoch``: a pure function of (seed, epoch); the dataset's
+        own order without ``shuffle``."""
         if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.dataset_size, generator=gen)
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(self.dataset_size, generator=gen)
+            else:
+                self._perm = torch.arange(self.dataset_size)
             self._perm_epoch = epoch
         return self._perm
 

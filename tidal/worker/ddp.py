@@ -35,6 +35,11 @@ gradients were all-reduced: a forward that bypassed the DDP wrapper (the script 
 module it gave the Trainer, not ``trainer.model``) runs no hook, and the members would
 each apply their own gradients, silently (``step.GradientsNotReduced``).
 
+A loop the script owns (``tidal.prepare``) calls ``loss.backward()`` itself: a failed
+all-reduce must not raise there, in the script's own loop. With ``ControlWord.catching`` the
+hook's future always completes with the bucket (whatever it holds) and the failure is kept
+(``take_caught``): the step's end reads it (``Step.end_sync``) and the step is not applied.
+
 On gloo every collective the step waits for is behind a future of the worker's ``Waits``
 (``waits``), which the abort watch can fail: gloo itself cannot abort a collective. The
 control word is summed into a fresh tensor each step, so a collective left blocked by an
@@ -99,6 +104,9 @@ class ControlWord:
         self.comm_done = 0.0
         self._work: dist.Work | torch.futures.Future | None = None
         self._failed: Exception | None = None
+        #: The gradients' hook keeps a failure instead of failing the backward (module doc).
+        self.catching = False
+        self._caught: Exception | None = None
 
     def set(self, *, switch: bool, stop: bool, every: int = 0, items: float = 0.0) -> None:
         """This member's word for the step; ``every``: rank 0's ``control_every`` (0 from the
@@ -165,6 +173,34 @@ class ControlWord:
             # the abort watch's window, as reading the word back would have.
             torch.cuda.current_stream(self.device).synchronize()
 
+    def take_caught(self) -> Exception | None:
+        """The first failure the gradients' hook kept since the last call (``catching``)."""
+        caught, self._caught = self._caught, None
+        return caught
+
+    def kept(
+        self, buf: torch.Tensor, reduce: Callable[[], torch.futures.Future]
+    ) -> torch.futures.Future:
+        """``reduce()``'s future, made to complete with ``buf`` instead of failing; the
+        failure (raised by ``reduce`` or carried by its future) is kept (``catching``)."""
+        try:
+            fut = reduce()
+        except Exception as exc:  # noqa: BLE001 - a broken group surfaces as any error
+            self._caught = self._caught or exc.with_traceback(None)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(buf)
+            return done
+
+        def keep(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                value = f.value()
+            except Exception as exc:  # noqa: BLE001 - the collective's own failure
+                self._caught = self._caught or exc.with_traceback(None)
+                return buf
+            return value[0] if isinstance(value, list) else value
+
+        return fut.then(keep)
+
     def release(self) -> None:
         """Let go of the generation's group (a member leaving it). Any reference kept here
         would keep the destroyed group's connections open: a peer blocked in an all-reduce
@@ -210,6 +246,13 @@ def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations
         control.comm_started = time.perf_counter()
         control.reduced += 1
     buf = bucket.buffer()
+    if control.catching:  # a loop the script owns (module doc)
+        return control.kept(buf, lambda: _reduce(control, buf, last))
+    return _reduce(control, buf, last)
+
+
+def _reduce(control: ControlWord, buf: torch.Tensor, last: bool) -> torch.futures.Future:
+    """The bucket ``buf``'s all-reduce by SUM, as a future of the reduced tensor."""
     if control.compress is not None:  # ``Trainer(ddp_kwargs={"compression": ...})``
         return _compressed(control, buf, last)
     work = control.group.allreduce([buf])

@@ -7,6 +7,10 @@ or not, and the loop under ``tidal run``; joining, forming and leaving generatio
 - A step is committed only when this member's all-reduce completed (``Step.failed`` is
   None); a failed step's tracked state is rewound, the member leaves the generation,
   reports the failure and joins the next one, where the step is redone after healing.
+- What becomes of a step is decided once (``finish``): after its body, or inside it when
+  the script's own loop ends the step with ``optimizer.step()`` (``driven``, for
+  ``tidal.prepare``); the boundary (checkpoint, change, heal) always comes after the body,
+  when the loop asks for the next step.
 - A change takes effect only at a step boundary every member reached: after a step whose
   control word said ``switch`` or ``stop``, or at a --schedule step the member holds at
   (``hold_steps``). A member that knows, before its update, that the generation after the
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from tidal.protocol import Departure, Role
 from tidal.worker import busy, ddp, landing, probes
-from tidal.worker.step import Step
+from tidal.worker.step import COMMITTED, FAILED, LEFT, Step
 from tidal.worker.stopping import LoopStep, commits_on_break, writes_final
 
 if TYPE_CHECKING:
@@ -69,6 +73,9 @@ class ElasticLoop:
         self.next_word: int | None = 0
         self.items_mode = False  # the steps count items (``Step.backward(items=)``)
         self.timeout_gen: int | None = None  # the generation given ``busy.long_timeout``
+        self.max_steps = 0  # the job's length (``run_alone``, ``run_elastic``)
+        #: The index of the step whose body runs (``tidal.log``'s step), None outside one.
+        self.in_body: int | None = None
 
     def step(self, index: int) -> LoopStep:
         """The ``Step`` the loop yields for step ``index``."""
@@ -126,6 +133,35 @@ class ElasticLoop:
             self.next_word = None  # known from the sums, once the step is committed
         parts.sharded.word(newer, latest)
 
+    def finish(self, step: Step) -> str:
+        """Decide what becomes of ``step`` once its last backward ran, and apply it if it
+        commits: ``FAILED`` (its collective failed), ``LEFT`` (this member leaves before
+        its update: ``leaving``) or ``COMMITTED``. Called once per step, by the loop after
+        the body or earlier by the script's own ``optimizer.step()`` (``driven``); later
+        calls return the outcome decided."""
+        if step.outcome is not None:
+            return step.outcome
+        parts = self.parts
+        m = parts.membership
+        if step.failed is not None:
+            step.outcome = FAILED
+            return FAILED
+        if parts.link.env is None:  # alone: no group, no generation to leave
+            self.commit()
+            step.outcome = COMMITTED
+            return COMMITTED
+        parts.clock.time_split(step.started, m.control)
+        why = m.leaves_uncommitted(step.index + 1, self.max_steps)
+        if why is not None:
+            step.outcome, step.left_why = LEFT, why
+            return LEFT
+        step.held = m.hold_soon(step.index + 1, self.max_steps)
+        self.commit()
+        if self.next_word is None:  # the step carried a word: when the next rides
+            self.next_word = step.index + m.control.every
+        step.outcome = COMMITTED
+        return COMMITTED
+
     def commit(self) -> None:
         """Apply the step in flight and do what follows a committed step: the generation's
         first step's report, the rate, the checkpoint's stall."""
@@ -165,7 +201,7 @@ class ElasticLoop:
         post_step_metrics(
             self.parts.link.agent,
             last_rank=m.last_rank,
-            step=self.parts.update.step,
+            step=self.in_body if self.in_body is not None else self.parts.update.step,
             generation=m.generation,
             metrics=metrics,
             reduce=reduce,
@@ -188,16 +224,20 @@ class ElasticLoop:
         """Train alone, with the same mathematics (no group, no coordinator)."""
         parts = self.parts
         update, stop = parts.update, parts.stop
+        self.max_steps = max_steps
         while update.step < max_steps and not stop.asked:
             step = self.step(update.step)
             update.begin()
+            self.in_body = step.index
             try:
                 yield step
             except GeneratorExit:  # left in the body: as under tidal run (``stopping``)
                 if commits_on_break(step):
                     self.commit()
                 raise
-            self.commit()
+            finally:
+                self.in_body = None
+            self.finish(step)
         self.completed = update.step >= max_steps
 
     # -- under tidal run --------------------------------------------------------------
@@ -205,7 +245,8 @@ class ElasticLoop:
         """Register, join, train and leave (module doc)."""
         parts = self.parts
         objects, link, update, m = parts.objects, parts.link, parts.update, parts.membership
-        sharded, stop, clock, tracked = parts.sharded, parts.stop, parts.clock, objects.tracked
+        sharded, stop, tracked = parts.sharded, parts.stop, objects.tracked
+        self.max_steps = max_steps
         ddp.warm_up(objects.module)
         if objects.sharding == "ddp":  # memory a heal's optimizer state lands in, touched now
             m.landing = landing.prepare(objects.optimizer)
@@ -238,22 +279,25 @@ class ElasticLoop:
                 step = self.step(index)
                 mark = tracked.mark() if tracked else None
                 update.begin()
+                self.in_body = index
                 try:
                     yield step
                 except GeneratorExit:  # the script left the loop in the body (``stopping``)
                     stop.left_in(step, mark)
                     raise
-                if step.failed is not None:
+                finally:
+                    self.in_body = None
+                outcome = self.finish(step)
+                if outcome == FAILED:
                     if mark is not None:  # the step is redone: what it moved moves back
                         tracked.rewind(mark)
                     m.leave_group(failed=True)
                     member = stop.fail_step(step.failed)
                     continue
-                clock.time_split(step.started, m.control)
-                if (why := m.leaves_uncommitted(index + 1, max_steps)) is not None:
+                if outcome == LEFT:
                     if link.agent is not None:  # an event of the job's (``Departure``)
                         link.agent.post_departure(
-                            Departure(step=index, generation=m.generation, why=why)
+                            Departure(step=index, generation=m.generation, why=step.left_why)
                         )
                     if mark is not None:  # as after a failed step: the step is not applied
                         tracked.rewind(mark)
@@ -261,10 +305,7 @@ class ElasticLoop:
                     m.leave_group()
                     member = m.join()
                     continue
-                held = m.hold_soon(index + 1, max_steps)
-                self.commit()
-                if self.next_word is None:  # the step carried a word: when the next rides
-                    self.next_word = index + m.control.every
+                held = step.held
                 if sharded.fsdp is None and link.durable.due(update.step) and m.rank == 0:
                     self.checkpoint()
                 if not (sharded.checkpoint_taken() and sharded.copies_taken()):
@@ -290,7 +331,7 @@ class ElasticLoop:
             self.completed = update.step >= max_steps
             finished = member or m.stopping
         finally:
-            clock.send_report(link.agent)  # before the done report, as a later step would
+            parts.clock.send_report(link.agent)  # before the done report, as a later step would
             stopped = stop.report_script_stop()  # before leaving: peers find it as they fail
             m.leave_group()
             if writes_final(

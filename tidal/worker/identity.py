@@ -44,12 +44,16 @@ class DataOrderMismatch(ValueError):
 
 
 def data_order(sampler: ElasticSampler) -> dict[str, object]:
-    """What fixes the samples each step consumes, by the ``Trainer`` argument that sets it."""
-    return {
+    """What fixes the samples each step consumes, by the ``Trainer`` argument that sets it
+    (``shuffle`` only when off: a checkpoint written before it existed was shuffled)."""
+    order: dict[str, object] = {
         "dataset length": sampler.dataset_size,
         "global_batch_size": sampler.global_batch_size,
         "seed": sampler.seed,
     }
+    if not sampler.shuffle:
+        order["shuffle"] = False
+    return order
 
 
 def settings(

@@ -33,12 +33,14 @@ class Loader:
         micro_batch_size: int | None,
         seed: int,
         device: torch.device,
+        shuffle: bool = True,
     ) -> None:
         self.sampler = ElasticSampler(
             dataset_size=None if classify(dataset) == STREAM else len(dataset),
             global_batch_size=global_batch_size,
             micro_batch_size=micro_batch_size,
             seed=seed,
+            shuffle=shuffle,
         )
         self.pipeline = Pipeline(dataset, self.sampler, options)
         #: Batches are copied to the GPU asynchronously from pinned memory.

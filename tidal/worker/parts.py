@@ -15,7 +15,9 @@ another only through that one's public attributes and methods:
   duties (none with ``sharding="ddp"``);
 - ``stop`` (``stopping.ScriptStop``): ``trainer.stop()`` and ``break``;
 - ``loop`` (``elastic.ElasticLoop``): the step boundary, and the loop under ``tidal run``;
-- ``evaluator`` (``evaluation.Evaluator``): ``trainer.evaluate``.
+- ``evaluator`` (``evaluation.Evaluator``): ``trainer.evaluate``;
+- ``driven`` (``driven.Driven``): the steps driven from a loop the script owns
+  (``tidal.prepare``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tidal.worker.clock import PauseClock
+    from tidal.worker.driven import Driven
     from tidal.worker.elastic import ElasticLoop
     from tidal.worker.evaluation import Evaluator
     from tidal.worker.link import JobLink
@@ -50,3 +53,4 @@ class Parts:
     stop: ScriptStop
     loop: ElasticLoop
     evaluator: Evaluator
+    driven: Driven

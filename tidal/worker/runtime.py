@@ -33,6 +33,7 @@ from tidal.tracked import Stateful, TrackedState
 from tidal.worker import identity
 from tidal.worker.agent import WorkerEnv
 from tidal.worker.clock import PauseClock
+from tidal.worker.driven import Driven
 from tidal.worker.elastic import ElasticLoop
 from tidal.worker.evaluation import Evaluator
 from tidal.worker.link import JobLink
@@ -114,6 +115,7 @@ class Trainer:
         device: str | torch.device | None = None,
         allow_batch_norm: bool = False,
         ddp_kwargs: dict[str, Any] | None = None,
+        shuffle: bool = True,
     ) -> None:
         """``optimizer``: one, or a list (a GAN's generator's and discriminator's, each over
         its own parameters: ``optimizers``), each stepped once per committed step and each
@@ -138,7 +140,8 @@ class Trainer:
         BatchNorm layer in training mode is refused (``norms``: it would make the updates
         depend on the number of workers); True accepts per-member statistics, as DDP has
         them. ``ddp_kwargs``: DDP's ``find_unused_parameters``, ``static_graph``,
-        ``bucket_cap_mb``, ``gradient_as_bucket_view`` (``ddp.DDP_KWARGS``)."""
+        ``bucket_cap_mb``, ``gradient_as_bucket_view`` (``ddp.DDP_KWARGS``). ``shuffle``:
+        each epoch in a seeded order (``seed``), or with False in the dataset's own."""
         loading = LoaderOptions(  # checked once, here: the one source of these settings
             collate_fn=collate_fn,
             num_workers=num_workers,
@@ -188,6 +191,7 @@ class Trainer:
             micro_batch_size=micro_batch_size,
             seed=seed,
             device=where,
+            shuffle=shuffle,
         )
         parts.update = update
         parts.clock = PauseClock()
@@ -203,6 +207,7 @@ class Trainer:
         parts.stop = ScriptStop(parts)
         parts.loop = ElasticLoop(parts, self)
         parts.evaluator = Evaluator(parts)
+        parts.driven = Driven(parts, self)
 
     # -- user surface ----------------------------------------------------------------
     @property
@@ -339,6 +344,11 @@ class Trainer:
         Leaving the loop with ``break`` does the same, the step in whose body it happened
         committed iff all its micro-batches' backwards completed (``stopping``)."""
         self._parts.stop.stop()
+
+    def drive(self, max_steps: int) -> Driven:
+        """The steps of ``run(max_steps)``, driven from a loop the script owns instead of
+        iterated (``tidal.prepare``'s objects call it: ``driven``). Once per Trainer."""
+        return self._parts.driven.start(max_steps)
 
     def run(self, max_steps: int) -> Iterator[Step]:
         """Yield a ``Step`` for each global step this worker takes part in, until the job

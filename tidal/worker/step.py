@@ -17,6 +17,11 @@ and each member would otherwise apply its own gradients: the forward called the 
 given to the Trainer instead of ``trainer.model``, or a parameter took no part in the loss
 without ``ddp_kwargs={"find_unused_parameters": True}`` (DDP then never reduces the bucket
 that holds it).
+
+A loop the script owns (``tidal.prepare``: ``driven``) calls no ``backward`` of ours: the
+script's own ``loss.backward()`` runs between the last micro-batch's hand-out, where the
+step's control word starts (``start_sum``), and its ``optimizer.step()``, which settles the
+step (``end_sync``); ``outcome`` then records what became of it, once (``ElasticLoop.finish``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ if TYPE_CHECKING:
 
 class GradientsNotReduced(RuntimeError):
     """A step's backward ran, but its gradients were never all-reduced (module doc)."""
+
+
+#: What became of a step (``Step.outcome``): applied; its collective failed (redone after
+#: healing); left uncommitted by a member that leaves the job (``leaving``).
+COMMITTED, FAILED, LEFT = "committed", "failed", "left"
 
 
 def item_count(items: Any) -> float:
@@ -71,10 +81,30 @@ class Step:
         self._backwards = 0
         self._n_micro = 0
         self._last = False  # the last micro-batch is in flight
+        self._reduced = 0  # ``control.reduced`` as the last micro-batch's sum started
+        #: The script's own loop drives this step (``driven``): its backward is the script's.
+        self.driven = False
+        #: ``COMMITTED``, ``FAILED`` or ``LEFT`` once decided (``ElasticLoop.finish``), and
+        #: why a member left it uncommitted.
+        self.outcome: str | None = None
+        self.left_why: str | None = None
+        #: The --schedule hold the commit announced (``Membership.hold_soon``).
+        self.held: object = None
 
     @property
     def samples(self) -> int:
         return len(self.indices)
+
+    @property
+    def weight(self) -> float:
+        """The micro-batch in flight's share of the global batch's samples: the weight of
+        its per-sample mean loss."""
+        return self._n_micro / self.parts.loader.global_batch_size
+
+    @property
+    def in_last(self) -> bool:
+        """The step's last micro-batch has been handed to the loop."""
+        return self._last
 
     def micro_batches(self) -> Iterator[Any]:
         """Collated micro-batches of this worker's share. Run forward and ``backward`` of
@@ -102,6 +132,8 @@ class Step:
                 parts.loop.before_sync(self)
                 if watch is not None and membership.ddp is not None:
                     watch.open()  # through the control word's read (``backward``)
+                if self.driven:  # the script's own backward comes next
+                    self.start_sum()
                 yield batch
 
     def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
@@ -118,7 +150,7 @@ class Step:
                     "step.backward: every micro-batch of a step needs items= once one has it "
                     "(the update divides the step's loss sum by its item count)"
                 )
-            weighted = loss * (self._n_micro / parts.loader.global_batch_size)
+            weighted = loss * self.weight
         else:
             if self._items is None and self._backwards:
                 raise ValueError(
@@ -142,9 +174,7 @@ class Step:
         # autograd hooks on the parameters into the next generation's backward.
         synced = last and membership.ddp is not None
         if synced:
-            if control.begin_sum(self._items, rank=membership.rank):
-                parts.loop.word_sent()  # the next word's step known from the sums
-            reduced = control.reduced
+            self.start_sum()
         try:
             scaled.backward()
             if synced:
@@ -155,25 +185,67 @@ class Step:
             # Without its traceback: the frames it holds (this one among them) would form a
             # cycle through ``failed`` that only the cyclic collector frees.
             self.failed = exc.with_traceback(None)
-        if synced and self.failed is None and control.reduced == reduced:
+        if last:
+            self._after_sync(synced)
+        elif (fsdp := parts.sharded.live) is not None and fsdp.guard.failed is not None:
+            self.failed = fsdp.guard.failed  # FSDP's collectives never raise (``guard``)
+
+    def start_sum(self) -> None:
+        """The last micro-batch's backward is next: start summing the step's control word
+        beside it (``ControlWord.begin_sum``), before any gradient bucket's all-reduce, and
+        note the reduced-bucket count it must move."""
+        membership = self.parts.membership
+        if membership.ddp is None:
+            return
+        control = membership.control
+        if control.begin_sum(self._items, rank=membership.rank):
+            self.parts.loop.word_sent()  # the next word's step known from the sums
+        self._reduced = control.reduced
+
+    def end_sync(self) -> None:
+        """A driven step's end (``optimizer.step()`` after the script's own backward of the
+        last micro-batch): wait for the control word's sums, take any failure the
+        gradients' hook caught (``ControlWord.catching``) as the step's, and check as
+        ``backward`` does. Runs once, after the last micro-batch was handed out."""
+        membership = self.parts.membership
+        synced = membership.ddp is not None
+        if synced:
+            control = membership.control
+            try:
+                control.settle()
+            except Exception as exc:  # noqa: BLE001 - a failed collective surfaces as any error
+                self.failed = exc.with_traceback(None)
+            caught = control.take_caught()
+            if self.failed is None and caught is not None:
+                self.failed = caught
+        self._after_sync(synced)
+
+    def _after_sync(self, synced: bool) -> None:
+        """After the last micro-batch's backward (and its all-reduce, when ``synced``): the
+        refusal of unreduced gradients, the item count, the abort watch's verdict."""
+        parts = self.parts
+        membership, update = parts.membership, parts.update
+        control = membership.control
+        if synced and self.failed is None and control.reduced == self._reduced:
             raise GradientsNotReduced(
                 f"step {self.index}: the gradients were not all-reduced, so each worker would "
-                "apply its own: call trainer.model(...) in the loop, not the module passed to "
-                "the Trainer; if you do, a parameter took no part in the loss: pass "
+                "apply its own: call trainer.model(...) (or the model tidal.prepare "
+                "returned), not the module you passed; if you do, a parameter took no part "
+                "in the loss: pass "
                 "ddp_kwargs={'find_unused_parameters': True}"
             )
-        if last and self.failed is None and self._items is not None:
+        if self.failed is None and self._items is not None:
             parts.loop.counts_items()  # every later step carries a word (``word_due``)
             update.items = control.items if synced else self._items
         watch = parts.link.watch
-        if last and watch is not None and (aborted := watch.close()) is not None:
+        if watch is not None and (aborted := watch.close()) is not None:
             # The watch cut the step's all-reduce: its buffers hold whatever the abort left.
             self.failed = self.failed or RuntimeError(f"collective aborted: {aborted}")
         fsdp = parts.sharded.live
         if fsdp is not None:
             # FSDP's collectives never raise (``guard``): a failure is found here, and the
             # last micro-batch ends with the step's control all-reduce.
-            if last and fsdp.guard.failed is None:
+            if fsdp.guard.failed is None:
                 parts.sharded.end_step()
             if fsdp.guard.failed is not None:
                 self.failed = fsdp.guard.failed

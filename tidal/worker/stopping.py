@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.client import CoordinatorError
 from tidal.protocol import StopAnswer
-from tidal.worker.step import Step
+from tidal.worker.step import COMMITTED, Step
 
 if TYPE_CHECKING:
     from tidal.worker.parts import Parts
@@ -49,9 +49,11 @@ class LoopStep(Step):
 
 
 def commits_on_break(step: Step) -> bool:
-    """Whether the step whose body the loop was left in is committed (module doc): all of
-    its micro-batches consumed (each backward run in the loop's body) and nothing failed."""
-    return getattr(step, "consumed", False) and step.failed is None
+    """Whether the step whose body the loop was left in is to be committed now (module
+    doc): all of its micro-batches consumed (each backward run in the loop's body), nothing
+    failed, and nothing decided yet (a driven step's ``optimizer.step()`` decides in the
+    body: ``ElasticLoop.finish``)."""
+    return step.outcome is None and getattr(step, "consumed", False) and step.failed is None
 
 
 def writes_final(
@@ -92,6 +94,8 @@ class ScriptStop:
         """The loop was left inside ``step``'s body (the generator closed at its ``yield``):
         commit the step or drop it (``commits_on_break``); the job ends here."""
         self.asked = True
+        if step.outcome == COMMITTED:  # committed in the body (a driven step)
+            return
         if commits_on_break(step):
             self.parts.loop.commit()
             return
