@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e_helpers import Home, event_messages, summarize
+from tidal.worker.step import COMMITTED, LEFT
 from tidal.worker.stopping import commits_on_break
 
 SCRIPT = Path(__file__).parent / "scripts" / "loop_control.py"
@@ -196,18 +197,22 @@ def test_an_early_stop_alone_commits_as_under_tidal_run(how, before, steps) -> N
 
 
 class _S:  # the attributes ``commits_on_break`` reads of a step
-    def __init__(self, consumed: bool, failed: Exception | None) -> None:
-        self.consumed, self.failed = consumed, failed
+    def __init__(self, consumed: bool, failed: Exception | None, outcome: str | None) -> None:
+        self.consumed, self.failed, self.outcome = consumed, failed, outcome
 
 
 @pytest.mark.parametrize(
-    "consumed, failed, commits",
+    "consumed, failed, outcome, commits",
     [
-        (True, None, True),  # break after the last backward, all-reduce done: committed
-        (False, None, False),  # break before (or among) the micro-batches
-        (True, RuntimeError("peer left"), False),  # its all-reduce failed
-        (False, RuntimeError("peer left"), False),
+        (True, None, None, True),  # break after the last backward, all-reduce done: committed
+        (False, None, None, False),  # break before (or among) the micro-batches
+        (True, RuntimeError("peer left"), None, False),  # its all-reduce failed
+        (False, RuntimeError("peer left"), None, False),
+        # decided in the body (``tidal.prepare``'s optimizer.step()): never committed again
+        (True, None, COMMITTED, False),
+        (False, None, COMMITTED, False),
+        (True, None, LEFT, False),  # left uncommitted by a member that leaves
     ],
 )
-def test_commits_on_break(consumed, failed, commits) -> None:
-    assert commits_on_break(_S(consumed, failed)) is commits
+def test_commits_on_break(consumed, failed, outcome, commits) -> None:
+    assert commits_on_break(_S(consumed, failed, outcome)) is commits

@@ -240,19 +240,19 @@ def _tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
 
 def _sum_hook(control, bucket):  # noqa: ANN001 - DDP inspects these annotations: keep none
     """All-reduce one bucket by SUM (see the module's docstring)."""
+    if control.catching:  # a loop the script owns (module doc)
+        return control.kept(bucket.buffer(), lambda: _reduce(control, bucket))
+    return _reduce(control, bucket)
+
+
+def _reduce(control: ControlWord, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The bucket's all-reduce by SUM, as a future of the reduced tensor."""
     last = bucket.is_last()
     if last:
         control.before_allreduce()
         control.comm_started = time.perf_counter()
         control.reduced += 1
     buf = bucket.buffer()
-    if control.catching:  # a loop the script owns (module doc)
-        return control.kept(buf, lambda: _reduce(control, buf, last))
-    return _reduce(control, buf, last)
-
-
-def _reduce(control: ControlWord, buf: torch.Tensor, last: bool) -> torch.futures.Future:
-    """The bucket ``buf``'s all-reduce by SUM, as a future of the reduced tensor."""
     if control.compress is not None:  # ``Trainer(ddp_kwargs={"compression": ...})``
         return _compressed(control, buf, last)
     work = control.group.allreduce([buf])

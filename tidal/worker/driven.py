@@ -16,6 +16,11 @@ turn its calls into the moves of the same generator ``Trainer.run`` yields from
   the summed update is the mean over the global batch at any world size. A weight of 1 (one
   micro-batch per step in one process) multiplies nothing: alone, the loop trains exactly
   as it does without Tidal.
+- **Accumulation out of sight.** Between a step's micro-batches the gradients accumulate
+  aside (``_stow``), not in ``.grad``, and join the last micro-batch's gradient before DDP
+  reduces it (the same sums, in the same order, as accumulating in ``.grad``). So the
+  unchanged loop's ``clip_grad_norm_`` after each batch finds no gradient until the step's
+  last batch, and clips the step's whole synchronised gradient once, as the plain loop does.
 - **The step's end.** ``optimizer.step()`` after the step's last micro-batch settles the
   step (``Step.end_sync``: a failed all-reduce was kept by the gradients' hook, never raised
   in the script's ``loss.backward()``) and decides it (``ElasticLoop.finish``): committed,
@@ -80,7 +85,10 @@ class Driven:
         self._run: Iterator[Step] | None = None
         self._batches: Iterator[Any] | None = None  # the step in flight's micro-batches
         self._weight: float | None = None  # the micro-batch in flight's (``_weigh``)
+        self._last = False  # the micro-batch in flight is its step's last
         self._weighed = False  # the micro-batch in flight's backward reached a gradient
+        #: The step's gradients so far, by parameter, while its micro-batches accumulate.
+        self._stash: dict[torch.Tensor, torch.Tensor] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     # -- set up --------------------------------------------------------------------
@@ -95,13 +103,15 @@ class Driven:
         self.parts.membership.control.catching = True
         for p in self.parts.objects.module.parameters():
             if p.requires_grad:
-                self._hooks.append(p.register_hook(self._weigh))
+                self._hooks.append(p.register_hook(lambda g, p=p: self._weigh(p, g)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._stow))
         atexit.register(self.close)
         return self
 
-    def _weigh(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """A parameter's gradient from the script's backward, weighted (module doc); outside
-        a micro-batch (a backward of the script's own between steps) left as it is."""
+    def _weigh(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s gradient from the script's backward, weighted, and at the step's last
+        micro-batch joined by the step's earlier ones (module doc); outside a micro-batch (a
+        backward of the script's own between steps) left as it is."""
         weight = self._weight
         if weight is None:
             return None
@@ -109,7 +119,18 @@ class Driven:
             self._weighed = True
             update = self.parts.update
             update.backwards = (update.backwards or 0) + 1
-        return None if weight == 1.0 else grad * weight
+        out = grad if weight == 1.0 else grad * weight
+        if self._last and param in self._stash:
+            out = self._stash.pop(param) + out
+        return None if out is grad else out
+
+    def _stow(self, param: torch.Tensor) -> None:
+        """After an earlier micro-batch's accumulation: ``param``'s gradient goes aside."""
+        if self._weight is None or self._last or param.grad is None:
+            return
+        grad, param.grad = param.grad, None
+        kept = self._stash.get(param)
+        self._stash[param] = grad if kept is None else kept.add_(grad)
 
     # -- the loader's side -------------------------------------------------------------
     def epoch_of(self, index: int) -> int:
@@ -150,7 +171,7 @@ class Driven:
         if self._batches is None:
             self._batches = iter(step.micro_batches())
         batch = next(self._batches)
-        self._weight, self._weighed = step.weight, False
+        self._weight, self._last, self._weighed = step.weight, step.in_last, False
         return batch
 
     def _advance(self) -> None:
@@ -160,6 +181,7 @@ class Driven:
             for _ in self._batches:  # nothing is left: the step's share is closed
                 pass
         self._batches, self._weight = None, None
+        self._stash.clear()  # a step that failed before its last micro-batch's backward
         if self._run is None:
             self._run = self.trainer.run(self.max_steps)
         try:
@@ -202,8 +224,22 @@ class Driven:
         if not step.in_last:
             return  # accumulating: the step ends at its last micro-batch
         self.ended, self._weight = True, None
+        self._unstash(step)
         step.end_sync()
         self.parts.loop.finish(step)
+
+    def _unstash(self, step: Step) -> None:
+        """Gradients still aside at the step's end: of parameters left out of its last
+        micro-batch. Alone they join ``.grad``; under DDP they would miss the all-reduce."""
+        stash, self._stash = self._stash, {}
+        if stash and self.parts.membership.ddp is not None:
+            raise RuntimeError(
+                f"step {step.index}: {len(stash)} parameter(s) had gradients in an earlier "
+                "micro-batch but none in the step's last, so the step's all-reduce would miss "
+                "them: under tidal.prepare every parameter takes part in every micro-batch"
+            )
+        for param, grad in stash.items():
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def scheduler_may_step(self) -> bool:
         """Whether the script's ``scheduler.step()`` moves the scheduler now (module doc)."""

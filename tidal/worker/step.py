@@ -124,7 +124,10 @@ class Step:
             if fsdp is not None:
                 fsdp.micro_batch(last=i == len(pieces) - 1)
             ddp = membership.ddp
-            if i < len(pieces) - 1 and ddp is not None:
+            if i < len(pieces) - 1:
+                if ddp is None:
+                    yield batch
+                    continue
                 with ddp.no_sync():
                     yield batch
             else:
