@@ -11,7 +11,6 @@ step per metric, under one run."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -30,7 +29,6 @@ from tidal.dashboard.history import HistoryStore, Recorder
 from tidal.protocol import JobState, worker_token
 from tidal.tracking.forwarder import Forwarder
 from tidal.tracking.plan import (
-    Point,
     Record,
     Row,
     Sighting,
@@ -66,13 +64,36 @@ BATCHES = {
     "committed and settled steps go in order": (-1, 3, 10.0, {}, False, 1000, [0, 0, 1, 2], 2),
     "a step not committed waits, and those after it": (-1, 1, 10.0, {}, False, 1000, [0, 0], 0),
     "a row changed lately holds its step and the later ones": (
-        -1, 9, 10.0, {"s1_loss": 9.5}, False, 1000, [0, 0], 0
+        -1,
+        9,
+        10.0,
+        {"s1_loss": 9.5},
+        False,
+        1000,
+        [0, 0],
+        0,
     ),
     "nothing settled: nothing goes, the mark stays": (
-        -1, 9, 10.0, {"s0_acc": 9.9}, False, 1000, [], -1
+        -1,
+        9,
+        10.0,
+        {"s0_acc": 9.9},
+        False,
+        1000,
+        [],
+        -1,
     ),
     "steps at or below the mark never go again": (1, 9, 10.0, {}, False, 1000, [2, 3], 3),
-    "the job's end sends everything": (-1, 0, 0.0, {"s3_loss": 0.0}, True, 1000, [0, 0, 1, 2, 3], 3),
+    "the job's end sends everything": (
+        -1,
+        0,
+        0.0,
+        {"s3_loss": 0.0},
+        True,
+        1000,
+        [0, 0, 1, 2, 3],
+        3,
+    ),
     "a batch ends before the limit, never inside a step": (-1, 9, 10.0, {}, False, 3, [0, 0, 1], 1),
     "a step larger than the limit goes alone": (-1, 9, 10.0, {}, False, 1, [0, 0], 0),
 }
@@ -103,9 +124,7 @@ def test_a_row_written_again_is_seen_anew_and_the_mark_forgets_old_sightings() -
     assert again[(5, "loss")] == Sighting(seq=7, at=3.0, wall=13.0)  # a new value: seen now
     assert set(observe(again, [], now=4.0, wall=14.0, after=4)) == {(5, "loss")}
     # a value that changed after it was seen does not count as settled
-    points, _ = next_batch(
-        _rows((5, "loss", 8)), again, sent_through=4, committed=9, now=100.0
-    )
+    points, _ = next_batch(_rows((5, "loss", 8)), again, sent_through=4, committed=9, now=100.0)
     assert points == []
 
 
@@ -124,7 +143,10 @@ def test_a_job_keeps_its_run_unless_the_tracker_changed() -> None:
     )
     fresh = record_for(old, kind="wandb", target=None, key="k3")
     assert (fresh.key, fresh.run_id, fresh.sent_through, fresh.sending_through) == (
-        "k3", None, -1, -1
+        "k3",
+        None,
+        -1,
+        -1,
     )
 
 
@@ -234,3 +256,213 @@ def test_a_restarted_coordinator_gets_again_the_records_the_dead_one_had_not_wri
     assert {s: v for s, (v, _) in rows.items()} == {s: float(s) for s in range(7)}
     assert all(rows[s][1] == written[s][1] for s in (0, 1, 2))  # not written again
     assert coord.executor.saved_step_metrics(0) == (1, 6)
+
+
+# -- the forwarder against the real trackers ---------------------------------------------------
+def _write_steps(home: Path, job: str, steps: range, gen: int = 1) -> None:
+    store = HistoryStore(db_path(home))
+    try:
+        values = [
+            StepValue(step=s, name=n, value=s + (0.5 if n == "acc" else 0.0), generation=gen)
+            for s in steps
+            for n in ("loss", "acc")
+        ]
+        store.append(job, [], steps=values)
+    finally:
+        store.close()
+
+
+def _forwarder(home: Path, track: Track, committed: int, lines: list[str]) -> Forwarder:
+    f = Forwarder(
+        track=track,
+        job="j",
+        db=db_path(home),
+        committed=lambda: committed,
+        note=lines.append,
+        warn=lines.append,
+    )
+    f.start()
+    return f
+
+
+def test_mlflow_gets_each_step_once_under_one_run_an_interrupted_batch_mended(
+    tmp_path: Path, monkeypatch
+) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow >= 3.13's opt-in
+    uri = (tmp_path / "mlruns").as_uri()
+    track, lines = Track("mlflow", uri), []
+    _write_steps(tmp_path, "j", range(50))
+    first = _forwarder(tmp_path, track, committed=40, lines=lines)
+    _until(lambda: first.record is not None and first.record.sent_through == 39, 30, "step 39")
+    assert first.close(None) is None  # a coordinator that stops mid-job: the run stays open
+    run_id = first.record.run_id
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+    # The next coordinator's predecessor died sending steps 40 to 44, after 40 to 42 arrived.
+    table = TrackerTable(db_path(tmp_path))
+    table.save("j", replace(table.load("j"), sending_through=44))
+    table.close()
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric(key=n, value=s + (0.5 if n == "acc" else 0.0), timestamp=0, step=s)
+            for s in (40, 41, 42)
+            for n in ("loss", "acc")
+        ],
+    )
+    second = _forwarder(tmp_path, track, committed=40, lines=lines)
+    assert second.close(JobState.SUCCEEDED) is None  # the job's end: everything goes
+    assert second.record.run_id == run_id and second.record.sent_through == 49
+    for name, offset in (("loss", 0.0), ("acc", 0.5)):
+        history = client.get_metric_history(run_id, name)
+        assert sorted(m.step for m in history) == list(range(50)), name
+        assert all(m.value == m.step + offset for m in history)
+    runs = client.search_runs(experiment_ids=["0"])
+    assert [r.info.run_id for r in runs] == [run_id]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_run(run_id).info.run_name == "j"
+    assert any("steps 40 to 44" in x and "6 of its points had arrived, 4 sent" in x for x in lines)
+
+
+def _wandb_history(root: Path) -> list[dict]:
+    """Every history row of the offline runs under ``root``, read with W&B's own reader."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    rows = []
+    for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
+        ds = datastore.DataStore()
+        ds.open_for_scan(str(path))
+        while (data := ds.scan_data()) is not None:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                        for i in record.history.item
+                    }
+                )
+    return rows
+
+
+def test_wandb_offline_gets_each_step_once_under_the_jobs_run_id(
+    tmp_path: Path, monkeypatch
+) -> None:
+    pytest.importorskip("wandb")
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}:
+        monkeypatch.setenv(k, v)
+    _write_steps(tmp_path, "j", range(30))
+    lines: list[str] = []
+    f = _forwarder(tmp_path, Track("wandb", "tidal-tests"), committed=30, lines=lines)
+    assert f.close(JobState.SUCCEEDED) is None, lines
+    assert f.record.run_id == f.record.key and f.record.sent_through == 29
+    folders = list((tmp_path / "wandb").glob(f"offline-run-*-{f.record.key}"))
+    assert len(folders) == 1, folders
+    rows = _wandb_history(tmp_path)
+    assert [r["_step"] for r in rows] == list(range(30))
+    assert all(r["loss"] == r["_step"] and r["acc"] == r["_step"] + 0.5 for r in rows)
+
+
+# -- real jobs ---------------------------------------------------------------------------------
+STEPS = 300
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_point_each(
+    tidal_home: Home, tmp_path: Path, monkeypatch
+) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow >= 3.13's opt-in
+    uri = (tmp_path / "mlruns").as_uri()
+    faults = tmp_path / "faults"
+    faults.write_text("hold@worker=0,step=150")  # the job waits there while we kill
+    started = time.monotonic()
+    job = tidal_home.start(
+        "tracked",
+        "--workers",
+        "2",
+        "--max-workers",
+        "3",
+        "--schedule",
+        "100:3,200:1",
+        "--track",
+        f"mlflow:{uri}",
+        script_args=["--max-steps", str(STEPS), "--log-every", "1"],
+        faults=f"@{faults}",
+    )
+    held = Path(f"{faults}.held")
+    try:
+        job.wait_for(lambda _s: held.exists(), timeout=90, what="worker 0 held at step 150")
+        old = job.coordinator_info()
+        os.kill(old["pid"], signal.SIGKILL)
+        job.wait_for(
+            lambda s: s.get("coordinator_pid") not in (None, old["pid"]),
+            timeout=30,
+            what="a restarted coordinator",
+            interval=0.05,
+        )
+    finally:
+        Path(f"{faults}.release").touch()
+    job.wait_state("succeeded", "failed", "stopped", "interrupted", timeout=90)
+    elapsed = time.monotonic() - started
+    cli = tidal_home.cli("status", "tracked", "--json", "--history", timeout=60)
+    status = json.loads(cli.stdout)
+    assert status["state"] == "succeeded" and status["step"] == STEPS, summarize(status)
+    assert [(g["world_size"], g["start_step"]) for g in status["generations"]] == [
+        (2, 0),
+        (3, 100),
+        (1, 200),
+    ], summarize(status)
+    events = [e["message"] for e in status["events"]]
+    assert any("coordinator restarted" in m for m in events), summarize(status)
+    assert any("re-registered" in m for m in events), summarize(status)
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs(experiment_ids=["0"])
+    assert len(runs) == 1, [r.info.run_id for r in runs]  # one run, through the restart
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
+    history = status["history"]
+    for name, steps in (("loss", list(range(STEPS))), ("accuracy", list(range(STEPS)))):
+        points = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+        assert [s for s, _ in points] == steps, (name, [s for s, _ in points])  # once each
+        assert [v for _, v in points] == pytest.approx(history[name]["value"], rel=1e-12)
+    tested = client.get_metric_history(run.info.run_id, "test_accuracy")
+    assert [m.step for m in tested] == [STEPS]
+    assert any(m.startswith("tracking: MLflow run") for m in events), events
+    print(f"tracked job of {STEPS} steps with a coordinator SIGKILL: {elapsed:.1f} s")
+    tidal_home.assert_no_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_job_tracked_in_wandb_offline_gets_each_step_once(
+    tidal_home: Home, tmp_path: Path, monkeypatch
+) -> None:
+    pytest.importorskip("wandb")
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}:
+        monkeypatch.setenv(k, v)
+    steps = 60
+    proc, job = tidal_home.run(
+        "wb",
+        "--workers",
+        "2",
+        "--track",
+        "wandb:tidal-tests",
+        script_args=["--max-steps", str(steps), "--log-every", "1"],
+    )
+    assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    rows = _wandb_history(tmp_path)
+    assert [r["_step"] for r in rows] == [*range(steps), steps], rows[-3:]
+    assert all("loss" in r and "accuracy" in r for r in rows[:-1])
+    assert set(rows[-1]) - {"_step", "_runtime", "_timestamp"} == {"test_accuracy"}
+    tidal_home.assert_no_processes()
