@@ -326,7 +326,9 @@ def test_mlflow_gets_each_step_once_under_one_run_an_interrupted_batch_mended(
     assert [r.info.run_id for r in runs] == [run_id]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert client.get_run(run_id).info.run_name == "j"
-    assert any("steps 40 to 44" in x and "6 of its points had arrived, 4 sent" in x for x in lines)
+    assert any(
+        "steps 40 to 44" in x and "6 of their points had arrived, 4 sent" in x for x in lines
+    )
 
 
 def _wandb_history(root: Path) -> list[dict]:

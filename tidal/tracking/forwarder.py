@@ -90,41 +90,59 @@ class Forwarder:
         failures = 0
         try:
             while True:
-                closing, ending = self._closing, self._closing and self._outcome is not None
+                if self._closing and self._outcome is None:  # the job goes on without us
+                    self._stop_quietly()
+                    return
+                ending = self._closing
                 try:
                     if table is None:
                         table = TrackerTable(self.db)
                     if self._sink is None:
                         self._open(table)
-                    if not closing or ending:
-                        self._recover(table)
-                        while self._round(table, force=ending):
-                            pass
-                    if closing:
+                    self._recover(table)
+                    while self._round(table, force=ending):
+                        pass
+                    if ending:
                         self._sink.finish(self._outcome)
                         return
                     failures, delay = 0, INTERVAL_S
                     if self._last_error is not None:
-                        self._note(f"tracking: {self._describe()} takes steps again")
                         self._last_error = None
+                        self._tell(self._note, f"tracking: {self._describe()} takes steps again")
                 except Exception as exc:  # noqa: BLE001 - a tracker must never stop the job
                     failures += 1
                     text = f"{type(exc).__name__}: {exc}"[:500]
                     if text != self._last_error:
                         self._last_error = text
-                        self._warn(f"tracking: {self._describe()}: {text} (retrying)")
-                    if closing and time.monotonic() >= self._deadline - RETRY_BASE_S:
+                        self._tell(self._warn, f"tracking: {self._describe()}: {text} (retrying)")
+                    left_s = self._deadline - time.monotonic() - RETRY_BASE_S
+                    if ending and left_s <= 0:
                         self._left = self._unsent_line(text)
                         return
                     delay = capped(
                         failures, base_s=RETRY_BASE_S, cap_s=RETRY_CAP_S, draw=random.random()
                     )
-                    delay = min(delay, max(0.0, self._deadline - time.monotonic() - RETRY_BASE_S))
+                    delay = min(delay, max(0.0, left_s))
                 self._wake.wait(delay)
                 self._wake.clear()
         finally:
             if table is not None:
                 table.close()
+
+    def _stop_quietly(self) -> None:
+        """This coordinator stops while the job goes on: the run stays for the next one."""
+        if self._sink is not None:
+            try:
+                self._sink.finish(None)
+            except Exception:  # noqa: BLE001 - the next coordinator opens it again
+                pass
+
+    @staticmethod
+    def _tell(say: Callable[[str], None], line: str) -> None:
+        try:
+            say(line)
+        except Exception:  # noqa: BLE001 - no terminal to tell: the sending goes on
+            pass
 
     def _save(self, table: TrackerTable, record: Record) -> None:
         table.save(self.job, record)
@@ -148,8 +166,8 @@ class Forwarder:
         )
 
     def _recover(self, table: TrackerTable) -> None:
-        """A batch a previous coordinator was sending when it died: what the tracker does
-        not hold of it goes now (``plan.unsent``)."""
+        """A batch whose sending was cut off (a coordinator died, the tracker failed): what
+        the tracker does not hold of it goes now (``plan.unsent``)."""
         r = self.record
         if r.sending_through <= r.sent_through:
             return
@@ -162,10 +180,12 @@ class Forwarder:
                 [Point(step=x.step, name=x.name, value=x.value, wall=wall) for x in todo]
             )
         self._save(table, replace(r, sent_through=r.sending_through))
-        known = "" if held is None else f"{len(rows) - len(todo)} of its points had arrived, "
-        self._note(
-            f"tracking: the batch of steps {r.sent_through + 1} to {r.sending_through} was "
-            f"being sent when the previous coordinator stopped: {known}{len(todo)} sent now"
+        known = "" if held is None else f"{len(rows) - len(todo)} of their points had arrived, "
+        self._tell(
+            self._note,
+            f"tracking: steps {r.sent_through + 1} to {r.sending_through} were being sent when "
+            f"the sending was cut off (a coordinator's end, an error): {known}"
+            f"{len(todo)} sent now",
         )
 
     def _round(self, table: TrackerTable, *, force: bool) -> bool:
