@@ -3,22 +3,25 @@ or W&B once, under one run per job, across resizes, coordinator restarts and ``t
 
 Table tests of the rules (``tracking.plan``: which steps go now, what an interrupted batch
 still needs; the setting's forms), the worker's resend to a restarted coordinator through the
-real API in process, the forwarder against MLflow's file store and W&B in offline mode (the
-real libraries), and the acceptance job: 300 logged steps of digits through
+real API in process, the forwarder against MLflow's file store (an interrupted batch mended,
+an unreachable server), and real jobs: 300 logged steps of digits through
 ``--schedule 100:3,200:1`` and a SIGKILL of the coordinator give exactly one MLflow point per
-step per metric, under one run."""
+step per metric under one run (the acceptance test), and a job tracked in W&B offline mode
+leaves each step once in its ``.wandb`` file."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import struct
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from e2e_helpers import Home, summarize
+from e2e_helpers import Home, summarize, wait_gone
 
 from tidal.config import JobSpec, Track, parse_track
 from tidal.coordinator.db import Database
@@ -331,16 +334,59 @@ def test_mlflow_gets_each_step_once_under_one_run_an_interrupted_batch_mended(
     )
 
 
+def test_an_unreachable_tracker_never_holds_the_job_and_its_end_says_what_was_not_sent(
+    tmp_path: Path, monkeypatch
+) -> None:
+    pytest.importorskip("mlflow")
+    import socket
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries: none
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _write_steps(tmp_path, "j", range(10))
+    lines: list[str] = []
+    f = _forwarder(tmp_path, Track("mlflow", f"http://127.0.0.1:{port}"), 10, lines)
+    _until(lambda: f.failures >= 2, 60, "two failed attempts")  # nothing waits for them
+    started = time.monotonic()
+    left = f.close(JobState.SUCCEEDED, timeout_s=3.0)
+    assert time.monotonic() - started < 5.0
+    assert left is not None and "were not all sent" in left and "--history" in left, left
+    warnings = [x for x in lines if "(retrying)" in x]
+    assert len(warnings) == 1, lines  # said once, not at every retry
+    assert TrackerTable(db_path(tmp_path)).load("j").sent_through == -1
+
+
+def _wandb_records(path: Path) -> Iterator[bytes]:
+    """The records of a ``.wandb`` file: a 7-byte header (``:W&B``, 0xBEE1, a version), then
+    LevelDB's log format (32 KiB blocks of chunks: crc32, length, kind full, first, middle or
+    last), each record a ``wandb.proto`` ``Record``. W&B 0.31 ships its reader in Go only
+    (``wandb-core``; the Python ``datastore`` of older releases is gone)."""
+    data = path.read_bytes()
+    assert struct.unpack("<4sH", data[:6]) == (b":W&B", 0xBEE1), data[:7]
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        if room < 7:
+            pos += room  # a block's tail too short for a chunk header: padding
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):  # full, first
+            parts = chunk
+        elif kind in (3, 4):  # middle, last
+            parts += chunk
+        if kind in (1, 4):
+            yield parts
+
+
 def _wandb_history(root: Path) -> list[dict]:
-    """Every history row of the offline runs under ``root``, read with W&B's own reader."""
+    """Every history row of the offline runs under ``root``, decoded with W&B's protobufs."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
 
     rows = []
     for path in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
-        ds = datastore.DataStore()
-        ds.open_for_scan(str(path))
-        while (data := ds.scan_data()) is not None:
+        for data in _wandb_records(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
             if record.WhichOneof("record_type") == "history":
@@ -353,26 +399,9 @@ def _wandb_history(root: Path) -> list[dict]:
     return rows
 
 
-def test_wandb_offline_gets_each_step_once_under_the_jobs_run_id(
-    tmp_path: Path, monkeypatch
-) -> None:
-    pytest.importorskip("wandb")
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}:
-        monkeypatch.setenv(k, v)
-    _write_steps(tmp_path, "j", range(30))
-    lines: list[str] = []
-    f = _forwarder(tmp_path, Track("wandb", "tidal-tests"), committed=30, lines=lines)
-    assert f.close(JobState.SUCCEEDED) is None, lines
-    assert f.record.run_id == f.record.key and f.record.sent_through == 29
-    folders = list((tmp_path / "wandb").glob(f"offline-run-*-{f.record.key}"))
-    assert len(folders) == 1, folders
-    rows = _wandb_history(tmp_path)
-    assert [r["_step"] for r in rows] == list(range(30))
-    assert all(r["loss"] == r["_step"] and r["acc"] == r["_step"] + 0.5 for r in rows)
-
-
 # -- real jobs ---------------------------------------------------------------------------------
 STEPS = 300
+KILL_AT = 250
 
 
 @pytest.mark.slow
@@ -386,7 +415,9 @@ def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_p
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow >= 3.13's opt-in
     uri = (tmp_path / "mlruns").as_uri()
     faults = tmp_path / "faults"
-    faults.write_text("hold@worker=0,step=150")  # the job waits there while we kill
+    # The job waits at step 250 while its coordinator is killed: the values of the last
+    # second or so are in flight (taken, not yet written down), the tracker some way behind.
+    faults.write_text(f"hold@worker=0,step={KILL_AT}")
     started = time.monotonic()
     job = tidal_home.start(
         "tracked",
@@ -403,9 +434,13 @@ def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_p
     )
     held = Path(f"{faults}.held")
     try:
-        job.wait_for(lambda _s: held.exists(), timeout=90, what="worker 0 held at step 150")
+        job.wait_for(lambda _s: held.exists(), timeout=90, what=f"worker 0 held at {KILL_AT}")
         old = job.coordinator_info()
         os.kill(old["pid"], signal.SIGKILL)
+        assert not wait_gone([old["pid"]], timeout=10)
+        table = TrackerTable(db_path(tidal_home.path))  # where the dead one had got to
+        sent_at_kill = table.load("tracked").sent_through
+        table.close()
         job.wait_for(
             lambda s: s.get("coordinator_pid") not in (None, old["pid"]),
             timeout=30,
@@ -440,8 +475,14 @@ def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_p
         assert [v for _, v in points] == pytest.approx(history[name]["value"], rel=1e-12)
     tested = client.get_metric_history(run.info.run_id, "test_accuracy")
     assert [m.step for m in tested] == [STEPS]
-    assert any(m.startswith("tracking: MLflow run") for m in events), events
-    print(f"tracked job of {STEPS} steps with a coordinator SIGKILL: {elapsed:.1f} s")
+    # both coordinators sent to that run, the second from where the first had got to
+    opened = [m for m in events if m.startswith("tracking: MLflow run")]
+    assert len(opened) == 2 and all(run.info.run_id in m for m in opened), events
+    assert (f"from step {sent_at_kill + 1} on" in opened[1]) == (sent_at_kill >= 0), opened
+    print(
+        f"tracked job of {STEPS} steps, coordinator SIGKILLed at step {KILL_AT} with the "
+        f"tracker at step {sent_at_kill}: {elapsed:.1f} s"
+    )
     tidal_home.assert_no_processes()
 
 
@@ -451,7 +492,11 @@ def test_a_job_tracked_in_wandb_offline_gets_each_step_once(
     tidal_home: Home, tmp_path: Path, monkeypatch
 ) -> None:
     pytest.importorskip("wandb")
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}:
+    for k, v in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+    }.items():
         monkeypatch.setenv(k, v)
     steps = 60
     proc, job = tidal_home.run(
@@ -463,8 +508,15 @@ def test_a_job_tracked_in_wandb_offline_gets_each_step_once(
         script_args=["--max-steps", str(steps), "--log-every", "1"],
     )
     assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+    table = TrackerTable(db_path(tidal_home.path))
+    record = table.load("wb")
+    table.close()
+    assert record.run_id == record.key and record.sent_through == steps  # the run: Tidal's id
+    folders = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert [f.name.rsplit("-", 1)[1] for f in folders] == [record.key], folders
     rows = _wandb_history(tmp_path)
     assert [r["_step"] for r in rows] == [*range(steps), steps], rows[-3:]
     assert all("loss" in r and "accuracy" in r for r in rows[:-1])
-    assert set(rows[-1]) - {"_step", "_runtime", "_timestamp"} == {"test_accuracy"}
+    # digits evaluates once more after its loop: one more row, at the final step count
+    assert set(rows[-1]) - {"_step", "_runtime", "_timestamp"} == {"test_loss", "test_accuracy"}
     tidal_home.assert_no_processes()

@@ -257,6 +257,11 @@ def _host(
             left = forwarder.close(coord.job.state if ended else None)
             if left:
                 say(f"tidal: warning: {left}")
+            if ended and not coord.executor.db.broken:  # its lines since the loop's last pass
+                with coord.lock:
+                    for line in notes:
+                        coord.event("coordinator", line)
+                notes.clear()
         server.stop()
         broken = coord.executor.db.broken
         if broken:  # recorded if the storage came back (space freed), else `interrupted`

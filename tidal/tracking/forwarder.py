@@ -19,6 +19,7 @@ not sent. A coordinator that stops without ending the job (it crashed) leaves th
 from __future__ import annotations
 
 import random
+import re
 import secrets
 import threading
 import time
@@ -38,6 +39,7 @@ INTERVAL_S = 0.5
 READ_LIMIT = 20_000  # rows read at once
 CLOSE_TIMEOUT_S = 30.0
 RETRY_BASE_S, RETRY_CAP_S = 1.0, 30.0
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
 class Forwarder:
@@ -67,6 +69,7 @@ class Forwarder:
         self._deadline = float("inf")
         self._left: str | None = None
         self._last_error: str | None = None
+        self.failures = 0  #: attempts that failed, over this forwarder's life
         self._thread = threading.Thread(target=self._run, name="tidal-tracker", daemon=True)
 
     def start(self) -> None:
@@ -80,9 +83,9 @@ class Forwarder:
         self._closing = True
         self._wake.set()
         self._thread.join(timeout_s + 1.0)
-        if self._thread.is_alive() or self._left:
-            return self._left or f"tracking: gave up after {timeout_s:.0f} s"
-        return None
+        if self._thread.is_alive():  # still waiting on the tracker: it is abandoned
+            return self._unsent_line(f"no answer within {timeout_s:.0f} s")
+        return self._left
 
     # -- the thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -111,7 +114,9 @@ class Forwarder:
                         self._tell(self._note, f"tracking: {self._describe()} takes steps again")
                 except Exception as exc:  # noqa: BLE001 - a tracker must never stop the job
                     failures += 1
-                    text = f"{type(exc).__name__}: {exc}"[:500]
+                    self.failures += 1
+                    # one warning per error, not per object address in its text
+                    text = _ADDRESS.sub("0x...", f"{type(exc).__name__}: {exc}")[:500]
                     if text != self._last_error:
                         self._last_error = text
                         self._tell(self._warn, f"tracking: {self._describe()}: {text} (retrying)")
