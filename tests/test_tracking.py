@@ -282,7 +282,6 @@ def _forwarder(home: Path, track: Track, committed: int, lines: list[str]) -> Fo
         db=db_path(home),
         committed=lambda: committed,
         note=lines.append,
-        warn=lines.append,
     )
     f.start()
     return f
@@ -335,7 +334,7 @@ def test_mlflow_gets_each_step_once_under_one_run_an_interrupted_batch_mended(
 
 
 def test_an_unreachable_tracker_never_holds_the_job_and_its_end_says_what_was_not_sent(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, capsys
 ) -> None:
     pytest.importorskip("mlflow")
     import socket
@@ -353,7 +352,9 @@ def test_an_unreachable_tracker_never_holds_the_job_and_its_end_says_what_was_no
     assert time.monotonic() - started < 5.0
     assert left is not None and "were not all sent" in left and "--history" in left, left
     warnings = [x for x in lines if "(retrying)" in x]
-    assert len(warnings) == 1, lines  # said once, not at every retry
+    assert len(warnings) == 1, lines  # said once, not at every retry: an event and a warning
+    said = [x for x in capsys.readouterr().err.splitlines() if "(retrying)" in x]
+    assert len(said) == 1 and said[0].endswith(warnings[0]), said  # the tidal logger's line
     assert TrackerTable(db_path(tmp_path)).load("j").sent_through == -1
 
 

@@ -28,7 +28,6 @@ import signal
 import sqlite3
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -170,7 +169,7 @@ def _host(
         except sqlite3.Error as exc:
             raise HomeError(f"cannot write {db_path(home)}: {exc}") from None
         _history_failures_break(recorder, coord)
-        forwarder = _forwarder(spec, home, coord, notes, say)
+        forwarder = _forwarder(spec, home, coord, notes)
     except BaseException:
         coord.close(kill_workers=not recover)  # adopted workers wait for the next one
         raise
@@ -293,18 +292,13 @@ def join_line(coord: Coordinator, url: str) -> str:
     return f"tidal worker --join {url} --token-file {coord.jobdir.join_token_file}"
 
 
-def _forwarder(
-    spec: JobSpec, home: Path, coord: Coordinator, notes: list[str], say: Callable[[str], None]
-) -> Forwarder | None:
-    """``--track``: the thread that sends the job's per-step values to its tracker."""
+def _forwarder(spec: JobSpec, home: Path, coord: Coordinator, notes: list[str]) -> Forwarder | None:
+    """``--track``: the thread that sends the job's per-step values to its tracker; its
+    lines become the job's events (``notes``: recorded by the loop)."""
     if spec.track is None:
         return None
     from tidal.config import parse_track
     from tidal.tracking.forwarder import Forwarder
-
-    def warn(line: str) -> None:
-        notes.append(line)
-        say(f"tidal: warning: {line}")
 
     forwarder = Forwarder(
         track=parse_track(spec.track),
@@ -312,7 +306,6 @@ def _forwarder(
         db=db_path(home),
         committed=lambda: coord.job.step,
         note=notes.append,
-        warn=warn,
     )
     forwarder.start()
     return forwarder

@@ -8,7 +8,8 @@ the home's SQLite (written by the recorder, ``tidal.dashboard.history``), asks t
 first time it runs in a coordinator it opens the job's run (``plan.Record``: the same run for
 every coordinator of the job) and, if the previous coordinator died during a send, sends only
 what the tracker does not hold of that batch. A failure (the tracker unreachable, a refusal)
-is said once per distinct error, in the job's events and on the terminal, and retried with a
+is said once per distinct error, in the job's events and as a warning of the ``tidal`` logger
+(the coordinator's stderr), and retried with a
 capped backoff; the job trains on meanwhile and the rows wait in SQLite.
 
 At the job's end (``close`` with its outcome) the rest goes, then the run ends as the job
@@ -18,6 +19,7 @@ not sent. A coordinator that stops without ending the job (it crashed) leaves th
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import secrets
@@ -35,6 +37,7 @@ from tidal.tracking.plan import Point, Record, next_batch, observe, record_for, 
 from tidal.tracking.table import TrackerTable
 from tidal.tracking.trackers import make_sink
 
+log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
 READ_LIMIT = 20_000  # rows read at once
 CLOSE_TIMEOUT_S = 30.0
@@ -44,7 +47,7 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 class Forwarder:
     """``committed()``: the job's committed step count (``Job.step``), read without a lock;
-    ``note(line)``: an event of the job; ``warn(line)``: a warning (event and terminal)."""
+    ``note(line)``: an event of the job (warnings are logged too)."""
 
     def __init__(
         self,
@@ -54,11 +57,10 @@ class Forwarder:
         db: Path,
         committed: Callable[[], int],
         note: Callable[[str], None],
-        warn: Callable[[str], None],
         sink_factory: Callable[[Track, str], Any] = make_sink,
     ) -> None:
         self.track, self.job, self.db = track, job, db
-        self._committed, self._note, self._warn = committed, note, warn
+        self._committed, self._note = committed, note
         self._sink_factory = sink_factory
         self._sink: Any = None
         self.record: Record | None = None
@@ -119,7 +121,9 @@ class Forwarder:
                     text = _ADDRESS.sub("0x...", f"{type(exc).__name__}: {exc}")[:500]
                     if text != self._last_error:
                         self._last_error = text
-                        self._tell(self._warn, f"tracking: {self._describe()}: {text} (retrying)")
+                        line = f"tracking: {self._describe()}: {text} (retrying)"
+                        log.warning("%s", line)
+                        self._tell(self._note, line)
                     left_s = self._deadline - time.monotonic() - RETRY_BASE_S
                     if ending and left_s <= 0:
                         self._left = self._unsent_line(text)
