@@ -184,6 +184,24 @@ def test_the_job_records_where_its_tracker_is(tmp_path: Path, monkeypatch) -> No
     assert resolve_track("wandb", {}) == "wandb"
 
 
+@pytest.mark.parametrize(
+    ("name", "sent"),
+    [
+        ("loss", "loss"),
+        ("eval/acc top-1", "eval/acc top-1"),  # MLflow takes / and spaces
+        ("acc@1", "acc_1"),
+        ("grad_norm[0]", "grad_norm_0_"),
+        ("/abs", "_abs"),  # a name must not read as another path
+        ("a//b", "a__b"),
+        ("a/../b", "a_.._b"),
+    ],
+)
+def test_metric_names_mlflow_refuses_are_sent_with_underscores(name: str, sent: str) -> None:
+    from tidal.tracking.mlflow_sink import metric_name
+
+    assert metric_name(name) == sent
+
+
 def test_a_missing_tracker_package_is_one_line(monkeypatch) -> None:
     import importlib.util
 
@@ -452,7 +470,9 @@ def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_p
         Path(f"{faults}.release").touch()
     job.wait_state("succeeded", "failed", "stopped", "interrupted", timeout=90)
     elapsed = time.monotonic() - started
+    tidal_home.assert_no_processes(timeout=60)  # the coordinator ended the run and exited
     cli = tidal_home.cli("status", "tracked", "--json", "--history", timeout=60)
+    assert cli.returncode == 0, cli.stderr
     status = json.loads(cli.stdout)
     assert status["state"] == "succeeded" and status["step"] == STEPS, summarize(status)
     assert [(g["world_size"], g["start_step"]) for g in status["generations"]] == [
@@ -484,7 +504,6 @@ def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_p
         f"tracked job of {STEPS} steps, coordinator SIGKILLed at step {KILL_AT} with the "
         f"tracker at step {sent_at_kill}: {elapsed:.1f} s"
     )
-    tidal_home.assert_no_processes()
 
 
 @pytest.mark.slow
