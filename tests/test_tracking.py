@@ -6,8 +6,8 @@ still needs; the setting's forms), the worker's resend to a restarted coordinato
 real API in process, the forwarder against MLflow's file store (an interrupted batch mended,
 an unreachable server), and real jobs: 300 logged steps of digits through
 ``--schedule 100:3,200:1`` and a SIGKILL of the coordinator give exactly one MLflow point per
-step per metric under one run (the acceptance test), and a job tracked in W&B offline mode
-leaves each step once in its ``.wandb`` file."""
+step per metric under one run (the acceptance test), and a job tracked in W&B offline mode,
+stopped and resumed, leaves each step once under one run id in its ``.wandb`` files."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from tidal.tracking.plan import (
     Record,
     Row,
     Sighting,
+    committed_before,
     next_batch,
     observe,
     record_for,
@@ -62,49 +63,32 @@ def _seen(rows: list[Row], at: float, **later: float) -> dict:
 
 
 ROWS = _rows((0, "loss", 1), (0, "acc", 2), (1, "loss", 3), (2, "loss", 4), (3, "loss", 5))
-# name: (sent_through, committed, now, seen overrides, force, max_points) -> steps sent, through
+GOING, STOPPED, SUCCEEDED = (False, False), (True, False), (True, True)  # (ending, final)
+# name: (sent_through, committed, now, seen late, (ending, final), max_points, sent, through)
 BATCHES = {
-    "committed and settled steps go in order": (-1, 3, 10.0, {}, False, 1000, [0, 0, 1, 2], 2),
-    "a step not committed waits, and those after it": (-1, 1, 10.0, {}, False, 1000, [0, 0], 0),
+    "committed and settled steps go in order": (-1, 3, 10, {}, GOING, 9, [0, 0, 1, 2], 2),
+    "a step not committed waits, and those after it": (-1, 1, 10, {}, GOING, 9, [0, 0], 0),
     "a row changed lately holds its step and the later ones": (
-        -1,
-        9,
-        10.0,
-        {"s1_loss": 9.5},
-        False,
-        1000,
-        [0, 0],
-        0,
+        -1, 9, 10, {"s1_loss": 9.5}, GOING, 9, [0, 0], 0
     ),
     "nothing settled: nothing goes, the mark stays": (
-        -1,
-        9,
-        10.0,
-        {"s0_acc": 9.9},
-        False,
-        1000,
-        [],
-        -1,
+        -1, 9, 10, {"s0_acc": 9.9}, GOING, 9, [], -1
     ),
-    "steps at or below the mark never go again": (1, 9, 10.0, {}, False, 1000, [2, 3], 3),
-    "the job's end sends everything": (
-        -1,
-        0,
-        0.0,
-        {"s3_loss": 0.0},
-        True,
-        1000,
-        [0, 0, 1, 2, 3],
-        3,
+    "steps at or below the mark never go again": (1, 9, 10, {}, GOING, 9, [2, 3], 3),
+    "a job that succeeded sends everything": (
+        -1, 3, 0, {"s3_loss": 0.0}, SUCCEEDED, 9, [0, 0, 1, 2, 3], 3
     ),
-    "a batch ends before the limit, never inside a step": (-1, 9, 10.0, {}, False, 3, [0, 0, 1], 1),
-    "a step larger than the limit goes alone": (-1, 9, 10.0, {}, False, 1, [0, 0], 0),
-}
+    "a stopped job sends its committed steps, keeps the rest for its resume": (
+        -1, 3, 0, {"s2_loss": 0.0}, STOPPED, 9, [0, 0, 1, 2], 2
+    ),
+    "a batch ends before the limit, never inside a step": (-1, 9, 10, {}, GOING, 3, [0, 0, 1], 1),
+    "a step larger than the limit goes alone": (-1, 9, 10, {}, GOING, 1, [0, 0], 0),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(BATCHES))
 def test_next_batch_sends_ready_steps_in_order_once(case: str) -> None:
-    sent_through, committed, now, later, force, max_points, steps, through = BATCHES[case]
+    sent_through, committed, now, later, (ending, final), limit, steps, through = BATCHES[case]
     seen = _seen(ROWS, at=0.0, **later)
     points, got = next_batch(
         ROWS,
@@ -112,12 +96,22 @@ def test_next_batch_sends_ready_steps_in_order_once(case: str) -> None:
         sent_through=sent_through,
         committed=committed,
         now=now,
-        force=force,
-        max_points=max_points,
+        ending=ending,
+        final=final,
+        max_points=limit,
     )
     assert [p.step for p in points] == steps
     assert got == through
     assert all(p.wall == 100.0 + seen[(p.step, p.name)].at for p in points)
+
+
+@pytest.mark.parametrize(
+    ("at", "count"),
+    [(0.5, 0), (1.0, 3), (1.5, 3), (2.0, 7), (9.0, 9)],
+)
+def test_a_step_counts_as_committed_once_the_count_passed_it_a_while_ago(at, count) -> None:
+    samples = [(1.0, 3), (2.0, 7), (3.0, 9)]
+    assert committed_before(samples, at=at) == count
 
 
 def test_a_row_written_again_is_seen_anew_and_the_mark_forgets_old_sightings() -> None:
@@ -349,6 +343,14 @@ def test_mlflow_gets_each_step_once_under_one_run_an_interrupted_batch_mended(
     assert any(
         "steps 40 to 44" in x and "6 of their points had arrived, 4 sent" in x for x in lines
     )
+    # ``tidal resume`` of the job: the same run, RUNNING again, then ended as the job is
+    _write_steps(tmp_path, "j", range(50, 55), gen=2)
+    third = _forwarder(tmp_path, track, committed=55, lines=lines)
+    _until(lambda: third.record is not None and third.record.run_id == run_id, 30, "the run")
+    _until(lambda: client.get_run(run_id).info.status == "RUNNING", 30, "RUNNING again")
+    assert third.close(JobState.STOPPED) is None
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(55))
 
 
 def test_an_unreachable_tracker_never_holds_the_job_and_its_end_says_what_was_not_sent(
@@ -507,36 +509,50 @@ def test_300_steps_a_resize_schedule_and_a_coordinator_sigkill_give_one_mlflow_p
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_job_tracked_in_wandb_offline_gets_each_step_once(
+@pytest.mark.timeout(240)
+def test_a_job_tracked_in_wandb_offline_keeps_one_run_through_a_stop_and_a_resume(
     tidal_home: Home, tmp_path: Path, monkeypatch
 ) -> None:
     pytest.importorskip("wandb")
-    for k, v in {
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_SILENT": "true",
-    }.items():
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    for k, v in env.items():
         monkeypatch.setenv(k, v)
-    steps = 60
-    proc, job = tidal_home.run(
+    steps, faults = 100, tmp_path / "faults"
+    faults.write_text("hold@worker=0,step=60")  # stopped while it waits there
+    job = tidal_home.start(
         "wb",
         "--workers",
         "2",
+        "--checkpoint-every",
+        "20",
         "--track",
         "wandb:tidal-tests",
         script_args=["--max-steps", str(steps), "--log-every", "1"],
+        faults=f"@{faults}",
     )
+    try:
+        job.wait_for(lambda _s: Path(f"{faults}.held").exists(), 90, "worker 0 held")
+        assert job.stop().returncode == 0
+    finally:
+        Path(f"{faults}.release").touch()
+    stopped = job.wait_state("stopped", "failed", "succeeded", timeout=90)
+    assert stopped["state"] == "stopped", summarize(stopped)
+    at = stopped["step"]
+    tidal_home.assert_no_processes(timeout=60)
+    proc = tidal_home.cli("resume", "wb", "--quiet", timeout=180)
     assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
+
     table = TrackerTable(db_path(tidal_home.path))
     record = table.load("wb")
     table.close()
     assert record.run_id == record.key and record.sent_through == steps  # the run: Tidal's id
-    folders = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert [f.name.rsplit("-", 1)[1] for f in folders] == [record.key], folders
+    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))  # one per coordinator
+    assert [f.name.rsplit("-", 1)[1] for f in folders] == [record.key] * 2, folders
     rows = _wandb_history(tmp_path)
-    assert [r["_step"] for r in rows] == [*range(steps), steps], rows[-3:]
-    assert all("loss" in r and "accuracy" in r for r in rows[:-1])
-    # digits evaluates once more after its loop: one more row, at the final step count
-    assert set(rows[-1]) - {"_step", "_runtime", "_timestamp"} == {"test_loss", "test_accuracy"}
+    assert [r["_step"] for r in rows] == list(range(steps + 1)), [r["_step"] for r in rows]
+    names = [set(r) - {"_step", "_runtime", "_timestamp"} for r in rows]
+    assert all(n == {"loss", "accuracy"} for n in names[:at]), names[:at]
+    # the stopped run's evaluation after its loop waited for the resumed run's step ``at``
+    assert names[at] == {"loss", "accuracy", "test_loss", "test_accuracy"}, names[at]
+    assert names[steps] == {"test_loss", "test_accuracy"}
     tidal_home.assert_no_processes()

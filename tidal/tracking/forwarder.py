@@ -12,8 +12,9 @@ is said once per distinct error, in the job's events and as a warning of the ``t
 (the coordinator's stderr), and retried with a
 capped backoff; the job trains on meanwhile and the rows wait in SQLite.
 
-At the job's end (``close`` with its outcome) the rest goes, then the run ends as the job
-did; for at most ``CLOSE_TIMEOUT_S``, after which ``close`` returns the line saying what was
+At the job's end (``close`` with its outcome) the rest goes (``plan.next_batch``: a job that
+did not succeed keeps the values logged after its last committed step for its resume), then
+the run ends as the job did; for at most ``CLOSE_TIMEOUT_S``, after which ``close`` returns the line saying what was
 not sent. A coordinator that stops without ending the job (it crashed) leaves the run open.
 """
 
@@ -25,6 +26,7 @@ import re
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +35,16 @@ from typing import Any
 from tidal.backoff import capped
 from tidal.config import Track
 from tidal.protocol import JobState
-from tidal.tracking.plan import Point, Record, next_batch, observe, record_for, unsent
+from tidal.tracking.plan import (
+    COMMIT_LAG_S,
+    Point,
+    Record,
+    committed_before,
+    next_batch,
+    observe,
+    record_for,
+    unsent,
+)
 from tidal.tracking.table import TrackerTable
 from tidal.tracking.trackers import make_sink
 
@@ -65,6 +76,7 @@ class Forwarder:
         self._sink: Any = None
         self.record: Record | None = None
         self._seen: dict = {}
+        self._counts: deque[tuple[float, int]] = deque()  # (monotonic, committed), oldest first
         self._wake = threading.Event()
         self._closing = False
         self._outcome: JobState | None = None
@@ -105,7 +117,7 @@ class Forwarder:
                     if self._sink is None:
                         self._open(table)
                     self._recover(table)
-                    while self._round(table, force=ending):
+                    while self._round(table, ending=ending):
                         pass
                     if ending:
                         self._sink.finish(self._outcome)
@@ -197,7 +209,7 @@ class Forwarder:
             f"{len(todo)} sent now",
         )
 
-    def _round(self, table: TrackerTable, *, force: bool) -> bool:
+    def _round(self, table: TrackerTable, *, ending: bool) -> bool:
         """Send the next batch that is ready; True if one went."""
         r = self.record
         rows, cut = table.rows(self.job, after=r.sent_through, limit=READ_LIMIT)
@@ -205,13 +217,19 @@ class Forwarder:
             rows = [x for x in rows if x.step != rows[-1].step]
         now = time.monotonic()
         self._seen = observe(self._seen, rows, now=now, wall=time.time(), after=r.sent_through)
+        counts = self._counts
+        counts.append((now, self._committed()))
+        while len(counts) > 1 and counts[1][0] <= now - COMMIT_LAG_S:
+            counts.popleft()  # the newest sample old enough stays first
         points, through = next_batch(
             rows,
             self._seen,
             sent_through=r.sent_through,
-            committed=self._committed(),
+            # at the end every record is in (the recorder's last write came first)
+            committed=counts[-1][1] if ending else committed_before(counts, at=now - COMMIT_LAG_S),
             now=now,
-            force=force,
+            ending=ending,
+            final=ending and self._outcome == JobState.SUCCEEDED,
         )
         if not points:
             return False

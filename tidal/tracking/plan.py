@@ -6,7 +6,12 @@ name): ``coordinator.step_metrics``) in step order, each step once, behind a dur
 high-water mark: every step at or below ``sent_through`` has been handled. A step is ready
 once the job committed it (``step < committed``) and none of its rows changed for
 ``SETTLE_S`` (the other members' values of a ``reduce="mean"`` arrive within a few
-heartbeats); at the job's end (``force``) every step is. Steps go in order, so the first
+heartbeats), and the job's count passed it ``COMMIT_LAG_S`` ago (``committed_before``: its
+values may come in two records, such as a stopped job's evaluation after its loop and the
+resumed job's step). At the job's end its committed steps go without waiting to settle, and the
+steps at or after its committed count (values a script logs after its loop) go too if it
+succeeded; a job that stopped or failed keeps those for its resume, which commits that step
+and logs its own values there (sent then, all at once). Steps go in order, so the first
 step that is not ready holds back the ones after it (W&B takes a run's steps in increasing
 order only). A row at or below the mark that arrives or changes later is not sent: a
 tracker keeps the first value of a step, as TensorBoard does (``tidal.tensorboard``).
@@ -23,6 +28,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 SETTLE_S = 1.0  # as TensorBoard's: a committed step's value unchanged this long is final
+# A step counts as committed once the job's count has passed it this long: rank 0's values of
+# a step come with its next heartbeat (1 s) and reach SQLite within 0.7 s, while any
+# member's heartbeat may move the count first.
+COMMIT_LAG_S = 2.0
 MAX_POINTS = 1000  # points in one batch: MLflow's log_batch takes at most 1,000 metrics
 
 
@@ -71,6 +80,17 @@ def observe(seen: Seen, rows: Iterable[Row], *, now: float, wall: float, after: 
     return out
 
 
+def committed_before(samples: Sequence[tuple[float, int]], *, at: float) -> int:
+    """The job's committed count as it was at time ``at``: the newest of ``samples``
+    ((time, count), oldest first) taken at or before ``at``; 0 if none was."""
+    count = 0
+    for t, c in samples:
+        if t > at:
+            break
+        count = c
+    return count
+
+
 def next_batch(
     rows: Sequence[Row],
     seen: Seen,
@@ -78,7 +98,8 @@ def next_batch(
     sent_through: int,
     committed: int,
     now: float,
-    force: bool = False,
+    ending: bool = False,
+    final: bool = False,
     settle_s: float = SETTLE_S,
     max_points: int = MAX_POINTS,
 ) -> tuple[list[Point], int]:
@@ -86,7 +107,9 @@ def next_batch(
     that are ready (module doc), in order, stopping at the first that is not, and before
     ``max_points`` is passed (a step is never split; one larger than that goes alone).
     ``rows``: every row of the steps after ``sent_through`` that were read, in step order;
-    ``seen``: ``observe``'s sightings of them. Returns ``([], sent_through)`` when none is."""
+    ``seen``: ``observe``'s sightings of them. ``ending``: the job ended (its committed
+    steps need not settle); ``final``: it succeeded (the steps after its committed count go
+    too). Returns ``([], sent_through)`` when none is ready."""
     by_step: dict[int, list[Row]] = {}
     for r in rows:
         if r.step > sent_through:
@@ -95,11 +118,12 @@ def next_batch(
     through = sent_through
     for step in sorted(by_step):
         group = [(r, seen.get((step, r.name))) for r in by_step[step]]
-        if not force:
-            if step >= committed:
-                break
-            if any(s is None or s.seq != r.seq or now - s.at < settle_s for r, s in group):
-                break
+        if step >= committed and not final:
+            break
+        if not ending and any(
+            s is None or s.seq != r.seq or now - s.at < settle_s for r, s in group
+        ):
+            break
         if points and len(points) + len(group) > max_points:
             break
         for r, s in group:
