@@ -237,7 +237,7 @@ def test_recorder_samples_changes_and_writes_them_for_later(tmp_path, monkeypatc
         step, target, world, metrics = 0, 2, 0, {}
 
         def sample(self) -> tuple:
-            return self.step, self.world, self.target, dict(self.metrics), []
+            return self.step, self.world, self.target, dict(self.metrics), [], {}
 
     coord = FakeCoordinator()
     coord.metrics = {}
@@ -268,7 +268,7 @@ def test_the_history_says_each_new_failure_and_its_recovery(tmp_path, monkeypatc
         step = 0
 
         def sample(self) -> tuple:
-            return self.step, 1, 1, {}, []
+            return self.step, 1, 1, {}, [], {}
 
     coord = FakeCoordinator()
     rec = Recorder(coord, tmp_path)

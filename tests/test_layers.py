@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     | {"hosts_protocol"},
     {"client", "policy", "sim", "checkpoint", "backends", "data", "metrics", "terminal"},
     {"coordinator", "worker", "hosts"},  # hosts: a joined host's agent (``tidal worker``)
-    {"dashboard", "tensorboard", "display", "lookup"},
+    {"dashboard", "tensorboard", "display", "lookup", "tracking"},
     {"host", "testing"},
     {"cli", "launch", "attach_cli", "sim_cli", "worker_cli", "__init__"},
     {"__main__"},  # ``python -m tidal``: the command itself

@@ -205,6 +205,35 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# ``--track``: the experiment trackers the coordinator sends each step's metrics to.
+TRACKERS = ("mlflow", "wandb")
+
+
+@dataclass(frozen=True)
+class Track:
+    """``--track KIND[:TARGET]`` read: ``kind`` one of ``TRACKERS``; ``target`` MLflow's
+    tracking URI or W&B's ``[ENTITY/]PROJECT`` (None: the library's own default)."""
+
+    kind: str
+    target: str | None = None
+
+
+def parse_track(text: str) -> Track:
+    """``"mlflow:file:///tmp/mlruns"`` -> ``Track("mlflow", "file:///tmp/mlruns")``; one line
+    with the fix for anything else."""
+    kind, sep, target = text.partition(":")
+    usage = "write mlflow[:TRACKING_URI] or wandb[:[ENTITY/]PROJECT]"
+    if kind not in TRACKERS:
+        raise ValueError(f"bad --track {text!r}: {usage}")
+    if sep and not target.strip():
+        raise ValueError(f"bad --track {text!r}: nothing after ':' ({usage})")
+    if kind == "wandb" and sep:
+        parts = target.split("/")
+        if len(parts) > 2 or not all(re.fullmatch(r"[A-Za-z0-9._-]+", p) for p in parts):
+            raise ValueError(f"bad --track {text!r}: a W&B project is [ENTITY/]PROJECT")
+    return Track(kind, target if sep else None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     """Where workers run on a cluster backend (``ray``): the cluster's address and what each
@@ -458,6 +487,15 @@ class JobSpec:
             "worker and starts the new world, which resumes from the script's own snapshot",
         ),
     )
+    track: str | None = field(
+        default=None,
+        metadata=flag(
+            "--track",
+            "send every committed step's tidal.log values, once, to mlflow[:TRACKING_URI] or "
+            "wandb[:[ENTITY/]PROJECT]: one run per job, kept across resizes, coordinator "
+            "restarts and tidal resume",
+        ),
+    )
     python: str = sys.executable
 
     @property
@@ -554,6 +592,8 @@ class JobSpec:
             raise ValueError(f"--local-slots must be at least 0, got {self.local_slots}")
         if self.local_slots and self.backend != "hosts":
             raise ValueError("--local-slots goes with --listen (workers beside joined hosts)")
+        if self.track is not None:
+            parse_track(self.track)
         if self.worker_start not in WORKER_STARTS:
             raise ValueError(f"--worker-start must be fork or exec, got {self.worker_start!r}")
 

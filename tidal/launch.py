@@ -95,6 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         capacity_trace=capacity_trace_path(args.capacity),
         deadline_s=parse_duration(args.deadline) if args.deadline else None,
         checkpoint_storage=checkpoint_storage(args.checkpoint_dir),
+        track=_track(args.track),
     )
     from tidal.backends import check_capacity
     from tidal.policy import get_policy
@@ -131,6 +132,13 @@ def check_storage(storage: str | None) -> None:
         from tidal.checkpoint.remote import check_url
 
         check_url(storage)
+def _track(text: str | None) -> str | None:
+    """``--track`` as the job records it (``tracking.trackers.resolve_track``)."""
+    if text is None:
+        return None
+    from tidal.tracking.trackers import resolve_track
+
+    return resolve_track(text)
 
 
 def capacity_trace_path(path: str | None) -> str | None:
@@ -166,6 +174,10 @@ def launch(
 
             check_available()
             tensorboard = str(Path(args.tensorboard).resolve())
+        if spec.track is not None:
+            from tidal.tracking.trackers import check_available as tracker_installed
+
+            tracker_installed(spec.track)
         if lock is None:
             lock = claim(home, spec.name)
         # We hold the lock: a coordinator.json left there is a dead coordinator's (whose URL

@@ -209,8 +209,15 @@ class RegisterRequest(BaseModel):
 
 
 class RegisterResponse(BaseModel):
+    """``saved_step_metrics``, to a worker that registers again (its coordinator restarted):
+    ``(generation, step)`` such that the job's records hold every per-step record
+    (``StepMetrics``) of this worker below that key; it sends those it delivered from that
+    key on again, which the dead coordinator may have taken without writing them down (None:
+    every one it kept). See ``tidal.worker.agent``."""
+
     job: str
     config: WorkerConfig
+    saved_step_metrics: tuple[Id, Step] | None = None
 
 
 #: The phases of a member's pause between its last step in one generation and its first step

@@ -314,7 +314,7 @@ class Coordinator:
     def worker_steps(self) -> tuple[int, list[tuple[int, int, bool]]]:
         return self.views.worker_steps()
 
-    def sample(self) -> tuple[int, int, int, dict[str, float], list]:
+    def sample(self) -> tuple[int, int, int, dict[str, float], list, dict]:
         return self.views.sample()
 
     def on_register(self, wid: int, req: RegisterRequest) -> RegisterResponse:

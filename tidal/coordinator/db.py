@@ -43,7 +43,20 @@ CREATE TABLE IF NOT EXISTS step_metrics (
     generation INTEGER NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (job, step, name)
 );
 CREATE INDEX IF NOT EXISTS step_metrics_seq ON step_metrics (job, seq);
+CREATE TABLE IF NOT EXISTS step_metrics_saved (
+    job TEXT NOT NULL, worker INTEGER NOT NULL, generation INTEGER NOT NULL,
+    step INTEGER NOT NULL, PRIMARY KEY (job, worker)
+);
 """
+# ``step_metrics_saved``: each worker's newest per-step record whose values those rows hold
+# (``StepLog.applied``, written in the same transaction as the rows, never moved back): a
+# restarted coordinator tells a worker that registers again (``saved_step_metrics``).
+UPSERT_SAVED = (
+    "INSERT INTO step_metrics_saved (job, worker, generation, step) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (job, worker) DO UPDATE SET generation = excluded.generation, "
+    "step = excluded.step WHERE (excluded.generation, excluded.step) > "
+    "(step_metrics_saved.generation, step_metrics_saved.step)"
+)
 UPSERT_STEP = (
     "INSERT INTO step_metrics (job, step, name, value, generation, seq) "
     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (job, step, name) DO UPDATE SET "
@@ -468,6 +481,18 @@ class Database:
             return {}
         got = step_series(self._read(SELECT_STEPS, (name, 0)))
         return {k: StepSeries(**v) for k, v in got["series"].items()}
+
+    def saved_step_metrics(self, name: str, worker: int) -> tuple[int, int] | None:
+        """``worker``'s newest per-step record the rows of job ``name`` hold, as
+        (generation, step), or None (``step_metrics_saved``)."""
+        table = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'step_metrics_saved'"
+        if not self._read(table):
+            return None
+        rows = self._read(
+            "SELECT generation, step FROM step_metrics_saved WHERE job = ? AND worker = ?",
+            (name, worker),
+        )
+        return (rows[0][0], rows[0][1]) if rows else None
 
     def load_records(self, name: str) -> Records:
         """Raises ``UnknownJob``."""

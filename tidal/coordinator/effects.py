@@ -116,8 +116,11 @@ class Effects:
                 f"worker {wid} was counted as lost ({w.kill_reason or 'its process ended'}); "
                 "it must exit"
             )
+        saved = None
         if not w.adopted:  # it trained on while the previous coordinator was away
             w.adopted = True
+            # what of its per-step records the dead coordinator wrote down: it sends the rest
+            saved = self.executor.saved_step_metrics(wid)
             if wid not in self.executor.alive():  # its pid was not known: it is now
                 self.executor.do(
                     AdoptWorker(worker_id=wid, pid=req.pid, env=self.lifecycle.worker_env(wid))
@@ -144,7 +147,7 @@ class Effects:
         self.ledger.save_worker(w)
         self.ledger.event("worker", f"worker {wid} ready (pid {req.pid})")
         self.wake.set()  # a ready worker may complete the generation being formed
-        return RegisterResponse(job=self.spec.name, config=self.config)
+        return RegisterResponse(job=self.spec.name, config=self.config, saved_step_metrics=saved)
 
     def apply_heartbeat(self, w: WorkerRecord, req: HeartbeatRequest) -> None:
         w.step = req.step

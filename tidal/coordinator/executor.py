@@ -244,6 +244,10 @@ class Executor:
         """The restart record a previous coordinator of the job wrote, if any."""
         return self.journal.db.load_control(self.journal.name)
 
+    def saved_step_metrics(self, worker_id: int) -> tuple[int, int] | None:
+        """The worker's newest per-step record the job's rows hold (``db.UPSERT_SAVED``)."""
+        return self.journal.db.saved_step_metrics(self.journal.name, worker_id)
+
     def status(self) -> JobStatus:
         return self.journal.status()
 

@@ -11,6 +11,12 @@ coordinator keeps one value per (step, name):
   the members that reported it. Only rank 0 reports unless the script asked
   ``reduce="mean"``, so by default it is rank 0's value.
 
+Each worker's newest record applied, by (generation, step) (``applied``), goes with the values
+taken: once the recorder has written those, the job's records hold every record of that
+worker below it (``saved_step_metrics``), which a restarted coordinator tells the worker
+when it registers again (``protocol.RegisterResponse``), so that it sends again what the dead
+one had taken but not written down.
+
 The latest-value gauge (``Coordinator.metrics``: ``tidal status``'s ``metrics``) moves to
 each value of the newest generation's newest step (a redone step moves it back). Changed values wait in ``take()``
 for the recorder (``tidal.dashboard.history.Recorder``), which writes them to SQLite and to
@@ -61,11 +67,15 @@ class StepLog:
         self._pending: OrderedDict[tuple[int, str], tuple[float, int]] = OrderedDict()
         self._gauge: dict[str, tuple[int, int]] = {}  # name -> (generation, step) it shows
         self.dropped = 0  # changed values dropped because nobody took them
+        # worker -> the (generation, step) of its newest record applied (a worker's records
+        # come in that order: its generation and then its step only grow)
+        self._applied: dict[int, tuple[int, int]] = {}
 
     def add(self, worker: int, record: StepMetrics) -> dict[str, float]:
         """Take one worker's record; return the gauge values it moves (name -> value)."""
         step, gen = record.step, record.generation
         gauges: dict[str, float] = {}
+        self._applied[worker] = max(self._applied.get(worker, (gen, step)), (gen, step))
         opened, pending = self._open, self._pending
         for name, raw in record.values.items():
             key = (step, name)
@@ -98,6 +108,10 @@ class StepLog:
                 self._gauge[name] = (gen, step)
                 gauges[name] = value
         return gauges
+
+    def applied(self) -> dict[int, tuple[int, int]]:
+        """Each worker's newest record applied: (generation, step), a copy."""
+        return dict(self._applied)
 
     def take(self) -> list[StepValue]:
         """The values changed since the last call, oldest change first."""

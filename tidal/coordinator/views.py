@@ -126,14 +126,17 @@ class Views:
         view = self.view
         return view.step, list(view.workers)
 
-    def sample(self) -> tuple[int, int, int, dict[str, float], list]:
-        """(step, world size, target, numeric metrics, the per-step values not yet taken)
-        for the dashboard's history (``tidal.dashboard.history.Recorder``). The values are
-        taken from the job: call it on the control loop's thread, between passes (the
-        runner does), where nothing else changes them."""
+    def sample(self) -> tuple[int, int, int, dict[str, float], list, dict]:
+        """(step, world size, target, numeric metrics, the per-step values not yet taken,
+        each worker's newest per-step record among them: ``StepLog.applied``) for the
+        dashboard's history (``tidal.dashboard.history.Recorder``). The values are taken
+        from the job, under the lock: an API call's thread may be applying heartbeats (a
+        value added between the two would be lost, or counted as written before it was)."""
         view = self.view
-        values = self.job.step_log.take()
-        return view.step, view.world_size, view.target, dict(view.metrics), values
+        log = self.job.step_log
+        with self.lock:
+            values, applied = log.take(), log.applied()
+        return view.step, view.world_size, view.target, dict(view.metrics), values, applied
 
     def status(self, *, fresh: bool = False) -> JobStatus:
         """The job's status (``tidal status --json``), as of the last flush, shared by every

@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.coordinator.db import SELECT_STEPS, STEP_SCHEMA, UPSERT_STEP, step_series
+from tidal.coordinator.db import (
+    SELECT_STEPS,
+    STEP_SCHEMA,
+    UPSERT_SAVED,
+    UPSERT_STEP,
+    step_series,
+)
 from tidal.coordinator.home import db_path
 
 if TYPE_CHECKING:
@@ -77,8 +83,17 @@ class HistoryStore:
         with self._lock:
             self._conn.close()
 
-    def append(self, job: str, points: list[Point], *, steps: list[StepValue] = ()) -> None:
-        """Sampled ``points`` and per-step values (the newest generation's stays), at once."""
+    def append(
+        self,
+        job: str,
+        points: list[Point],
+        *,
+        steps: list[StepValue] = (),
+        saved: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
+        """Sampled ``points`` and per-step values (the newest generation's stays), and
+        ``saved`` (worker -> its newest record those values include: ``StepLog.applied``),
+        at once."""
         with self._lock:
             try:
                 self._conn.executemany(
@@ -102,6 +117,10 @@ class HistoryStore:
                         ],
                     )
                     self._seq[job] = seq + len(steps)
+                if saved:
+                    self._conn.executemany(
+                        UPSERT_SAVED, [(job, w, g, st) for w, (g, st) in saved.items()]
+                    )
                 self._conn.commit()
             except BaseException:
                 self._seq.pop(job, None)  # read it again next time
@@ -159,6 +178,10 @@ class Recorder:
         self.sink = tensorboard
         self._buffer: deque[Point] = deque(maxlen=RING)
         self._steps: deque[StepValue] = deque(maxlen=STEP_RING)
+        # worker -> its newest per-step record among the values taken (``StepLog.applied``),
+        # and what of it was written: the rows hold every record below it
+        self._applied: dict[int, tuple[int, int]] = {}
+        self._saved: dict[int, tuple[int, int]] = {}
         self._last_key: tuple | None = None
         self._last_point = 0.0
         self._next_sample = 0.0
@@ -196,8 +219,9 @@ class Recorder:
                 self._failures, self._last_error = 0, None
 
     def _sample(self, now: float, force: bool) -> None:
-        step, world, target, metrics, values = self.coord.sample()
+        step, world, target, metrics, values, applied = self.coord.sample()
         self._steps.extend(values)
+        self._applied = applied
         if self.sink is not None:  # before the sample: it skips the per-step names
             self.sink.record_steps(values, committed=step, force=force)
         key = (step, world, target, tuple(sorted(metrics.items())))
@@ -213,10 +237,12 @@ class Recorder:
 
     def _write(self, now: float) -> None:
         self._last_write = now
-        if self._buffer or self._steps:
-            self.store.append(self.job, list(self._buffer), steps=list(self._steps))
+        saved = {w: k for w, k in self._applied.items() if self._saved.get(w) != k}
+        if self._buffer or self._steps or saved:
+            self.store.append(self.job, list(self._buffer), steps=list(self._steps), saved=saved)
             self._buffer.clear()
             self._steps.clear()
+            self._saved.update(saved)
 
     def close(self) -> None:
         """A last sample (the job's end), then write everything and close."""

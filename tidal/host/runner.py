@@ -29,6 +29,7 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal.backends.local import start_zygote
 from tidal.backends.zygote import Zygote
@@ -45,6 +46,9 @@ from tidal.host.server import ApiServer
 from tidal.hosts_protocol import host_token
 from tidal.protocol import JobState
 from tidal.terminal import Terminal, gone
+
+if TYPE_CHECKING:
+    from tidal.tracking.forwarder import Forwarder
 
 
 def run_job(
@@ -165,6 +169,7 @@ def _host(
         except sqlite3.Error as exc:
             raise HomeError(f"cannot write {db_path(home)}: {exc}") from None
         _history_failures_break(recorder, coord)
+        forwarder = _forwarder(spec, home, coord, notes)
     except BaseException:
         coord.close(kill_workers=not recover)  # adopted workers wait for the next one
         raise
@@ -246,7 +251,16 @@ def _host(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        recorder.close()
+        recorder.close()  # first: the last rows, which the tracker's last batch reads
+        if forwarder is not None:  # a crashed coordinator's run stays open for the next one
+            left = forwarder.close(coord.job.state if ended else None)
+            if left:
+                say(f"tidal: warning: {left}")
+            if ended and not coord.executor.db.broken:  # its lines since the loop's last pass
+                with coord.lock:
+                    for line in notes:
+                        coord.event("coordinator", line)
+                notes.clear()
         server.stop()
         broken = coord.executor.db.broken
         if broken:  # recorded if the storage came back (space freed), else `interrupted`
@@ -276,6 +290,25 @@ def join_line(coord: Coordinator, url: str) -> str:
     written first to the file it names (``hosts_protocol.host_token``)."""
     coord.jobdir.write_join_token(host_token(coord.token))
     return f"tidal worker --join {url} --token-file {coord.jobdir.join_token_file}"
+
+
+def _forwarder(spec: JobSpec, home: Path, coord: Coordinator, notes: list[str]) -> Forwarder | None:
+    """``--track``: the thread that sends the job's per-step values to its tracker; its
+    lines become the job's events (``notes``: recorded by the loop)."""
+    if spec.track is None:
+        return None
+    from tidal.config import parse_track
+    from tidal.tracking.forwarder import Forwarder
+
+    forwarder = Forwarder(
+        track=parse_track(spec.track),
+        job=spec.name,
+        db=db_path(home),
+        committed=lambda: coord.job.step,
+        note=notes.append,
+    )
+    forwarder.start()
+    return forwarder
 
 
 def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:

@@ -4,6 +4,12 @@ Nothing here blocks a training step: heartbeats, metrics and timing reports trav
 background thread, and the training loop reads the newest answer (role and generation)
 from memory at step boundaries. Only the rare membership calls (fetch the role after a
 switch, report a failure, report completion) are blocking round trips.
+
+Per-step records (``tidal.log``) reach the job's records through a coordinator that writes
+them down within a second of taking them; one killed meanwhile loses what it took. So a
+worker keeps the newest records it delivered, and when it registers again with a restarted
+coordinator, which tells it the newest of its records the job's records hold
+(``RegisterResponse.saved_step_metrics``), it sends the ones after that again.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
@@ -55,6 +62,10 @@ ORPHAN_TIMEOUT_S = 30.0
 # most ``protocol.MAX_STEP_RECORDS`` of them. Beyond this many (the coordinator unreachable
 # for long), the oldest are dropped, with one warning.
 MAX_STEP_OUTBOX = 20_000
+# Per-step records delivered, kept until a restarted coordinator says which of them the dead
+# one had written down (``RegisterResponse.saved_step_metrics``): the recorder writes them
+# within a second, so these many (the newest) are plenty.
+RESEND_KEEP = 4096
 
 
 class Agent:
@@ -99,6 +110,7 @@ class Agent:
         self._checkpoint_failures: list[CheckpointFailure] = []
         self._step_metrics: list[StepMetrics] = []
         self._step_metrics_dropped = 0
+        self._delivered: deque[StepMetrics] = deque(maxlen=RESEND_KEEP)
         self.leaving = False  # a preemption notice arrived: leave at the next step boundary
         self.notice: str | None = None  # where it came from (``announce_leaving``)
         self._closed = False
@@ -137,8 +149,23 @@ class Agent:
             self.config = resp.config
             self._interval = resp.config.heartbeat_interval_s
             self._orphan_timeout_s = resp.config.orphan_timeout_s
+            if self.epoch:  # a restarted coordinator: what the dead one took goes again
+                self._resend(resp.saved_step_metrics)
             self.epoch += 1
             return resp
+
+    def _resend(self, saved: tuple[int, int] | None) -> None:
+        """Put the per-step records delivered from ``saved`` (generation, step) on, in front
+        of the outbox (all of those kept if None): a restarted coordinator's records hold
+        only those below it. Sent twice, a record changes nothing (the same worker's value
+        of the same step and generation)."""
+        with self._lock:
+            again = [r for r in self._delivered if saved is None or (r.generation, r.step) >= saved]
+            self._delivered.clear()
+            self._step_metrics = again + self._step_metrics
+            self._bound_step_metrics()
+        if again:
+            self._wake.set()  # the heartbeat thread sends them now
 
     def registered_epoch(self) -> int:
         """``epoch``, once a registration in flight on another thread has finished. A
@@ -218,6 +245,8 @@ class Agent:
                 resp = self._beat_client.heartbeat(self.worker_id, req)
                 self._last_ok = time.monotonic()
                 self._set_latest(resp, asked)
+                if req.step_metrics:
+                    self._delivered_to(epoch, req.step_metrics)
             except Exception as exc:  # noqa: BLE001 - any failure to reach it counts the same
                 if isinstance(exc, CoordinatorError) and exc.status == 409:
                     self._requeue(req)  # a restarted coordinator: register, then deliver
@@ -247,6 +276,21 @@ class Agent:
             latest = self._latest  # a large generation's coordinator paces its heartbeats
             self._wake.wait(latest.interval_s if latest and latest.interval_s else self._interval)
             self._wake.clear()
+
+    def _delivered_to(self, epoch: int, records: list[StepMetrics]) -> None:
+        """Keep ``records``, delivered to the coordinator of registration ``epoch``, until a
+        restarted one says which it holds (``_resend``); a registration with a new one since
+        (on the other thread) means they go again now."""
+        with self._register_lock:  # no registration in between
+            if self.epoch == epoch:
+                with self._lock:
+                    self._delivered.extend(records)
+            else:  # in the outbox's order, (generation, step): the resent ones are older
+                with self._lock:
+                    self._step_metrics = sorted(
+                        records + self._step_metrics, key=lambda r: (r.generation, r.step)
+                    )
+                    self._bound_step_metrics()
 
     def _requeue(self, req: HeartbeatRequest, *, own_only: bool = False) -> None:
         """Keep what a heartbeat that was not delivered carried, for the next one;
