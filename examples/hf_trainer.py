@@ -90,7 +90,7 @@ class Record(TrainerCallback):
     def note(self, **record: object) -> None:
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "t": time.time()}) + "\n")
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.note(

@@ -70,7 +70,7 @@ class Record(Callback):
     def note(self, **record: object) -> None:
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "t": time.time()}) + "\n")
 
     def on_train_start(self, trainer, pl_module):
         self.note(

@@ -22,7 +22,7 @@ from e2e_helpers import ROOT, Home, summarize
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
-MAX_STEPS, SAVE_STEPS = 48, 4
+MAX_STEPS, SAVE_STEPS = 30, 4
 
 
 def records(log: Path) -> list[dict]:
