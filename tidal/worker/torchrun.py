@@ -32,6 +32,7 @@ step (``tidal status``, ``--schedule``), the other values its metrics, rank 0's 
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import os
 import runpy
@@ -259,6 +260,11 @@ def main(argv: list[str]) -> None:
         if watch is not None:
             watch.close()
         agent.close()  # its outbox first: the group's report reaches the job before the exit
+        # What the script made (a library's imports: Lightning's, transformers') lives until
+        # the process ends: out of the collector's sight, as the zygote's imports are, so the
+        # exit does not walk it: 2-3 s of a Lightning member's exit here, which the next
+        # world waits for (docs/decisions/hf-lightning.md).
+        gc.freeze()
 
 
 if __name__ == "__main__":
