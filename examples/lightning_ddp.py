@@ -9,6 +9,7 @@ started processes: Lightning's ``TorchElasticEnvironment`` takes the ranks and t
 from torchrun's variables and creates no process itself. A ``ModelCheckpoint`` writes
 ``last.ckpt`` every ``--save-steps`` steps and ``fit(ckpt_path="last")`` resumes from it
 when it exists: what an elastic restart (a failure, or a change of size) needs.
+``EndAtSigterm`` lets the SIGTERM of a restart end the process at once (its doc says why).
 
 ``--record FILE``: each worker appends one JSON line when training starts (``rank``,
 ``world``, ``restart_count``, ``resumed_step``), rank 0 one per step (``step``, ``loss``,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import lightning as L
@@ -59,6 +61,18 @@ class Regressor(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+
+
+class EndAtSigterm(Callback):
+    """Let a restart's SIGTERM end the process at once, as it ends a plain torchrun script;
+    the next world resumes from ``last.ckpt`` either way. Lightning's own handler, set just
+    before training, stops every rank at the end of its step through a broadcast made from
+    inside the handler (Lightning PR 20825): when the ranks get the signal at different
+    moments, that broadcast can pair with the step's own collectives and the world hangs
+    until the launcher's SIGKILL, 30 s later."""
+
+    def on_train_start(self, trainer, pl_module):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class Record(Callback):
@@ -108,7 +122,7 @@ def main() -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
         max_steps=args.max_steps,
-        callbacks=[checkpoints, Record(args.record, args.sleep)],
+        callbacks=[checkpoints, EndAtSigterm(), Record(args.record, args.sleep)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

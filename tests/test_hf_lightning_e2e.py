@@ -13,14 +13,16 @@ paced (``--sleep``) so that a world does not finish the job before it is scaled.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 from e2e_helpers import ROOT, Home, summarize
 
-pytest.importorskip("transformers")
-pytest.importorskip("lightning")
+if not os.environ.get("CI"):  # CI installs both (the test extra): there, a missing one fails
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
 
 MAX_STEPS, SAVE_STEPS = 30, 4
 
