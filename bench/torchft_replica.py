@@ -76,7 +76,10 @@ def lighthouse() -> None:
         quorum_tick_ms=int(conf["quorum_tick_ms"]),
         heartbeat_timeout_ms=int(conf["heartbeat_timeout_ms"]),
     )
-    print(f"LIGHTHOUSE {server.address()}", flush=True)
+    # One write(2) of the whole line: print() writes the text and its newline apart, and the
+    # lighthouse's own log (Rust, to the same file) once landed between the two, gluing its
+    # timestamp onto the port ("http://vm:351272026-12-07T12:37:40").
+    os.write(1, f"LIGHTHOUSE {server.address()}\n".encode())
     while True:
         time.sleep(3600)
 
