@@ -2,7 +2,7 @@
 
 ``python -m bench.control_plane_load URL TOKEN N HOST_PID OUT.json [options]``
 
-Each simulated worker does what ``tidal.worker.agent.Agent`` does over the real HTTP API,
+Each simulated worker does what ``tidal.worker.agent.client.Agent`` does over the real HTTP API,
 with its own credential (``protocol.worker_token``) and its own keep-alive connection:
 register, then heartbeat, waiting ``heartbeat_interval_s`` (from the registration's
 answer) after each answer. Its heartbeat body is what the agent sends (``HeartbeatRequest``

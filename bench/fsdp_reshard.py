@@ -81,7 +81,7 @@ def tidal_sharded(
     members (copies every ``DEFAULT_EVERY``: their cost to the steps), then a SIGKILL of a
     member at each step ``s`` with ``s % every == offset`` for each of ``kill_offsets``."""
     from tidal.testing import fault_env
-    from tidal.worker.ring import DEFAULT_EVERY
+    from tidal.worker.sharded.ring import DEFAULT_EVERY
 
     schedule = ",".join(f"{first + i * spacing}:{3 if i % 2 == 0 else 2}" for i in range(changes))
     last_change = first + (changes - 1) * spacing

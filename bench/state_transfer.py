@@ -3,7 +3,7 @@ transfer of the same bytes, in two processes on this machine.
 
 Rank 0 holds a trained model (25 M float32 parameters, 100 MB) and its SGD momentum
 (another 100 MB); rank 1 joins with a fresh model and no optimizer state, and both call
-``tidal.worker.heal.heal`` in a 2-rank gloo group: rank 1 receives parameters, buffers,
+``tidal.worker.state.heal.heal`` in a 2-rank gloo group: rank 1 receives parameters, buffers,
 optimizer state and RNG (what a joiner gets in a real scale-up). The joiner prepares its
 landing memory first (``landing.prepare``), as a worker does in its warm-up before it is
 ready; each repetition also heals a joiner without it (``heal_cold``: the optimizer state
@@ -11,7 +11,7 @@ lands in fresh memory, faulted in during the transfer). The peer is the floor fo
 moving those bytes: one gloo broadcast of a single flat tensor of the same size, a plain
 TCP socket over loopback (``raw``: the faster of the two, the wire's speed), and one copy
 from the first process's memory into the second's (``copy``: ``process_vm_readv``, as the
-heal's own path on one host, ``tidal.worker.cma``; ``floor``: the fastest of all). Timed on
+heal's own path on one host, ``tidal.worker.state.cma``; ``floor``: the fastest of all). Timed on
 rank 0 between barriers, median of ``--reps``.
 
 ``python -m bench.state_transfer [--reps N] [--mb M]`` (runs both ranks itself).
@@ -52,8 +52,8 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
 def worker(rank: int, port: int, sock_port: int, width: int, reps: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from tidal.worker.heal import heal
-    from tidal.worker.landing import prepare
+    from tidal.worker.state.heal import heal
+    from tidal.worker.state.landing import prepare
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -133,7 +133,7 @@ def _one_copy(rank: int, flat: torch.Tensor, reps: int) -> list[float]:
     bytes between two processes on one host. Empty where the kernel refuses the call."""
     import torch.distributed as dist
 
-    from tidal.worker import cma
+    from tidal.worker.state import cma
 
     hold = cma.Hold()  # held for the whole measurement
     offers = [cma.offer([flat], hold) if rank == 0 and cma.offerable([flat]) else None]

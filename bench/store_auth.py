@@ -64,7 +64,7 @@ def member(rank: int, port: int, generations: int, steps: int, out: Path) -> Non
     from tidal.protocol import GenerationInfo
     from tidal.store_auth import AuthStore
     from tidal.store_keys import GEN_OPEN, state_key
-    from tidal.worker import group as grp
+    from tidal.worker.membership import group as grp
 
     torch.set_num_threads(1)
     counts = _counted()

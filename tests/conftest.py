@@ -15,7 +15,7 @@ from s3_server import Moto
 from s3_server import env as s3_env
 
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.control.controller import Coordinator
 from tidal.host.server import ApiServer
 
 #: The devices a device-dependent test runs on: the CPU always; a GPU where CUDA exists
@@ -105,7 +105,7 @@ def served_coordinator(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
 
 _PROBE = r"""
 import json, sys, torch
-from tidal.worker import cma
+from tidal.worker.state import cma
 t, hold = torch.arange(8, dtype=torch.float64), cma.Hold()
 print(json.dumps(cma.offer([t], hold) if cma.offerable([t]) else None), flush=True)
 sys.stdin.readline()
@@ -114,7 +114,7 @@ sys.stdin.readline()
 
 @pytest.fixture(scope="session")
 def cross_memory() -> bool:
-    """Whether this machine lets a process read another's memory (``worker/cma.py``): the
+    """Whether this machine lets a process read another's memory (``worker/state/cma.py``): the
     heal's same-host path. Where the kernel refuses (no ptrace right, a seccomp profile
     without ``process_vm_readv``), the tests of that path skip and the group's path is the
     one tested."""
@@ -122,7 +122,7 @@ def cross_memory() -> bool:
     import subprocess
     import sys
 
-    from tidal.worker import cma
+    from tidal.worker.state import cma
 
     src = subprocess.Popen(
         [sys.executable, "-c", _PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True

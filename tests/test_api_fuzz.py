@@ -35,8 +35,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.records.records import WorkerRecord
 from tidal.host.server import ApiServer
 from tidal.hosts_protocol import HostRegister, host_token
 from tidal.protocol import API_PREFIX, JobStatus, worker_token

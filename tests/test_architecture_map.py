@@ -38,8 +38,8 @@ def test_every_module_is_named() -> None:
 
 def test_the_check_can_fail() -> None:
     # a page that no longer names a module, or names one that is gone, is caught
-    text = PAGE.read_text().replace("`tidal/coordinator/wake.py`", "the wake module")
-    assert "tidal/coordinator/wake.py" in package_modules() - named_modules(text)
+    text = PAGE.read_text().replace("`tidal/coordinator/control/wake.py`", "the wake module")
+    assert "tidal/coordinator/control/wake.py" in package_modules() - named_modules(text)
     gone = named_modules(text + "\n`tidal/worker/no_such_module.py`")
     assert not (ROOT / "tidal/worker/no_such_module.py").exists()
     assert "tidal/worker/no_such_module.py" in gone

@@ -1,4 +1,4 @@
-"""The heal's blob (``tidal.worker.blob``): every value comes back with its type and its
+"""The heal's blob (``tidal.worker.state.blob``): every value comes back with its type and its
 bits, as tagged JSON, with raw bytes after it for tensors; anything else is refused, never
 pickled."""
 
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tidal.worker import blob
+from tidal.worker.state import blob
 
 ADAM_GROUPS = torch.optim.Adam(torch.nn.Linear(2, 2).parameters(), 1e-3).state_dict()[
     "param_groups"

@@ -1,12 +1,12 @@
-"""Table tests of who counts as busy in the script (``tidal.coordinator.busy``) and of a
-peer's reading of it (``tidal.worker.busy``)."""
+"""Table tests of who counts as busy in the script (``tidal.coordinator.rules.busy``) and of a
+peer's reading of it (``tidal.worker.membership.busy``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.coordinator.busy import BUSY_AFTER_S, BusyFacts, busy_members
-from tidal.worker.busy import FRESH_BEATS, peers_busy, script_s
+from tidal.coordinator.rules.busy import BUSY_AFTER_S, BusyFacts, busy_members
+from tidal.worker.membership.busy import FRESH_BEATS, peers_busy, script_s
 
 
 def _w(wid, gen=3, script=5.0, silent=0.5):

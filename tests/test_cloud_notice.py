@@ -26,10 +26,10 @@ from tidal.preemption import (
     parse_gcp,
     retry_delay,
 )
-from tidal.worker.cloud_watch import Aws, Azure, Gcp, Url, Watcher, source_for
+from tidal.worker.agent.cloud_watch import Aws, Azure, Gcp, Url, Watcher, source_for
 
 ROOT = Path(__file__).resolve().parents[1]
-WATCH_LOG = "tidal.worker.cloud_watch"
+WATCH_LOG = "tidal.worker.agent.cloud_watch"
 PREEMPT = {
     "EventId": "A7",
     "EventType": "Preempt",

@@ -1,4 +1,4 @@
-"""Cross-memory reads (``worker/cma.py``): when a receiver may read the source's memory
+"""Cross-memory reads (``worker/state/cma.py``): when a receiver may read the source's memory
 (a table of ``usable``'s rules, each with its reason), what a source offers, and a real read
 between two processes, which copies the bytes exactly and fails loudly when the source is
 gone."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tidal.worker import cma
+from tidal.worker.state import cma
 
 HERE = cma.Host(boot_id="b-1", pid_ns=4026531836)
 
@@ -68,7 +68,7 @@ def test_a_source_offers_contiguous_host_tensors_only(tmp_path, monkeypatch):
 
 SOURCE = r"""
 import json, sys, torch
-from tidal.worker import cma
+from tidal.worker.state import cma
 torch.manual_seed(3)
 ts = [torch.randn(700, 300), torch.randn(5, dtype=torch.float64), torch.arange(9)]
 hold = cma.Hold()

@@ -29,26 +29,26 @@ NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make", "_field_defaults"}
 FOREIGN_PRIVATE = {
     # os._exit: leave without running atexit handlers (a worker, an actor, the supervisor)
     ("tidal/backends/ray_actor.py", "_exit"),
-    ("tidal/coordinator/supervisor.py", "_exit"),
+    ("tidal/coordinator/process/supervisor.py", "_exit"),
     # argparse's subparsers action: the type of ``add_subparsers``' result, for annotations
     ("tidal/attach_cli.py", "_SubParsersAction"),
     ("tidal/sim_cli.py", "_SubParsersAction"),
     ("tidal/worker_cli.py", "_SubParsersAction"),
-    ("tidal/worker/agent.py", "_exit"),  # os._exit: leave without running atexit handlers
-    ("tidal/worker/busy.py", "_set_pg_timeout"),  # c10d: a group's timeout, changed in place
-    ("tidal/worker/ddp.py", "_rebuild_buckets"),  # DDP's bucket rebuild, made between steps
+    ("tidal/worker/agent/client.py", "_exit"),  # os._exit: leave without running atexit handlers
+    ("tidal/worker/membership/busy.py", "_set_pg_timeout"),  # c10d: a group's timeout, changed in place
+    ("tidal/worker/membership/ddp.py", "_rebuild_buckets"),  # DDP's bucket rebuild, made between steps
     # c10d's process-group registry and NCCL group calls: destroying and aborting a group
     # whose peer died without a collective (``group``).
-    ("tidal/worker/group.py", "_world"),
-    ("tidal/worker/group.py", "_set_default_timeout"),
-    ("tidal/worker/group.py", "_update_default_pg"),
-    ("tidal/worker/group.py", "_unregister_all_process_groups"),
-    ("tidal/worker/group.py", "_set_pg_timeout"),
-    ("tidal/worker/group.py", "_get_backend"),
-    ("tidal/worker/group.py", "_group_start"),
-    ("tidal/worker/group.py", "_group_end"),
+    ("tidal/worker/membership/group.py", "_world"),
+    ("tidal/worker/membership/group.py", "_set_default_timeout"),
+    ("tidal/worker/membership/group.py", "_update_default_pg"),
+    ("tidal/worker/membership/group.py", "_unregister_all_process_groups"),
+    ("tidal/worker/membership/group.py", "_set_pg_timeout"),
+    ("tidal/worker/membership/group.py", "_get_backend"),
+    ("tidal/worker/membership/group.py", "_group_start"),
+    ("tidal/worker/membership/group.py", "_group_end"),
     # DTensor's local shard: FSDP2's parameters and their optimizer state, row by row.
-    ("tidal/worker/sharded.py", "_local_tensor"),
+    ("tidal/worker/sharded/module.py", "_local_tensor"),
     # A tensor's version counter (in-place changes since a mark), a module's own parameter
     # and buffer dicts, and the fused copy the rewind uses (``tracked``).
     ("tidal/tracked.py", "_version"),
@@ -168,7 +168,7 @@ def test_every_foreign_exemption_is_still_used() -> None:
 def test_the_checks_can_fail() -> None:
     """Each rule finds what it forbids in a module written for it."""
     source = (
-        "from tidal.worker.heal import _hidden\n"
+        "from tidal.worker.state.heal import _hidden\n"
         "class A: pass\nclass B: pass\nclass C(A, B): pass\n"
         "def f(trainer):\n    return trainer._members\n"
         "class D:\n    def g(self):\n        self._own = 1\n        return self._own, other._own\n"

@@ -17,7 +17,7 @@ from e2e_helpers import Home, call_log, summarize
 
 SITE = """
 import os
-from tidal.worker import elastic as _elastic
+from tidal.worker.trainer import elastic as _elastic
 
 # Once per process (the zygote's interpreter may run this again: then it is wrapped already).
 if os.environ.get("CADENCE_LOG") and not hasattr(_elastic.ElasticLoop.before_sync, "logged"):

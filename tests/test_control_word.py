@@ -9,7 +9,7 @@ from ranks import run_ranks
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker import ddp as tddp
+from tidal.worker.membership import ddp as tddp
 earlier = []  # buckets before the last one, as the hook completes them
 plain = tddp._tensor
 tddp._tensor = lambda fut: (earlier.append(1), plain(fut))[1]
@@ -93,7 +93,7 @@ def test_flags_and_gradients_are_summed_on_every_member(device):
     ],
 )
 def test_a_word_rides_once_per_period_of_training(step_s, every):
-    from tidal.worker.ddp import CONTROL_PERIOD_S, MAX_EVERY, control_every
+    from tidal.worker.membership.ddp import CONTROL_PERIOD_S, MAX_EVERY, control_every
 
     assert control_every(step_s) == every
     if step_s is not None and step_s > 0:  # noticed within a period and a step, or the cap
@@ -102,7 +102,7 @@ def test_a_word_rides_once_per_period_of_training(step_s, every):
 
 COMPRESSED = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker import ddp as tddp
+from tidal.worker.membership import ddp as tddp
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -143,7 +143,7 @@ def test_compressed_gradients_travel_in_half_precision_beside_the_word(name, tol
 
 
 def test_a_compression_other_than_bf16_or_fp16_is_refused():
-    from tidal.worker.ddp import check_kwargs
+    from tidal.worker.membership.ddp import check_kwargs
 
     with pytest.raises(ValueError, match=r"compression'\] must be one of \['bf16', 'fp16'\]"):
         check_kwargs({"compression": "int8"})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import Home, summarize
 
-from tidal.coordinator.db import Database, is_damage
+from tidal.coordinator.records.db import Database, is_damage
 
 
 def digests(folder: Path) -> dict[str, str]:

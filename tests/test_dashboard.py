@@ -23,10 +23,10 @@ from e2e_helpers import ROOT, Home, summarize
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.db import Database
-from tidal.coordinator.home import db_path, job_dir
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.process.home import db_path, job_dir
+from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.records import WorkerRecord
 from tidal.dashboard import DashboardServer, HistoryStore, Recorder
 from tidal.dashboard import history as history_mod
 from tidal.host.server import ApiServer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.worker.data import DataPosition, ElasticSampler
+from tidal.worker.batches.sampler import DataPosition, ElasticSampler
 
 
 def make(n: int = 103, g: int = 8, micro: int | None = None, seed: int = 0) -> ElasticSampler:

@@ -19,8 +19,6 @@ import pytest
 
 from tidal.backends import Exit
 from tidal.config import JobSpec
-from tidal.coordinator import phase
-from tidal.coordinator.accounting import Accounting
 from tidal.coordinator.actions import (
     AbandonGeneration,
     AdoptWorker,
@@ -32,13 +30,15 @@ from tidal.coordinator.actions import (
     SignalWorker,
     StartWorker,
 )
-from tidal.coordinator.effects import RequestError
+from tidal.coordinator.control.effects import RequestError
+from tidal.coordinator.control.parts import Parts, compose
 from tidal.coordinator.job import Job, durable_fields
-from tidal.coordinator.parts import Parts, compose
-from tidal.coordinator.phase import TRANSITIONS, Phase, PhaseError
-from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.recovery import Control, Rebuilt, control_of
-from tidal.coordinator.reform_rules import Streak
+from tidal.coordinator.records.accounting import Accounting
+from tidal.coordinator.records.records import WorkerRecord
+from tidal.coordinator.records.recovery import Control, Rebuilt, control_of
+from tidal.coordinator.rules import phase
+from tidal.coordinator.rules.phase import TRANSITIONS, Phase, PhaseError
+from tidal.coordinator.rules.reform_rules import Streak
 from tidal.policy.inputs import Decision, PolicyParams
 from tidal.policy.registry import get_policy
 from tidal.protocol import HeartbeatRequest, JobState, WorkerState
@@ -446,7 +446,7 @@ COORDINATOR = Path(__file__).resolve().parents[1] / "tidal" / "coordinator"
 
 
 def test_the_coordinator_is_composed_not_inherited() -> None:
-    from tidal.coordinator.controller import Coordinator
+    from tidal.coordinator.control.controller import Coordinator
 
     assert Coordinator.__bases__ == (object,)
     assert [f.name for f in dataclasses.fields(Parts)] == [

@@ -461,7 +461,7 @@ def test_batch_norm_in_training_mode_fails_the_job_in_one_line(
     tidal_home: Home, tmp_path: Path, when: str
 ) -> None:
     # Before 2026-12-04 such a job ran to `succeeded`: each member normalised over its own
-    # share, so the updates depended on the number of workers (``tidal.worker.norms``).
+    # share, so the updates depended on the number of workers (``tidal.worker.trainer.norms``).
     script = tmp_path / "batch_norm.py"
     script.write_text(BATCH_NORM)
     proc, job = tidal_home.run(

@@ -1,4 +1,4 @@
-"""``trainer.evaluate``'s rules (``tidal.worker.evaluation``), table-tested, and its result
+"""``trainer.evaluate``'s rules (``tidal.worker.trainer.evaluation``), table-tested, and its result
 alone against the plain mean over every sample. Split across members and with a member
 killed mid-evaluation: ``test_script_forms_e2e.py``."""
 
@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import tidal
-from tidal.worker.evaluation import batch_result, batches, combine, owner, take_over
+from tidal.worker.trainer.evaluation import batch_result, batches, combine, owner, take_over
 
 
 @pytest.mark.parametrize(

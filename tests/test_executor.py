@@ -24,8 +24,8 @@ from tidal.coordinator.actions import (
     RecordGeneration,
     SignalWorker,
 )
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.records.records import WorkerRecord
 from tidal.protocol import WorkerState
 from tidal.store_keys import GEN_ABANDONED, GEN_OPEN, state_key
 

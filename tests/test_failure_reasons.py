@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.ranks import run_ranks
-from tidal.worker.reasons import MAX_CHARS, failure_reason
+from tidal.worker.membership.reasons import MAX_CHARS, failure_reason
 
 CAST = (
     "Unable to cast [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
@@ -61,7 +61,7 @@ def test_failure_reasons(exc: BaseException, reason: str) -> None:
 SCRIPT = r"""
 import datetime, json, os, sys, time
 import torch, torch.distributed as dist
-from tidal.worker.reasons import failure_reason
+from tidal.worker.membership.reasons import failure_reason
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))

@@ -14,8 +14,8 @@ import torch
 
 from tidal.checkpoint import fence, store
 from tidal.checkpoint.writer import AsyncCheckpointer
-from tidal.coordinator.fencing import OldWorker, end_previous_run, settled_rows, to_end
-from tidal.coordinator.supervisor import unsupervised
+from tidal.coordinator.process.fencing import OldWorker, end_previous_run, settled_rows, to_end
+from tidal.coordinator.process.supervisor import unsupervised
 from tidal.terminal import Terminal, output_lost
 
 
@@ -238,7 +238,7 @@ def test_unsupervised(supervisor, parent, says) -> None:
     ],
 )
 def test_judge_exit_of_a_worker_whose_status_is_unknown(facts, state, kind) -> None:
-    from tidal.coordinator.exit_rules import ExitFacts, judge_exit
+    from tidal.coordinator.rules.exit_rules import ExitFacts, judge_exit
 
     v = judge_exit(
         ExitFacts(worker_id=3, returncode=-9, how="lost (its exit status is unknown)", **facts)

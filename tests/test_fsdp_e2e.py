@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from e2e_helpers import ROOT, Home, kill_pid, summarize, wait_gone
 
-from tidal.worker.ring import DEFAULT_EVERY
-from tidal.worker.shards import shard_range
+from tidal.worker.sharded.layout import shard_range
+from tidal.worker.sharded.ring import DEFAULT_EVERY
 
 SCRIPT = ROOT / "tests" / "scripts" / "sharded.py"
 STEPS = 60

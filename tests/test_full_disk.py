@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import DIGITS, Home, summarize
 
-from tidal.coordinator.checkpoint_rules import (
+from tidal.coordinator.rules.checkpoint_rules import (
     failed_in_a_row,
     final_checkpoint_note,
     streak_verdict,

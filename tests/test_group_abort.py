@@ -19,7 +19,7 @@ import datetime, gc, json, sys, threading, time, weakref
 import torch, torch.distributed as dist
 from tidal.protocol import GenerationInfo
 from tidal.store_keys import generation_prefix
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 
 rank, port, backend, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 n = 1 if backend == "nccl" else 2

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 
 
 def test_the_first_poll_is_fast_and_each_next_a_quarter_longer_up_to_the_cap() -> None:

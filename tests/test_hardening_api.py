@@ -21,8 +21,8 @@ from tidal.backends.local import LocalBackend
 from tidal.cli import main as cli_main
 from tidal.client import CoordinatorClient, CoordinatorError
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.records.records import WorkerRecord
 from tidal.protocol import (
     API_PREFIX,
     MAX_STEP,
@@ -34,7 +34,7 @@ from tidal.protocol import (
     WorkerState,
     worker_token,
 )
-from tidal.worker.agent import Agent, WorkerEnv
+from tidal.worker.agent.client import Agent, WorkerEnv
 
 NAN, INF = float("nan"), float("inf")
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from e2e_helpers import Home, event_messages, relative_l2, store_port, summarize, workers_by_id
 from ranks import run_ranks
 
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 
 STEPS = 60
 EXACT = 1e-12  # float64, a different micro-batch split (DESIGN.md section 4)
@@ -100,7 +100,7 @@ def test_joiner_lost_mid_rendezvous_costs_no_timeout(
 
 FORM_AFTER_FAILED_FORM = r"""
 import json, sys, time, datetime, threading, torch, torch.distributed as dist
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 from tidal.protocol import GenerationInfo
 from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])
@@ -141,7 +141,7 @@ def test_forming_gives_up_when_superseded_and_leaves_nothing_behind() -> None:
 
 PEER_LOST_WHILE_CONNECTING = r"""
 import json, os, signal, sys, time, datetime, torch, torch.distributed as dist
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 from tidal.protocol import GenerationInfo
 from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])
@@ -191,7 +191,7 @@ def test_a_peer_lost_while_connecting_costs_the_connect_window_not_the_timeout()
 STORE_AFTER_FORMING = r"""
 import gc, json, sys, datetime, torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 from tidal.protocol import GenerationInfo
 from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])

@@ -8,9 +8,9 @@ from ranks import run_ranks
 
 SCRIPT = r"""
 import json, random, sys, torch, torch.distributed as dist
-from tidal.worker.heal import heal, LARGE
-from tidal.worker.landing import prepare
-from tidal.worker import cma
+from tidal.worker.state.heal import heal, LARGE
+from tidal.worker.state.landing import prepare
+from tidal.worker.state import cma
 rank, port, dev = int(sys.argv[1]), int(sys.argv[2]), torch.device(sys.argv[3])
 if sys.argv[4] == "refused":  # the kernel refuses the joiner's direct read
     def refuse(offer, tensors):
@@ -92,7 +92,7 @@ def test_joiner_adopts_the_source_state_exactly(device, path, cross_memory):
 
 SCRIPT3 = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker.heal import heal
+from tidal.worker.state.heal import heal
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
@@ -148,8 +148,8 @@ def test_only_members_behind_the_source_receive():
 
 SCRIPT_STRIDED = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker.heal import heal, LARGE
-from tidal.worker.landing import prepare
+from tidal.worker.state.heal import heal, LARGE
+from tidal.worker.state.landing import prepare
 rank, port, landed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "landing"
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -183,7 +183,7 @@ def test_strided_tensors_travel_whole_whatever_the_receivers_strides(landing):
 
 SCRIPT_OTHER_MODEL = r"""
 import datetime, json, sys, torch, torch.distributed as dist
-from tidal.worker.heal import heal, ModelMismatch
+from tidal.worker.state.heal import heal, ModelMismatch
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
@@ -220,8 +220,8 @@ def test_a_receiver_whose_model_differs_refuses_before_receiving():
 
 SCRIPT_CUT = r"""
 import json, os, sys, torch, torch.distributed as dist
-import tidal.worker.heal as heal_mod
-from tidal.worker import cma
+import tidal.worker.state.heal as heal_mod
+from tidal.worker.state import cma
 rank, port, cut = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -280,7 +280,7 @@ def test_a_heal_cut_while_receiving_says_the_state_is_a_mix(cut, cross_memory):
 
 SCRIPT_BLOB = r"""
 import json, sys, torch, torch.distributed as dist
-from tidal.worker.heal import BLOB_FIRST, send_blob
+from tidal.worker.state.heal import BLOB_FIRST, send_blob
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
@@ -307,8 +307,8 @@ def test_a_blob_of_any_size_arrives_whole():
 SCRIPT_STEPS = r"""
 import json, sys, torch, torch.distributed as dist
 from tidal.protocol import GenerationInfo
-from tidal.worker import group as grp
-from tidal.worker.heal import NO_STATE, heal
+from tidal.worker.membership import group as grp
+from tidal.worker.state.heal import NO_STATE, heal
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 info = GenerationInfo(id=4, members=[10, 11, 12], store_prefix="ns/gen4", reason="test")

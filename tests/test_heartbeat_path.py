@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-from tidal.coordinator.answers import Answers
-from tidal.coordinator.pacing import heartbeat_interval
-from tidal.coordinator.records import WorkerRecord, changed_rows
-from tidal.coordinator.snapshot import WorkerRow
+from tidal.coordinator.control.answers import Answers
+from tidal.coordinator.records.records import WorkerRecord, changed_rows
+from tidal.coordinator.records.snapshot import WorkerRow
+from tidal.coordinator.rules.pacing import heartbeat_interval
 from tidal.host.hot_path import HeartbeatHotPath
 from tidal.protocol import (
     API_PREFIX,
@@ -126,7 +126,7 @@ def _hold_in_thread(client: httpx.Client, step: int) -> tuple[threading.Thread, 
 def test_a_holding_member_is_answered_once_its_step_is_settled(served, monkeypatch):
     """The long poll of a member held at a scheduled step: applied at once, answered when
     the loop settles the step (no second round trip), the event loop free meanwhile."""
-    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    monkeypatch.setattr("tidal.coordinator.control.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
     with coord.lock:
         coord.generations.open([0], "test")
@@ -174,7 +174,7 @@ def _held_beside_a_standby(coord, client: httpx.Client) -> tuple[threading.Threa
 def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(served, monkeypatch):
     """The generation a scheduled step asked for settles the step as it opens: the held
     members are answered before the rest of the loop's pass (its records) is done."""
-    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    monkeypatch.setattr("tidal.coordinator.control.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
     old, spec = coord.spec, dataclasses.replace(coord.spec, schedule=((10, 2),))
     for holder in (coord, *vars(coord).values()):  # the coordinator and its parts
@@ -191,7 +191,7 @@ def test_members_held_at_a_scheduled_step_are_released_by_the_opening_publish(se
 
 
 def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(served, monkeypatch):
-    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 60.0)
+    monkeypatch.setattr("tidal.coordinator.control.handlers.HOLD_ANSWER_S", 60.0)
     coord, client = served
     held, done = _held_beside_a_standby(coord, client)
     with coord.lock:
@@ -203,7 +203,7 @@ def test_a_holding_member_left_out_of_the_next_generation_is_answered_at_once(se
 def test_a_hold_never_settled_is_answered_after_the_bound(served, monkeypatch):
     """The coordinator keeps a holding answer back at most ``HOLD_ANSWER_S``: the member
     asks again, so a loop that never settles cannot hang a request."""
-    monkeypatch.setattr("tidal.coordinator.handlers.HOLD_ANSWER_S", 0.05)
+    monkeypatch.setattr("tidal.coordinator.control.handlers.HOLD_ANSWER_S", 0.05)
     coord, client = served
     with coord.lock:
         coord.generations.open([0], "test")
@@ -334,7 +334,7 @@ def test_a_flush_writes_changes_only_and_the_status_shows_them(served):
 def _standby_agent(served_coordinator):
     """A real ``Agent`` of worker 0, a standby of the served coordinator."""
     from tidal.protocol import WorkerEnv
-    from tidal.worker.agent import Agent
+    from tidal.worker.agent.client import Agent
 
     coord, url = served_coordinator
     with coord.lock:

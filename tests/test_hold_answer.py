@@ -29,7 +29,7 @@ def run_scheduled(home: Home, name: str, opts: tuple[str, ...], script_args: lis
 
 SITE = """
 import os, threading
-from tidal.worker import agent as _agent
+from tidal.worker.agent import client as _agent
 
 # Once per process (the zygote's interpreter may run this again: then it is wrapped already).
 if os.environ.get("HOLD_ANSWER_LOG") and not hasattr(_agent.Agent.fetch, "logged"):
@@ -102,7 +102,7 @@ def test_a_held_member_forms_the_next_generation_from_the_hold_answer(
 
 SLOW_BEATS = """
 import os
-from tidal.worker import agent as _agent
+from tidal.worker.agent import client as _agent
 
 # The heartbeat thread's own beats a minute apart (the test's fault: nothing but an explicit
 # send then carries the outbox); once per process, as above.
@@ -144,7 +144,7 @@ def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
 
 LEAVER_WAITS = """
 import os, time
-from tidal.worker import membership as _membership
+from tidal.worker.membership import membership as _membership
 
 # A member at the step before a scheduled one first waits (up to 10 s) for an answer naming
 # a newer generation than its own, as it would on a machine whose steps are longer than a
@@ -177,7 +177,7 @@ if os.environ.get("LEAVER_LOG") and not hasattr(_membership.Membership.leaves_un
 
     # Every member that finishes the job writes its parameters (the script saves rank 0's).
     from safetensors.torch import save_file
-    from tidal.worker import runtime as _runtime
+    from tidal.worker.trainer import runtime as _runtime
 
     _run = _runtime.Trainer.run
 

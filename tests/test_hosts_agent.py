@@ -28,7 +28,7 @@ from e2e_helpers import ROOT, pid_alive, relative_l2
 
 from tidal.backends import Exit
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.control.controller import Coordinator
 from tidal.host.runner import join_line
 from tidal.host.server import ApiServer
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import DIGITS, ROOT, Home, relative_l2, summarize
 
-from tidal.coordinator.home import db_path
+from tidal.coordinator.process.home import db_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -149,7 +149,7 @@ def machines() -> Iterator[Machines]:
 
 def records(home: Home) -> dict:
     """The job's status as its records say (SQLite: no network from this namespace)."""
-    from tidal.coordinator.db import Database
+    from tidal.coordinator.records.db import Database
 
     db = Database(db_path(home.path), readonly=True, check=False)
     try:

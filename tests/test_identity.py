@@ -1,4 +1,4 @@
-"""What every worker must agree on before training with the others (``tidal.worker.identity``):
+"""What every worker must agree on before training with the others (``tidal.worker.trainer.identity``):
 the first worker's settings, set once in a real store; a worker whose settings differ is
 refused with one line naming each difference."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.worker.data import ElasticSampler
-from tidal.worker.identity import (
+from tidal.worker.batches.sampler import ElasticSampler
+from tidal.worker.trainer.identity import (
     DataOrderMismatch,
     ScriptMismatch,
     agree,

@@ -5,8 +5,8 @@ to its database, as ``tidal status`` of a job no coordinator serves reads it."""
 
 from __future__ import annotations
 
-from tidal.coordinator.db import Database
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.records import WorkerRecord
 from tidal.protocol import (
     CheckpointFailure,
     CheckpointView,

@@ -1,11 +1,11 @@
-"""Landing space for a heal (``tidal.worker.landing``): prepared without touching anything
+"""Landing space for a heal (``tidal.worker.state.landing``): prepared without touching anything
 the job carries, shaped like the state one optimizer step makes, handed out by shape."""
 
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tidal.worker.landing import Landing, prepare, state_tensors
+from tidal.worker.state.landing import Landing, prepare, state_tensors
 
 
 def _model():

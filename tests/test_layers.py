@@ -99,5 +99,5 @@ def test_the_dashboard_takes_no_coordinator_lock() -> None:
 
 def test_a_module_that_imports_upward_is_caught(tmp_path: Path) -> None:
     bad = tmp_path / "coordinator_like.py"
-    bad.write_text("def f():\n    from tidal.dashboard import app\n    import tidal.worker.agent\n")
+    bad.write_text("def f():\n    from tidal.dashboard import app\n    import tidal.worker.agent.client\n")
     assert _imports(bad) == {"dashboard", "worker"}

@@ -1,11 +1,11 @@
 """The rule for a member that leaves at a change: it skips its last update only when
-nobody needs it (``tidal.worker.leaving``). A table, in milliseconds."""
+nobody needs it (``tidal.worker.membership.leaving``). A table, in milliseconds."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.worker.leaving import leave_uncommitted
+from tidal.worker.membership.leaving import leave_uncommitted
 
 BASE = dict(
     excluded=True,

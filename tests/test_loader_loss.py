@@ -1,5 +1,5 @@
 """A DataLoader worker process that dies (SIGKILL, as the OOM killer sends) costs a refetch,
-never the job or a sample (``tidal.worker.loader_loss``, issue 50 finding 5).
+never the job or a sample (``tidal.worker.batches.loader_loss``, issue 50 finding 5).
 
 The Trainer trains alone here, in this process, over 2 loader processes; the consumed
 sample ids of every step and the final float64 parameters must equal a run without the
@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 import tidal
-from tidal.worker.loader_loss import LOSSES_PER_STEP, lost_pids, restart_after
+from tidal.worker.batches.loader_loss import LOSSES_PER_STEP, lost_pids, restart_after
 
 STEPS, GLOBAL, MICRO, N = 12, 12, 4, 96
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e_helpers import Home, event_messages, summarize
-from tidal.worker.step import COMMITTED, LEFT
-from tidal.worker.stopping import commits_on_break
+from tidal.worker.trainer.step import COMMITTED, LEFT
+from tidal.worker.trainer.stopping import commits_on_break
 
 SCRIPT = Path(__file__).parent / "scripts" / "loop_control.py"
 

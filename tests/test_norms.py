@@ -1,5 +1,5 @@
 """Normalisation layers that would make the result depend on the membership
-(``tidal.worker.norms``): which are refused, when, and in what words."""
+(``tidal.worker.trainer.norms``): which are refused, when, and in what words."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch.utils.data import TensorDataset
 
 import tidal
 from tidal.protocol import ENV_URL, ENV_WORKER_ID
-from tidal.worker import norms
+from tidal.worker.trainer import norms
 
 
 def _layers() -> dict[str, torch.nn.Module]:

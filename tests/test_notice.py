@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from tidal.coordinator.records import WorkerRecord
+from tidal.coordinator.records.records import WorkerRecord
 from tidal.protocol import WorkerConfig, WorkerState
 from tidal.store_auth import derive_key
-from tidal.worker.notice import Notices
+from tidal.worker.membership.notice import Notices
 
 #: Long enough for the thread to wake on a key the coordinator set (it wakes in well under
 #: a millisecond on an idle machine): a False checked after it means nothing woke it.
@@ -178,7 +178,7 @@ def test_the_thread_learns_of_a_store_that_went_away():
 EXITS = """
 import sys, time
 from tidal.protocol import WorkerConfig
-from tidal.worker.notice import Notices
+from tidal.worker.membership.notice import Notices
 n = Notices()
 n.follow(WorkerConfig.model_validate_json(sys.argv[1]))
 n.mark()

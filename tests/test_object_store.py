@@ -21,8 +21,8 @@ from tidal.checkpoint import fence, location, remote, store
 from tidal.checkpoint.layout import MANIFEST, found_on_disk, step_of
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.config import JobSpec, storage_error
-from tidal.coordinator.checkpoint_rules import pruned_records
-from tidal.coordinator.home import checkpoint_folder
+from tidal.coordinator.process.home import checkpoint_folder
+from tidal.coordinator.rules.checkpoint_rules import pruned_records
 
 
 def model_and_opt(seed: int = 0, width: int = 16):
@@ -331,7 +331,7 @@ def test_a_sharded_checkpoint_is_written_by_its_members_at_a_url(s3) -> None:
     import test_sharded_checkpoint as sharded_tests
     import torch.distributed as dist
 
-    from tidal.worker.sharded_ckpt import load_for_roll_back, save_sharded
+    from tidal.worker.sharded.checkpoint import load_for_roll_back, save_sharded
 
     url = s3.url("sharded")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

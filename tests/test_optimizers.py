@@ -1,4 +1,4 @@
-"""More than one optimizer carried as one (``tidal.worker.optimizers``): the standard state
+"""More than one optimizer carried as one (``tidal.worker.trainer.optimizers``): the standard state
 layout, numbered across them, through a real checkpoint on disk and back; a parameter in two
 of them, and each one's own ``step()`` in the script, refused. A GAN through resizes and a
 kill: ``test_script_forms_e2e.py``."""
@@ -13,8 +13,8 @@ from torch.utils.data import TensorDataset
 
 import tidal
 from tidal.checkpoint import store
-from tidal.worker.optimizers import Optimizers, combine
-from tidal.worker.update import OptimizerStepRefused
+from tidal.worker.trainer.optimizers import Optimizers, combine
+from tidal.worker.trainer.update import OptimizerStepRefused
 
 
 def _pair(seed: int = 0):

@@ -1,5 +1,5 @@
 """Input pipelines without a job: what each kind of input yields for a step, and what
-prefetching does when the membership changes (``tidal.worker.pipeline``)."""
+prefetching does when the membership changes (``tidal.worker.batches.pipeline``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import tidal
-from tidal.worker.data import ElasticSampler
-from tidal.worker.pipeline import LoaderOptions, Pipeline, classify
+from tidal.worker.batches.pipeline import LoaderOptions, Pipeline, classify
+from tidal.worker.batches.sampler import ElasticSampler
 
 
 class Ids(Dataset):

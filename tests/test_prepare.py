@@ -17,10 +17,10 @@ from ranks import run_ranks
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import tidal
-from tidal.worker import ddp
-from tidal.worker.data import ElasticSampler
-from tidal.worker.driven import StepNotEnded
-from tidal.worker.prepare import PreparedModel, _length
+from tidal.worker.batches.sampler import ElasticSampler
+from tidal.worker.compat.driven import StepNotEnded
+from tidal.worker.compat.prepare import PreparedModel, _length
+from tidal.worker.membership import ddp
 
 D = torch.float64
 
@@ -263,7 +263,7 @@ def test_a_kept_failure_completes_the_bucket_instead() -> None:
 
 RANKS = r"""
 import json, os, sys, torch, torch.distributed as dist
-from tidal.worker import ddp as tddp
+from tidal.worker.membership import ddp as tddp
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

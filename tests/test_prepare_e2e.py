@@ -32,7 +32,8 @@ STEPS, PER_EPOCH = 90, 30
 
 SAVE_STATES = """
 import os
-from tidal.worker import driven as _driven, elastic as _elastic
+from tidal.worker.compat import driven as _driven
+from tidal.worker.trainer import elastic as _elastic
 
 # Once per process (the zygote's interpreter may run this again: then it is wrapped already).
 if os.environ.get("PREPARE_STATES") and not hasattr(_driven.Driven._loop_ended, "saving"):

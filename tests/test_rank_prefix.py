@@ -8,14 +8,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tidal.worker.rank_prefix import unwrapped
+from tidal.worker.membership.rank_prefix import unwrapped
 
 SCRIPT = r"""
 import datetime, sys
 import torch.distributed as dist
 from tidal.protocol import GenerationInfo
 from tidal.store_keys import generation_prefix
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))

@@ -21,7 +21,7 @@ import pytest
 from tidal.access import is_loopback, read_ok, reads_need_token
 from tidal.cli import main as cli_main
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.control.controller import Coordinator
 from tidal.dashboard import DashboardServer
 from tidal.host.server import ApiServer
 from tidal.protocol import API_PREFIX, worker_token

@@ -10,10 +10,10 @@ import sqlite3
 import pytest
 from pydantic import ValidationError
 
-from tidal.coordinator import db as dbmod
-from tidal.coordinator.db import Database
-from tidal.coordinator.recovery import Control, rebuild
-from tidal.coordinator.reform_rules import merge_recovery, neighbour_copy_event
+from tidal.coordinator.records import db as dbmod
+from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.recovery import Control, rebuild
+from tidal.coordinator.rules.reform_rules import merge_recovery, neighbour_copy_event
 from tidal.display import print_status, recovery_cell
 from tidal.protocol import HeartbeatRequest, JobStatus, RecoveryPath, StepReport
 
@@ -89,7 +89,7 @@ def test_an_old_step_report_validates_and_a_new_one_round_trips() -> None:
 
 
 def test_the_coordinator_records_the_worst_path_and_says_it_once(served_coordinator) -> None:
-    from tidal.coordinator.records import WorkerRecord
+    from tidal.coordinator.records.records import WorkerRecord
     from tidal.protocol import WorkerState
 
     coord, _ = served_coordinator
@@ -248,7 +248,7 @@ def test_a_generation_that_forms_wakes_the_loop_and_is_flushed_at_once(
     time since the last flush, so readers see the new world size."""
     import time
 
-    from tidal.coordinator.records import WorkerRecord
+    from tidal.coordinator.records.records import WorkerRecord
     from tidal.protocol import WorkerState
 
     coord, _ = served_coordinator

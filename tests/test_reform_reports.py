@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from test_repeated_failure import PREMUL, coord  # noqa: F401 - the fixture
 
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.loop import REFORM_GRACE_S
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.control.loop import REFORM_GRACE_S
 from tidal.protocol import FailureReport
 
 

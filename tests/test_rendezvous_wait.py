@@ -14,11 +14,11 @@ import torch.distributed as dist
 from test_executor import coord  # noqa: F401 - the fixture
 
 from tidal.coordinator.actions import OpenGeneration
-from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.control.controller import Coordinator
 from tidal.protocol import GenerationInfo
 from tidal.store_auth import AuthStore
 from tidal.store_keys import GEN_OPEN, generation_prefix, state_key
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 
 
 class Counting:

@@ -18,10 +18,10 @@ from e2e_helpers import event_messages, summarize
 from tidal.backends import Exit
 from tidal.backends.local import LocalBackend
 from tidal.config import JobSpec
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.recovery import Control
-from tidal.coordinator.reform_rules import REFORMS_WITHOUT_PROGRESS, Streak
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.records.records import WorkerRecord
+from tidal.coordinator.records.recovery import Control
+from tidal.coordinator.rules.reform_rules import REFORMS_WITHOUT_PROGRESS, Streak
 from tidal.display import print_outcome
 from tidal.protocol import (
     FailureKind,

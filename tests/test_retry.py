@@ -1,10 +1,10 @@
-"""A worker's retries and what a refused heartbeat keeps (``tidal.worker.retry``), pure."""
+"""A worker's retries and what a refused heartbeat keeps (``tidal.worker.agent.retry``), pure."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.worker.retry import CAP_S, Refused, after_refusal, backoff_s
+from tidal.worker.agent.retry import CAP_S, Refused, after_refusal, backoff_s
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.coordinator.end_rules import (
+from tidal.coordinator.rules.end_rules import (
     completion_refused,
     final_checkpoint,
     start_timed_out,
     wind_down,
 )
-from tidal.coordinator.exit_rules import ExitFacts, HealthFacts, Kill, judge_exit, to_kill
-from tidal.coordinator.pacing import (
+from tidal.coordinator.rules.exit_rules import ExitFacts, HealthFacts, Kill, judge_exit, to_kill
+from tidal.coordinator.rules.pacing import (
     HEARTBEATS_PER_S,
     LOOP_BUSY_S,
     LOOP_SETTLED_S,
@@ -20,15 +20,15 @@ from tidal.coordinator.pacing import (
     heartbeat_interval,
     loop_wait,
 )
-from tidal.coordinator.reform_rules import (
+from tidal.coordinator.rules.reform_rules import (
     REFORMS_WITHOUT_PROGRESS,
     every_member_lost,
     reform_due,
     repeated_failure,
     roll_back,
 )
-from tidal.coordinator.reform_rules import Streak as S
-from tidal.coordinator.scale_rules import (
+from tidal.coordinator.rules.reform_rules import Streak as S
+from tidal.coordinator.rules.scale_rules import (
     capacity_victims,
     effective_target,
     leaver_target,
@@ -38,7 +38,7 @@ from tidal.coordinator.scale_rules import (
     schedule_near,
     schedule_settled,
 )
-from tidal.coordinator.verdicts import Act
+from tidal.coordinator.rules.verdicts import Act
 from tidal.protocol import WorkerState
 from tidal.restarts import parse_max_restarts
 

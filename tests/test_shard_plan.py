@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.worker.shard_plan import (
+from tidal.worker.sharded.plan import (
     Layout,
     MemberFacts,
     Path,

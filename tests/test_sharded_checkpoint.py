@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from tidal.checkpoint import store
 from tidal.checkpoint.layout import MANIFEST, shard_file
-from tidal.worker.guard import Guard
-from tidal.worker.shard_plan import Layout
-from tidal.worker.sharded import ShardedModel
-from tidal.worker.sharded_ckpt import load_for_roll_back, save_sharded
+from tidal.worker.sharded.checkpoint import load_for_roll_back, save_sharded
+from tidal.worker.sharded.guard import Guard
+from tidal.worker.sharded.module import ShardedModel
+from tidal.worker.sharded.plan import Layout
 
 
 class Posted:

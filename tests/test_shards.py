@@ -1,6 +1,6 @@
 """The rules of resharding in process (issue 16): FSDP2's dim-0 layout at any world size,
 and the rows a resize moves between the members of the new group. Milliseconds, no
-processes (``tidal.worker.shards``; the layout was checked against ``fully_shard``)."""
+processes (``tidal.worker.sharded.layout``; the layout was checked against ``fully_shard``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tidal.worker.shards import Move, ShardsLost, check_shardable, plan, shard_range
+from tidal.worker.sharded.layout import Move, ShardsLost, check_shardable, plan, shard_range
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_moves_rebuild_every_new_shard_exactly_for_any_resize():
 
 RESHARD = r"""
 import json, sys, datetime, torch, torch.distributed as dist
-from tidal.worker.shards import reshard, shard_range
+from tidal.worker.sharded.layout import reshard, shard_range
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))

@@ -18,16 +18,16 @@ import pytest
 from e2e_helpers import Home, summarize
 
 import tidal
-from tidal.coordinator.db import Database
-from tidal.coordinator.home import db_path
-from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.step_metrics import StepLog, StepValue
+from tidal.coordinator.process.home import db_path
+from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.records import WorkerRecord
+from tidal.coordinator.records.step_metrics import StepLog, StepValue
 from tidal.dashboard.history import HistoryStore, Recorder
 from tidal.dashboard.sources import HomeSource
 from tidal.protocol import MAX_STEP_RECORDS, HeartbeatRequest, StepMetrics, worker_token
-from tidal.worker import agent as agent_mod
-from tidal.worker.agent import Agent, WorkerEnv
-from tidal.worker.elastic import post_step_metrics
+from tidal.worker.agent import client as agent_mod
+from tidal.worker.agent.client import Agent, WorkerEnv
+from tidal.worker.trainer.elastic import post_step_metrics
 
 NAN, INF = float("nan"), float("inf")
 

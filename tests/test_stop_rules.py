@@ -1,14 +1,14 @@
-"""Table tests of the early-stop rules (``tidal.coordinator.stop_rules``) and of the
-worker's final-checkpoint writer rule (``tidal.worker.stopping.writes_final``)."""
+"""Table tests of the early-stop rules (``tidal.coordinator.rules.stop_rules``) and of the
+worker's final-checkpoint writer rule (``tidal.worker.trainer.stopping.writes_final``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.coordinator.stop_rules import MemberExit, ScriptStop, accept_stop, stop_outcome
-from tidal.coordinator.verdicts import Act
+from tidal.coordinator.rules.stop_rules import MemberExit, ScriptStop, accept_stop, stop_outcome
+from tidal.coordinator.rules.verdicts import Act
 from tidal.protocol import StopAnswer
-from tidal.worker.stopping import writes_final
+from tidal.worker.trainer.stopping import writes_final
 
 STOP = ScriptStop(worker_id=1, step=51, generation=1, members=(0, 1))
 

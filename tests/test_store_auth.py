@@ -19,12 +19,12 @@ import torch.distributed as dist
 from test_repeated_failure import coord  # noqa: F401 - the fixture
 
 from tidal.coordinator.actions import OpenGeneration
-from tidal.coordinator.controller import Coordinator
+from tidal.coordinator.control.controller import Coordinator
 from tidal.protocol import FailureKind, FailureReport
 from tidal.store_auth import TAG_BYTES, AuthStore, ForgedValue, derive_key
 from tidal.store_keys import GEN_ABANDONED
-from tidal.worker import group as grp
-from tidal.worker import identity
+from tidal.worker.membership import group as grp
+from tidal.worker.trainer import identity
 
 TOKEN = "the-job-token"
 KEY = derive_key(TOKEN)

@@ -24,10 +24,10 @@ import pytest
 from e2e_helpers import Home, summarize, wait_gone
 
 from tidal.config import JobSpec, Track, parse_track
-from tidal.coordinator.db import Database
-from tidal.coordinator.home import db_path
-from tidal.coordinator.records import WorkerRecord
-from tidal.coordinator.step_metrics import StepLog, StepValue
+from tidal.coordinator.process.home import db_path
+from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.records import WorkerRecord
+from tidal.coordinator.records.step_metrics import StepLog, StepValue
 from tidal.dashboard.history import HistoryStore, Recorder
 from tidal.protocol import JobState, worker_token
 from tidal.tracking.forwarder import Forwarder
@@ -43,7 +43,7 @@ from tidal.tracking.plan import (
 )
 from tidal.tracking.table import TrackerTable
 from tidal.tracking.trackers import check_available, resolve_track
-from tidal.worker.agent import Agent, WorkerEnv
+from tidal.worker.agent.client import Agent, WorkerEnv
 
 NAN = float("nan")
 

@@ -11,9 +11,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tidal
-from tidal.worker.data import ElasticSampler
-from tidal.worker.step import item_count
-from tidal.worker.update import BackwardBypassed, ScalerCallRefused
+from tidal.worker.batches.sampler import ElasticSampler
+from tidal.worker.trainer.step import item_count
+from tidal.worker.trainer.update import BackwardBypassed, ScalerCallRefused
 
 
 def _setup(n: int = 32):

@@ -1,4 +1,4 @@
-"""The optimizer is stepped by the Trainer only (``tidal.worker.update``): a script that still
+"""The optimizer is stepped by the Trainer only (``tidal.worker.trainer.update``): a script that still
 calls ``optimizer.step()`` is refused at that call, not left to step with unsynchronised or
 doubled gradients."""
 
@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import tidal
-from tidal.worker import landing
-from tidal.worker.update import OptimizerStepRefused, SchedulerStepRefused, Update
+from tidal.worker.state import landing
+from tidal.worker.trainer.update import OptimizerStepRefused, SchedulerStepRefused, Update
 
 
 def _model_and_opt():

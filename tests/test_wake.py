@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tidal.backends.pidwatch import PidWatch, proc_gone
-from tidal.coordinator.wake import Wake
+from tidal.coordinator.control.wake import Wake
 
 
 def test_wake_set_before_wait_returns_at_once_and_clear_resets() -> None:

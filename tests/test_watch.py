@@ -1,4 +1,4 @@
-"""The NCCL abort watch (``tidal.worker.watch``): its rule as a table, and its executor
+"""The NCCL abort watch (``tidal.worker.membership.watch``): its rule as a table, and its executor
 thread with a real clock (the abort it calls is the test's: NCCL needs a GPU)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tidal.worker.watch import GRACE_FLOOR_S, AbortWatch, Facts, abort_reason, grace_s
+from tidal.worker.membership.watch import GRACE_FLOOR_S, AbortWatch, Facts, abort_reason, grace_s
 
 
 @pytest.mark.parametrize(

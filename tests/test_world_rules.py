@@ -12,8 +12,8 @@ from test_decisions import rig
 from tidal.backends import Exit
 from tidal.config import JobSpec
 from tidal.coordinator.actions import OpenGeneration, SignalWorker, StartWorker
-from tidal.coordinator.exit_rules import ExitFacts
-from tidal.coordinator.world_rules import (
+from tidal.coordinator.rules.exit_rules import ExitFacts
+from tidal.coordinator.rules.world_rules import (
     World,
     WorldPlan,
     judge_member_exit,
@@ -23,7 +23,7 @@ from tidal.coordinator.world_rules import (
 )
 from tidal.protocol import JobState, StepReport, WorkerState
 from tidal.restarts import parse_max_restarts
-from tidal.worker.torchrun import UNLIMITED, max_restarts_count, torchrun_env
+from tidal.worker.compat.torchrun import UNLIMITED, max_restarts_count, torchrun_env
 
 EXITED, FAILED = WorkerState.EXITED, WorkerState.FAILED
 
@@ -202,7 +202,7 @@ def test_max_restarts_count(given, count) -> None:
 
 def test_torchrun_workers_run_the_launcher() -> None:
     spec = JobSpec(name="j", script="/t.py", script_args=["--x", "1"], torchrun=True)
-    assert spec.worker_argv == ["-m", "tidal.worker.torchrun", "/t.py", "--x", "1"]
+    assert spec.worker_argv == ["-m", "tidal.worker.compat.torchrun", "/t.py", "--x", "1"]
     assert JobSpec(name="j", script="/t.py").worker_argv == ["/t.py"]
     with pytest.raises(ValueError, match="--torchrun scripts keep their own snapshots"):
         JobSpec(name="j", script="/t.py", torchrun=True, checkpoint_every=5)

@@ -2,7 +2,7 @@
 
 The public surface is what a training script needs: ``Trainer`` (hands the model, optimizer
 and dataset to Tidal), the ``Step`` it yields, ``prepare`` (the script's own loop instead:
-``tidal.worker.prepare``), and ``log`` (report metrics to the job). Everything else is
+``tidal.worker.compat.prepare``), and ``log`` (report metrics to the job). Everything else is
 importable but internal.
 """
 
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from tidal import logconfig
 
 if TYPE_CHECKING:
-    from tidal.worker.prepare import prepare
-    from tidal.worker.runtime import Step, Trainer, log
-    from tidal.worker.sources import IndexDataset, sample_seed, sample_seeds
+    from tidal.worker.batches.sources import IndexDataset, sample_seed, sample_seeds
+    from tidal.worker.compat.prepare import prepare
+    from tidal.worker.trainer.runtime import Step, Trainer, log
 
 __all__ = ["Step", "Trainer", "log", "prepare", "IndexDataset", "sample_seed", "sample_seeds"]
 _SOURCES = {"IndexDataset", "sample_seed", "sample_seeds"}
@@ -30,15 +30,15 @@ def __getattr__(name: str) -> object:
 
         return importlib.import_module("tidal.data")
     if name == "prepare":
-        from tidal.worker.prepare import prepare
+        from tidal.worker.compat.prepare import prepare
 
         return prepare
     if name in _SOURCES:
-        from tidal.worker import sources
+        from tidal.worker.batches import sources
 
         return getattr(sources, name)
     if name in __all__:
-        from tidal.worker import runtime
+        from tidal.worker.trainer import runtime
 
         return getattr(runtime, name)
     raise AttributeError(f"module 'tidal' has no attribute {name!r}")

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 from tidal import pids
 from tidal.config import JobSpec
-from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
-from tidal.coordinator.supervisor import Attach
+from tidal.coordinator.process.home import JobBusy, check_home, db_path, job_dir, resolve_home
+from tidal.coordinator.process.supervisor import Attach
 
 if TYPE_CHECKING:
     from tidal.protocol import JobStatus
@@ -56,7 +56,7 @@ def add_parser(
 
 def cmd_attach(args: argparse.Namespace, *, launch: Callable[..., int]) -> int:
     """Errors are ``ValueError`` (the CLI prints the one line)."""
-    from tidal.coordinator.db import Database
+    from tidal.coordinator.records.db import Database
 
     home = resolve_home(args.home)
     jd = job_dir(home, args.job)  # first: one line for a name that is no job's

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidal.config import JobSpec, add_flags
-from tidal.coordinator.home import check_home, db_path, job_dir, os_error_line, resolve_home
+from tidal.coordinator.process.home import check_home, db_path, job_dir, os_error_line, resolve_home
 from tidal.launch import cmd_resume, cmd_run, launch
 from tidal.lookup import CliError, database, get_status, newest_job, running_client
 
@@ -92,7 +92,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     """Every job of the home; with a damaged ``tidal.db`` (``db.DamagedJournal``), the jobs
     whose records still read are listed, the others marked ``damaged``, and the one line
     that says so ends the command (exit 1)."""
-    from tidal.coordinator.db import DamagedJournal
+    from tidal.coordinator.records.db import DamagedJournal
 
     home = resolve_home(args.home)
     check_home(home)

@@ -601,9 +601,9 @@ class JobSpec:
     def worker_argv(self) -> list[str]:
         """What each worker's interpreter runs (after the interpreter itself): the script and
         its arguments, or under ``--torchrun`` the launcher that gives the script torchrun's
-        environment first (``tidal.worker.torchrun``)."""
+        environment first (``tidal.worker.compat.torchrun``)."""
         if self.torchrun:
-            return ["-m", "tidal.worker.torchrun", self.script, *self.script_args]
+            return ["-m", "tidal.worker.compat.torchrun", self.script, *self.script_args]
         return [self.script, *self.script_args]
 
     @property

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tidal.coordinator.checkpoint_rules import final_checkpoint_note, newest_line
+from tidal.coordinator.rules.checkpoint_rules import final_checkpoint_note, newest_line
 from tidal.protocol import JobState, JobStatus, RecoveryPath
 
 if TYPE_CHECKING:
-    from tidal.coordinator.controller import Coordinator
+    from tidal.coordinator.control.controller import Coordinator
 
 PROGRESS_EVERY_S = 2.0
 

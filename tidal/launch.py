@@ -20,20 +20,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal.config import JobSpec, from_flags, parse_schedule, storage_error
-from tidal.coordinator.home import JobBusy, check_home, db_path, job_dir, resolve_home
-from tidal.coordinator.supervisor import Attach
+from tidal.coordinator.process.home import JobBusy, check_home, db_path, job_dir, resolve_home
+from tidal.coordinator.process.supervisor import Attach
 from tidal.lookup import CliError, database
 from tidal.policy.inputs import parse_duration
 
 if TYPE_CHECKING:
-    from tidal.coordinator.records import Resume
+    from tidal.coordinator.records.records import Resume
 
 
 def claim(home: Path, name: str) -> int:
     """For ``tidal run --name NAME``: take the job's lock, then check under it that no job of
     that name exists, so that of two runs of one name (even at once) exactly one goes on.
     Returns the lock's descriptor, for the coordinator to hold for its life."""
-    from tidal.coordinator.db import Database
+    from tidal.coordinator.records.db import Database
 
     check_home(home)
     jd = job_dir(home, name)
@@ -65,7 +65,7 @@ def claim(home: Path, name: str) -> int:
 def check_writable_folder(home: Path) -> None:
     """One line if ``home`` cannot hold the job's database (probed with a file removed at
     once: ``os.access`` says yes to root on a read-only mount)."""
-    from tidal.coordinator.home import HomeError, os_error_line
+    from tidal.coordinator.process.home import HomeError, os_error_line
 
     probe = home / f".tidal-probe-{os.getpid()}"
     try:
@@ -220,7 +220,7 @@ def launch(
 def cmd_resume(args: argparse.Namespace) -> int:
     from tidal.checkpoint.layout import newest_good, step_of
     from tidal.checkpoint.location import base_name
-    from tidal.coordinator.home import checkpoint_folder
+    from tidal.coordinator.process.home import checkpoint_folder
 
     home = resolve_home(args.home)
     job_dir(home, args.job)  # first: one line for a name that is no job's
@@ -254,7 +254,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             raise
     finally:
         db.close()
-    from tidal.coordinator.records import Resume
+    from tidal.coordinator.records.records import Resume
     from tidal.protocol import JobState
 
     try:
@@ -275,7 +275,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             raise CliError(f"job {args.job!r} has no good checkpoint to resume from in {folder}")
         step = step_of(path)  # verified just now: its manifest says the step its name does
         # One set of workers per job: the previous run's, if any still train, go first.
-        from tidal.coordinator.fencing import end_previous_run
+        from tidal.coordinator.process.fencing import end_previous_run
 
         ended = end_previous_run(
             status, log_dir=job_dir(home, args.job).logs, backend=spec_dict["backend"]
@@ -317,8 +317,8 @@ def restore_record(home: Path, name: str, *, storage: str | None = None) -> None
     one in the job's checkpoint folder there (``fence.SPEC``: the home is gone,
     ``docs/decisions/object-store-checkpoints.md``)."""
     from tidal.checkpoint import fence
-    from tidal.coordinator.db import Database
-    from tidal.coordinator.home import checkpoint_folder
+    from tidal.coordinator.process.home import checkpoint_folder
+    from tidal.coordinator.records.db import Database
     from tidal.protocol import EventView
 
     jd = job_dir(home, name)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import pids
-from tidal.coordinator.home import check_home, db_path, job_dir
+from tidal.coordinator.process.home import check_home, db_path, job_dir
 
 if TYPE_CHECKING:
     from tidal.client import CoordinatorClient
@@ -26,7 +26,7 @@ class CliError(Exception):
 def database(home: Path, *, check: bool = True):
     """The home's records, for reading (a read-only home still reads); ``check`` False: no
     ``quick_check`` of the file at the open (``Database``)."""
-    from tidal.coordinator.db import Database
+    from tidal.coordinator.records.db import Database
 
     check_home(home)
     if not db_path(home).exists():
@@ -51,7 +51,7 @@ def job_client(home: Path, name: str) -> CoordinatorClient | None:
 
 
 def get_status(home: Path, name: str, *, check: bool = True) -> JobStatus:
-    from tidal.coordinator.db import UnknownJob
+    from tidal.coordinator.records.db import UnknownJob
     from tidal.protocol import JobState
 
     check_home(home)
@@ -109,7 +109,7 @@ def add_checkpoints_on_disk(home: Path, status: JobStatus, storage: str | None =
     are."""
     from tidal.checkpoint.layout import found_on_disk
     from tidal.checkpoint.location import is_url
-    from tidal.coordinator.home import checkpoint_folder
+    from tidal.coordinator.process.home import checkpoint_folder
     from tidal.protocol import CheckpointView
 
     try:

@@ -213,7 +213,7 @@ class RegisterResponse(BaseModel):
     ``(generation, step)`` such that the job's records hold every per-step record
     (``StepMetrics``) of this worker below that key; it sends those it delivered from that
     key on again, which the dead coordinator may have taken without writing them down (None:
-    every one it kept). See ``tidal.worker.agent``."""
+    every one it kept). See ``tidal.worker.agent.client``."""
 
     job: str
     config: WorkerConfig
@@ -282,7 +282,7 @@ class CheckpointFailure(BaseModel):
 
 
 #: Per-step records one heartbeat carries at most; a worker's outbox holds more and sends them
-#: over the next heartbeats (``tidal.worker.agent``).
+#: over the next heartbeats (``tidal.worker.agent.client``).
 MAX_STEP_RECORDS = 1000
 #: The longest a coordinator keeps a holding heartbeat's answer back (``HeartbeatRequest``);
 #: well inside any client's timeout, and a member whose hold is not settled by then asks again.
@@ -375,7 +375,7 @@ class HeartbeatResponse(BaseModel):
     stop_step: int | None = None
     # Members of the formed generation known alive and busy in the script, outside Tidal's
     # collectives (an evaluation, a save): a peer waiting for them in a collective does not
-    # give up at the collective timeout (``tidal.worker.watch``).
+    # give up at the collective timeout (``tidal.worker.membership.watch``).
     busy: list[int] = Field(default_factory=list)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tidal.coordinator.step_metrics import StepValue
+    from tidal.coordinator.records.step_metrics import StepValue
 
 FLUSH_SECS = 2  # TensorBoard reads the files while the job trains
 SETTLE_S = 1.0  # a committed step's value unchanged this long is final (heartbeats: 0.1 s)

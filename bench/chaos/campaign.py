@@ -186,7 +186,7 @@ def report(
         "clean_recoveries": sum(r.faults for r in results if r.ok),
         "trials": len(results),
         "failed_trials": [r.record() for r in failed],
-        # Members that left a scale-down before their last update (``tidal/worker/leaving.py``):
+        # Members that left a scale-down before their last update (``tidal/worker/membership/leaving.py``):
         # the campaign exercised that rule this many times.
         "leaver_skips": sum(r.leaver_skips for r in results),
         "expected_failures": sum(1 for r in results if r.ok and r.state == "failed"),

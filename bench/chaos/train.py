@@ -20,7 +20,7 @@ scaler's state, the dataset's size). Each member also appends ``STEP GENERATION 
 check of exactly-once consumption: ``checks.samples``).
 
 The script registers no ``after_step`` hook: a member with hooks always commits its last
-step before leaving (``tidal/worker/leaving.py``), and the campaign's scale-downs are to
+step before leaving (``tidal/worker/membership/leaving.py``), and the campaign's scale-downs are to
 exercise the leaver that skips it. A step is recorded as the next one begins (a step is
 yielded only to a member whose state has every step before it) and the last one after the
 loop; a step redone after a failure is not recorded twice. The time is the commit's plus

@@ -308,7 +308,7 @@ class Trial:
         return self.settle(s["step"], f"scale up to {n} workers")
 
     def leaver_skips(self) -> int:
-        """How many times a member left before its last update (``tidal/worker/leaving.py``):
+        """How many times a member left before its last update (``tidal/worker/membership/leaving.py``):
         the job's events of kind ``leave`` (``protocol.Departure``), as status reads them."""
         if self.job is None:
             return 0

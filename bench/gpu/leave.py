@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tidal.worker import group as grp
+from tidal.worker.membership import group as grp
 
 WAYS = ("abort", "destroy", "detached")
 BACKEND = ["nccl", "cuda"]  # ``--cpu``: gloo on the CPU, to run the probe's own logic

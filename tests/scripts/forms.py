@@ -208,7 +208,7 @@ def save(
 
 
 def plain_global_mean(model, opt, inputs, labels, args) -> None:  # noqa: ANN001
-    from tidal.worker.data import ElasticSampler
+    from tidal.worker.batches.sampler import ElasticSampler
 
     order = ElasticSampler(dataset_size=len(inputs), global_batch_size=24, seed=0)
     for index in range(args.max_steps):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidal.coordinator.snapshot import WorkerRow
+from tidal.coordinator.records.snapshot import WorkerRow
 from tidal.protocol import CheckpointView, EventView, GenerationView
 
 

@@ -58,9 +58,9 @@ if TYPE_CHECKING:
     from tidal.backends import Backend, Exit
     from tidal.backends.host_registry import HostRegistry
     from tidal.backends.zygote import Zygote
-    from tidal.coordinator.db import Database
-    from tidal.coordinator.journal import Journal
-    from tidal.coordinator.snapshot import Records
+    from tidal.coordinator.records.db import Database
+    from tidal.coordinator.records.journal import Journal
+    from tidal.coordinator.records.snapshot import Records
     from tidal.protocol import CheckpointView, JobStatus
 
 RECENT = 256

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from tidal.coordinator.phase import Phase
-from tidal.coordinator.records import GenerationRecord, ReformRequest, WorkerRecord
-from tidal.coordinator.reform_rules import Streak
-from tidal.coordinator.step_metrics import StepLog
-from tidal.coordinator.stop_rules import ScriptStop
+from tidal.coordinator.records.records import GenerationRecord, ReformRequest, WorkerRecord
+from tidal.coordinator.records.step_metrics import StepLog
+from tidal.coordinator.rules.phase import Phase
+from tidal.coordinator.rules.reform_rules import Streak
+from tidal.coordinator.rules.stop_rules import ScriptStop
 from tidal.protocol import JobState
 
 #: Marks a field a restarted coordinator needs and the job's rows do not hold: it is written

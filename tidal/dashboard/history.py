@@ -26,18 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.coordinator.db import (
+from tidal.coordinator.process.home import db_path
+from tidal.coordinator.records.db import (
     SELECT_STEPS,
     STEP_SCHEMA,
     UPSERT_SAVED,
     UPSERT_STEP,
     step_series,
 )
-from tidal.coordinator.home import db_path
 
 if TYPE_CHECKING:
-    from tidal.coordinator.controller import Coordinator
-    from tidal.coordinator.step_metrics import StepValue
+    from tidal.coordinator.control.controller import Coordinator
+    from tidal.coordinator.records.step_metrics import StepValue
     from tidal.tensorboard import TensorBoardSink
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import pids
-from tidal.coordinator.db import Database, UnknownJob
-from tidal.coordinator.home import db_path, job_dir
+from tidal.coordinator.process.home import db_path, job_dir
+from tidal.coordinator.records.db import Database, UnknownJob
 from tidal.dashboard.history import HistoryStore
 from tidal.protocol import JobState, JobStatus
 
 if TYPE_CHECKING:
-    from tidal.coordinator.controller import Coordinator
+    from tidal.coordinator.control.controller import Coordinator
 
 __all__ = ["HomeSource", "LiveSource", "UnknownJob"]
 

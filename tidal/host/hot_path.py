@@ -30,8 +30,8 @@ import anyio.to_thread
 from pydantic import ValidationError
 
 from tidal.access import bearer_ok
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.effects import RequestError, ReRegister
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.control.effects import RequestError, ReRegister
 from tidal.protocol import API_PREFIX, MAX_ID, HeartbeatRequest, worker_token
 
 Scope = MutableMapping[str, Any]

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING
 from tidal.backends.local import start_zygote
 from tidal.backends.zygote import Zygote
 from tidal.config import JobSpec, parse_listen
-from tidal.coordinator import phase
 from tidal.coordinator.actions import KillEveryWorker
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.home import HomeError, JobBusy, db_path, job_dir
-from tidal.coordinator.pacing import loop_wait
-from tidal.coordinator.records import Resume
-from tidal.coordinator.supervisor import Attach, Hosting, Supervision, supervise
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.process.home import HomeError, JobBusy, db_path, job_dir
+from tidal.coordinator.process.supervisor import Attach, Hosting, Supervision, supervise
+from tidal.coordinator.records.records import Resume
+from tidal.coordinator.rules import phase
+from tidal.coordinator.rules.pacing import loop_wait
 from tidal.dashboard.history import Recorder
 from tidal.host.server import ApiServer
 from tidal.hosts_protocol import host_token

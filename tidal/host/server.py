@@ -33,9 +33,9 @@ from starlette.concurrency import run_in_threadpool
 
 from tidal.access import bearer_ok, read_ok, reads_need_token
 from tidal.backends.host_registry import HostRegistry, UnknownHost
-from tidal.coordinator.controller import Coordinator
-from tidal.coordinator.effects import RequestError, ReRegister
-from tidal.coordinator.supervisor import listen, url_of
+from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.control.effects import RequestError, ReRegister
+from tidal.coordinator.process.supervisor import listen, url_of
 from tidal.host.admission import RequestGuard
 from tidal.host.hot_path import HeartbeatHotPath
 from tidal.hosts_protocol import (

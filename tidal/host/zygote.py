@@ -21,7 +21,7 @@ The job's supervisor starts the zygote, before it imports the coordinator (the t
 overlap), and shares it with every coordinator it forks; the zygote exits when the socket
 closes, i.e. when the supervisor and its coordinators have ended. If the zygote dies first,
 its workers train on: they become children of the supervisor, the job's subreaper, which
-reports their exits to the coordinator (``tidal.coordinator.supervisor``).
+reports their exits to the coordinator (``tidal.coordinator.process.supervisor``).
 
 Contract: a forked worker cannot tell itself from ``PYTHON SCRIPT ARG...`` (or ``PYTHON -m
 MODULE ARG...``) started by ``subprocess`` with ``start_new_session``:
@@ -67,7 +67,7 @@ PRELOAD = (
     "torch.nn.parallel",
     "numpy",
     "safetensors.torch",
-    "tidal.worker.runtime",
+    "tidal.worker.trainer.runtime",
 )
 
 

@@ -8,7 +8,7 @@ import math
 import sqlite3
 from pathlib import Path
 
-from tidal.coordinator.db import STEP_SCHEMA
+from tidal.coordinator.records.db import STEP_SCHEMA
 from tidal.tracking.plan import Record, Row
 
 SCHEMA = """
