@@ -151,7 +151,9 @@ def met(r: dict, extra: dict) -> bool | None:
     if name == "cold_start":
         return t <= 4.0 and ratio > 1
     if name == "store_auth_reform":
-        return ratio >= 0.8 and extra.get("values_per_step") == 0
+        # the values per step are in the run's details; a results file alone (bench.page)
+        # is judged on the row
+        return ratio >= 0.8 and extra.get("values_per_step", 0) == 0
     if name in ("sim_vs_live", "sim_vs_live_cost"):
         return within(ratio)
     return None
