@@ -154,7 +154,7 @@ def problems(job: dict, dockerfile: str, ignore: str) -> list[str]:
     images = {c.get("image") for _, _, c in ray_containers(job)}
     if len(images) != 1:
         out.append(f"the head and worker groups must run one image, got {sorted(images)}")
-    for group, g, c in ray_containers(job):
+    for group, _, c in ray_containers(job):
         res = c.get("resources", {})
         for kind in ("cpu", "memory"):
             req, lim = res.get("requests", {}).get(kind), res.get("limits", {}).get(kind)
@@ -190,7 +190,7 @@ def _capacity(job: dict, js: JobSpec) -> list[str]:
     out = []
     head, *workers = ray_containers(job)
     if head[1].get("rayStartParams", {}).get("num-cpus") != "0":
-        out.append("head: rayStartParams num-cpus must be \"0\" (no Tidal worker on the head)")
+        out.append('head: rayStartParams num-cpus must be "0" (no Tidal worker on the head)')
     start = most = 0
     for group, g, c in workers:
         limits = c.get("resources", {}).get("limits", {})
@@ -263,11 +263,13 @@ def _entry(old: str, new: str):
     def change(job, dockerfile, ignore):
         assert old in job["spec"]["entrypoint"]
         job["spec"]["entrypoint"] = job["spec"]["entrypoint"].replace(old, new)
+
     return change
 
 
 def _set(path: str, value):
     """Set ``job[...]`` at a dotted path (``-`` deletes); digits index lists."""
+
     def change(job, dockerfile, ignore):
         *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
         node = job
@@ -277,6 +279,7 @@ def _set(path: str, value):
             del node[last]
         else:
             node[last] = value
+
     return change
 
 
@@ -284,6 +287,7 @@ def _docker(old: str, new: str):
     def change(job, dockerfile, ignore):
         assert old in dockerfile
         return dockerfile.replace(old, new), ignore
+
     return change
 
 
@@ -314,7 +318,8 @@ FAULTS = {
     "retries": (_set("spec.backoffLimit", 2), "backoffLimit"),
     "no token": (_set("spec.rayClusterSpec.authOptions", "-"), "authOptions"),
     "token in the open": (
-        _set(f"{W_CONTAINER}.env", [{"name": "RAY_AUTH_TOKEN", "value": "t0ken"}]), "Secret"
+        _set(f"{W_CONTAINER}.env", [{"name": "RAY_AUTH_TOKEN", "value": "t0ken"}]),
+        "Secret",
     ),
     "no store credentials": (_set(f"{W_CONTAINER}.envFrom", "-"), "credentials"),
     "old ray": (_set("spec.rayClusterSpec.rayVersion", "2.51.0"), "rayVersion 2.51.0"),
@@ -323,9 +328,7 @@ FAULTS = {
     "cuda torch": (_docker("whl/cpu", "whl/cu128"), "CPU build"),
     "other python": (_docker("python:3.11-slim", "python:3.12-slim"), "python:3.11"),
     "project not installed": (_docker(' ".[${TIDAL_EXTRAS}]"', ""), "this project"),
-    "source ignored": (
-        lambda job, d, i: (d, i.replace("!examples/\n", "")), "leaves out"
-    ),
+    "source ignored": (lambda job, d, i: (d, i.replace("!examples/\n", "")), "leaves out"),
 }
 
 
@@ -344,7 +347,7 @@ def test_each_fault_is_named(fault):
 def test_the_docs_create_the_secrets_the_manifest_reads():
     job, _, _ = _real()
     docs = (ROOT / "docs" / "clusters.md").read_text()
-    section = docs[docs.index("## Kubernetes (KubeRay)"):]
+    section = docs[docs.index("## Kubernetes (KubeRay)") :]
     token = job["spec"]["rayClusterSpec"]["authOptions"]["secretName"]
     assert re.search(rf"kubectl create secret generic {token} \\?\s*--from-\w+=auth_token=",
                      section), token  # fmt: skip
@@ -362,4 +365,3 @@ def test_quantities_and_dockerfile_lines_read_as_kubernetes_and_docker_do():
         quantity("4GB")
     text = "ARG V=1\n# c\nRUN pip install \\\n    a==${V} b==$V\n"
     assert dockerfile_lines(text) == ["ARG V=1", "RUN pip install a==1 b==1"]
-
