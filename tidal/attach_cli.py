@@ -93,15 +93,9 @@ def cmd_attach(args: argparse.Namespace, *, launch: Callable[..., int]) -> int:
 
 def _address(spec: JobSpec) -> str:
     """The address a coordinator of ``spec`` listens on from this machine (``runner``)."""
-    if spec.backend == "ray":
-        from tidal.backends.ray import node_address
+    from tidal.backends import serving_address
 
-        return node_address()
-    if spec.backend == "hosts":
-        from tidal.config import parse_listen
-
-        return parse_listen(spec.listen or "")[0]
-    return "127.0.0.1"
+    return serving_address(spec)[0]
 
 
 def check_attach(

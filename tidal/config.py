@@ -295,7 +295,11 @@ class JobSpec:
     )
     backend: str = field(
         default="local",
-        metadata=flag("--backend", "local (subprocesses, default) or ray (a Ray cluster)"),
+        metadata=flag(
+            "--backend",
+            "local (subprocesses, default), ray (a Ray cluster) or slurm (job steps inside a "
+            "Slurm allocation, else jobs of their own)",
+        ),
     )
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     listen: str | None = field(
@@ -304,7 +308,8 @@ class JobSpec:
             "--listen",
             "serve the job on HOST:PORT, an address other machines reach, for the hosts that "
             "join it with `tidal worker --join` (the hosts backend; its token is required on "
-            "every call)",
+            "every call), or for a Slurm job's nodes (slurm backend; default: the address "
+            "this machine's route to the controller leaves from)",
         ),
     )
     local_slots: int = field(
@@ -583,10 +588,10 @@ class JobSpec:
             )
         if self.listen is not None:
             parse_listen(self.listen)
-            if self.backend != "hosts":
+            if self.backend not in ("hosts", "slurm"):
                 raise ValueError(
-                    f"--listen serves the hosts that join the job (the hosts backend), not "
-                    f"the {self.backend} backend"
+                    f"--listen serves the hosts that join the job (the hosts backend) or a "
+                    f"Slurm job's nodes, not the {self.backend} backend"
                 )
         if self.local_slots < 0:
             raise ValueError(f"--local-slots must be at least 0, got {self.local_slots}")

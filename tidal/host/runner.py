@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.backends import serving_address
 from tidal.backends.local import start_zygote
 from tidal.backends.zygote import Zygote
-from tidal.config import JobSpec, parse_listen
+from tidal.config import JobSpec
 from tidal.coordinator.actions import KillEveryWorker
 from tidal.coordinator.control.controller import Coordinator
 from tidal.coordinator.process.home import HomeError, JobBusy, db_path, job_dir
@@ -82,13 +83,7 @@ def run_job(
             raise ValueError(f"job {spec.name!r} is running: {exc}") from None
     terminal = Terminal(job_dir(home, spec.name).path / "coordinator.log", spec.name)
     try:
-        host, port = "127.0.0.1", 0
-        if spec.backend == "ray":
-            from tidal.backends.ray import node_address
-
-            host = node_address()
-        elif spec.backend == "hosts":  # the address the joined hosts reach, ``--listen``
-            host, port = parse_listen(spec.listen or "")
+        host, port = serving_address(spec)  # loopback, or what other machines reach
         if zygote is None and spec.backend != "ray":
             zygote = start_zygote(spec, job_dir(home, spec.name).logs)
 

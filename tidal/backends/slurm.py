@@ -1,0 +1,514 @@
+"""Workers on a Slurm cluster (``tidal run --backend slurm``): job steps, or jobs.
+
+- **Inside an allocation** (``SLURM_JOB_ID`` set: under ``salloc`` or in an ``sbatch``
+  script) each worker is a job step on one node of the allocation: ``srun --jobid J
+  --nodes 1 --ntasks 1 --nodelist NODE --overlap`` (``slurm_rules.step_argv``). Tidal
+  chooses the node (``slurm_rules.choose_node``: spread, at most the node's tasks of
+  ``SLURM_TASKS_PER_NODE``); a worker with no free slot waits (``pending``) until one frees.
+- **Outside one** each worker is a job of its own, one task on one node
+  (``slurm_rules.job_argv``): it waits in Slurm's queue, ``pending`` (capacity not there
+  yet: no member), until Slurm runs it (``squeue`` says ``RUNNING``).
+
+Either way the worker is an ``srun`` child of the coordinator: its exit code is the worker's
+(``slurm_rules.srun_end``), its output goes to the worker's log here, and it runs
+``tidal.backends.slurm_task`` on the node, which binds gloo and NCCL to the node's address and
+replaces itself with the script. One monitor thread reaps the ``srun`` processes and, each
+``QUERY_S``, asks ``squeue`` for the steps' (or jobs') ids and states and ``sinfo`` for the
+nodes' states: a node Slurm sets DOWN or FAIL is lost, and every worker on it is an ``Exit``
+at once (as a killed worker), even while its ``srun`` lingers; in an allocation a lost node
+takes no worker again. ``signal`` goes through ``scancel --signal`` to the worker's step (or
+job), so ``SIGTERM`` reaches the script: a planned leave. Decisions are in
+``slurm_rules``; this module only runs Slurm's commands and records what they say.
+
+The coordinator binds the address this machine's route to Slurm's controller (else to a node
+of the allocation) leaves from, unless ``--listen HOST:PORT`` names one
+(``coordinator_address``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.backends.addresses import route_source
+from tidal.backends.base import Backend, Exit
+from tidal.backends.slurm_rules import (
+    JOB_FORMAT,
+    NODE_FORMAT,
+    STEP_FORMAT,
+    Allocation,
+    Node,
+    allocation,
+    choose_node,
+    controllers,
+    job_argv,
+    parse_nodes,
+    parse_queue,
+    reachable_address,
+    srun_end,
+    step_argv,
+    worker_name,
+)
+from tidal.backends.slurm_task import ENV_SLOT
+from tidal.config import JobSpec, parse_listen
+from tidal.protocol import ENV_TOKEN
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often the monitor reaps ``srun`` processes
+QUERY_S = 1.0  # how often it asks ``squeue`` and ``sinfo``
+COMMAND_TIMEOUT_S = 30.0
+COMMANDS = ("srun", "squeue", "sinfo", "scancel", "scontrol")
+_CANCEL_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
+
+
+class SlurmError(ValueError):
+    """A Slurm command failed: its first line of error."""
+
+
+def slurm(*argv: str, timeout_s: float = COMMAND_TIMEOUT_S) -> str:
+    """Run one of Slurm's commands; its output. ``SlurmError`` with its error line."""
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmError(f"`{' '.join(argv[:3])}` failed: {exc}") from None
+    if proc.returncode != 0:
+        said = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise SlurmError(f"`{' '.join(argv[:3])}` failed: {said}")
+    return proc.stdout
+
+
+def check_commands() -> None:
+    missing = [c for c in COMMANDS if shutil.which(c) is None]
+    if missing:
+        raise ValueError(
+            f"the slurm backend needs Slurm's commands on PATH; missing: {', '.join(missing)}"
+        )
+
+
+def current_allocation() -> Allocation | None:
+    """The allocation this process runs in (``SLURM_JOB_ID``), its node list expanded by
+    ``scontrol show hostnames``; None outside one."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ValueError(f"SLURM_JOB_ID={job_id} is set but SLURM_JOB_NODELIST is not")
+    nodes = slurm("scontrol", "show", "hostnames", nodelist).split()
+    return allocation(job_id, nodes, os.environ.get("SLURM_TASKS_PER_NODE"))
+
+
+def node_states(names: list[str]) -> dict[str, Node]:
+    if not names:
+        return {}
+    return parse_nodes(slurm("sinfo", "-h", "-N", "-n", ",".join(names), "-o", NODE_FORMAT))
+
+
+def coordinator_address(spec: JobSpec) -> str:
+    """The address the coordinator binds and its workers reach it at: ``--listen``'s, else
+    the one this machine's route to Slurm's controller leaves from, else its route to a node
+    of the allocation (``slurm_rules.reachable_address``: never loopback)."""
+    if spec.listen:
+        return parse_listen(spec.listen)[0]
+    check_commands()
+    targets = controllers(slurm("scontrol", "show", "config"))
+    alloc = current_allocation()
+    if alloc is not None:
+        targets += [n.address or n.name for n in node_states(list(alloc.nodes)).values()]
+    sources = []
+    for target in targets:
+        try:
+            sources.append(route_source(target, 9))
+        except OSError:
+            continue
+    found = reachable_address(sources)
+    if found is None:
+        raise ValueError(
+            f"cannot tell the address Slurm's nodes reach this machine at (the routes to "
+            f"{', '.join(targets) or 'the controller'} are loopback): pass --listen ADDRESS:0"
+        )
+    return found
+
+
+def last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+@dataclass(kw_only=True)
+class _Worker:
+    wid: int
+    name: str  # its step's (or job's) name: ``slurm_rules.worker_name``
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None  # its srun; None: waiting for a slot, or adopted
+    node: str | None = None
+    slot: int | None = None
+    step: str | None = None  # its step id (JOB.STEP) or, outside an allocation, its job id
+    running: bool = False  # Slurm runs it
+    cancelled: bool = False
+    adopted: bool = False
+
+
+class SlurmBackend(Backend):
+    @classmethod
+    def check_capacity(cls, spec: JobSpec) -> None:
+        """Refuse a job whose ``--max-workers`` the allocation cannot hold (outside one the
+        queue holds any number: they wait)."""
+        check_commands()
+        alloc = current_allocation()
+        wanted = spec.max_workers + spec.spares
+        if alloc is not None and wanted > alloc.capacity:
+            raise ValueError(
+                f"{wanted} workers is more than Slurm job {alloc.job_id} holds: "
+                f"{alloc.capacity} tasks on {len(alloc.nodes)} nodes (ask salloc or sbatch for "
+                "more with --nodes and --ntasks-per-node, or lower --max-workers)"
+            )
+
+    def __init__(self, *, spec: JobSpec, log_dir: Path, cwd: Path | None = None) -> None:
+        self.check_capacity(spec)
+        self.alloc = current_allocation()
+        self.host = coordinator_address(spec)
+        self.job = spec.name
+        self.command = [spec.python, "-m", "tidal.backends.slurm_task", *spec.worker_argv]
+        self.log_dir = log_dir
+        self.cwd = str(cwd) if cwd is not None else None
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._workers: dict[int, _Worker] = {}
+        self._exits: list[Exit] = []
+        self._ended: list[subprocess.Popen] = []  # sruns of workers counted lost, to reap
+        self._nodes: dict[str, Node] = {}  # what sinfo said last
+        self._lost: set[str] = set()
+        self._news: list[str] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        if self.alloc is not None:
+            self._nodes = node_states(list(self.alloc.nodes))
+        self._closing = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="tidal-slurm", daemon=True)
+        self._monitor.start()
+
+    # -- the Backend interface -----------------------------------------------------------
+    def start(self, worker_id: int, env: dict[str, str]) -> int | None:
+        """Ask for the worker: placed on a node of the allocation with a free slot now (or
+        when one frees), or submitted to the queue. Its pid comes when it registers."""
+        w = _Worker(wid=worker_id, name=worker_name(self.job, worker_id, env[ENV_TOKEN]), env=env)
+        with self._lock:
+            self._workers[worker_id] = w
+        if self.alloc is None:
+            self._launch(w, job_argv(name=w.name, command=self.command))
+        else:
+            self._place_waiting()
+        return None
+
+    def poll(self) -> list[Exit]:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        if self.alloc is not None:
+            self._place_waiting()
+        with self._lock:
+            exits, self._exits = self._exits, []
+        return exits
+
+    def signal(self, worker_id: int, sig: int) -> None:
+        """``scancel --signal`` to the worker's step (or job); a worker Slurm does not run
+        yet is cancelled by SIGTERM, SIGKILL or SIGINT (an exit with code 0)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None:
+                return
+            if w.proc is None and not w.adopted:  # waiting for a slot of the allocation
+                if sig in _CANCEL_SIGNALS:
+                    del self._workers[worker_id]
+                    self._exit(w, 0, "cancelled before a slot of the allocation freed")
+                return
+            cancel = not w.running and sig in _CANCEL_SIGNALS
+            w.cancelled = w.cancelled or cancel
+        if w.step is None:
+            self._find_steps()  # just started: its id may be known now
+        if cancel:  # still in the queue: its job (and srun's wait) cancelled
+            if w.step is not None:
+                self._scancel(w.step)
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.terminate()
+            return
+        if w.step is None or not self._scancel(w.step, sig):
+            if w.proc is not None and w.proc.poll() is None:  # srun forwards it to the task
+                w.proc.send_signal(sig)
+
+    def _scancel(self, target: str, sig: int | None = None) -> bool:
+        argv = (
+            ["scancel", target]
+            if sig is None
+            else ["scancel", f"--signal={signal.Signals(sig).name[3:]}", target]
+        )
+        try:
+            slurm(*argv)
+            return True
+        except SlurmError as exc:
+            log.debug("%s", exc)
+            return False
+
+    def alive(self) -> list[int]:
+        with self._lock:
+            return sorted({*self._workers, *(e.worker_id for e in self._exits)})
+
+    def waiting(self) -> set[int]:
+        with self._lock:
+            return {wid for wid, w in self._workers.items() if not w.running and not w.adopted}
+
+    def node(self, worker_id: int) -> str | None:
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None or w.node is None:
+                return None
+            known = self._nodes.get(w.node)
+            return known.describe() if known is not None else w.node
+
+    def adopt(self, worker_id: int, pid: int, env: dict[str, str]) -> bool:
+        """A worker a previous coordinator of the job started: watched through ``squeue``
+        (its ``srun`` is not this process's child: its exit status is unknown) if its step
+        (or job) runs; else whatever Slurm still holds of it is cancelled."""
+        name = worker_name(self.job, worker_id, env[ENV_TOKEN])
+        found = self._queue().get(name)
+        if not pid or found is None or not found.running:
+            if found is not None:
+                try:
+                    slurm("scancel", found.id)
+                except SlurmError:
+                    pass
+            return False
+        w = _Worker(wid=worker_id, name=name, env=env, adopted=True, running=True)
+        w.step, w.node = found.id, found.nodes or None
+        with self._lock:
+            self._workers[worker_id] = w
+        return True
+
+    def describe_exit(self, worker_id: int) -> str:
+        return last_line(self.log_dir / f"worker-{worker_id}.log")
+
+    def wake_fds(self) -> list[int]:
+        return [self._wake_r]
+
+    def news(self) -> list[str]:
+        with self._lock:
+            news, self._news = self._news, []
+            return news
+
+    def close(self) -> None:
+        """End every worker left (``scancel --signal=KILL``) and reap its ``srun``."""
+        self._stop_monitor()
+        with self._lock:
+            workers = list(self._workers.values())
+            self._workers.clear()
+        for w in workers:
+            if w.step is not None:
+                try:
+                    slurm("scancel", "--signal=KILL", w.step)
+                except SlurmError:
+                    pass
+        for proc in [*(w.proc for w in workers if w.proc is not None), *self._ended]:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._close_pipe()
+
+    def leave(self) -> None:
+        """Forget the workers; their steps (and sruns) go on for the next coordinator."""
+        self._stop_monitor()
+        self._close_pipe()
+
+    # -- starting ------------------------------------------------------------------------
+    def _place_waiting(self) -> None:
+        """Start the workers waiting for a slot of the allocation that has one now."""
+        assert self.alloc is not None
+        while True:
+            with self._lock:
+                queued = sorted(
+                    wid for wid, w in self._workers.items() if w.proc is None and not w.adopted
+                )
+                taken: dict[str, set[int]] = {}
+                for w in self._workers.values():
+                    if w.node is not None and w.slot is not None:
+                        taken.setdefault(w.node, set()).add(w.slot)
+                choice = choose_node(self.alloc, taken, self._lost) if queued else None
+                if choice is None:
+                    return
+                w = self._workers[queued[0]]
+                w.node, w.slot = choice
+                w.running = True  # the allocation's node is there: it starts now
+            argv = step_argv(
+                job_id=self.alloc.job_id, node=w.node, name=w.name, command=self.command
+            )
+            self._launch(w, argv)
+
+    def _launch(self, w: _Worker, argv: list[str]) -> None:
+        from tidal.backends.local import worker_base_env
+
+        env = {**worker_base_env(), **w.env}
+        if w.slot is not None:
+            env[ENV_SLOT] = str(w.slot)
+        try:
+            with open(self.log_dir / f"worker-{w.wid}.log", "ab") as out:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=self.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # the terminal's Ctrl-C is the coordinator's
+                )
+        except OSError as exc:
+            with self._lock:
+                self._workers.pop(w.wid, None)
+                self._exit(w, 127, f"srun did not start: {exc}")
+            return
+        with self._lock:
+            w.proc = proc
+
+    # -- what happened -------------------------------------------------------------------
+    def _exit(self, w: _Worker, code: int, reason: str = "", known: bool = True) -> None:
+        """Record worker ``w``'s end (under the lock) and wake the control loop."""
+        self._exits.append(Exit(worker_id=w.wid, returncode=code, reason=reason, known=known))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _watch(self) -> None:
+        last = 0.0
+        while not self._closing.wait(POLL_S):
+            try:
+                self._reap()
+                if time.monotonic() - last >= QUERY_S:
+                    last = time.monotonic()
+                    self._query()
+            except Exception as exc:  # noqa: BLE001 - Slurm not answering: keep watching
+                log.warning("asking Slurm failed: %s", exc)
+
+    def _reap(self) -> None:
+        """Each ``srun`` that ended is its worker's exit (``slurm_rules.srun_end``)."""
+        with self._lock:
+            done = [
+                w
+                for w in self._workers.values()
+                if w.proc is not None and w.proc.poll() is not None
+            ]
+            self._ended = [p for p in self._ended if p.poll() is None]
+        for w in done:
+            code = w.proc.returncode if w.proc is not None else 0
+            lost = None
+            if code != 0 and w.node is not None and not w.cancelled:
+                try:
+                    lost = node_states([w.node]).get(w.node)
+                except SlurmError:
+                    lost = None
+                lost = lost if lost is not None and lost.lost else None
+            end = srun_end(code, lost_node=lost, cancelled=w.cancelled and not w.running)
+            with self._lock:
+                if self._workers.pop(w.wid, None) is not None:
+                    self._exit(w, end.returncode, end.reason)
+
+    def _queue(self) -> dict:
+        if self.alloc is not None:
+            out = slurm("squeue", "-h", "-s", "-j", self.alloc.job_id, "-o", STEP_FORMAT)
+            return parse_queue(out, steps=True)
+        return parse_queue(slurm("squeue", "-h", "--me", "-o", JOB_FORMAT))
+
+    def _find_steps(self) -> dict:
+        """Each worker's step (or job) id and state from ``squeue``: a worker Slurm started
+        outside an allocation is placed; an adopted worker whose step is gone has ended.
+        What ``squeue`` said, by name."""
+        queue = self._queue()
+        with self._lock:
+            for w in list(self._workers.values()):
+                found = queue.get(w.name)
+                if found is None:
+                    if w.adopted:  # its srun is not ours: its end is only seen here
+                        del self._workers[w.wid]
+                        self._exit(w, -signal.SIGKILL, "its step ended", known=False)
+                    continue
+                w.step = found.id
+                if found.running and not w.running and not w.cancelled:
+                    w.running, w.node = True, found.nodes or None
+                    self._wake()
+        return queue
+
+    def _query(self) -> None:
+        """``squeue`` (``_find_steps``), then the nodes' states from ``sinfo``: the workers of
+        a lost node are lost."""
+        with self._lock:
+            if not self._workers:
+                return
+        self._find_steps()
+        with self._lock:
+            names = {w.node for w in self._workers.values() if w.node is not None}
+            if self.alloc is not None:
+                names |= set(self.alloc.nodes)
+        nodes = node_states(sorted(names - self._lost))
+        with self._lock:
+            self._nodes.update(nodes)
+            lost = [n for n in nodes.values() if n.lost and n.name not in self._lost]
+            steps = [s for n in lost for s in self._node_lost(n)]
+        for step in steps:  # Slurm ends them; this makes sure
+            self._scancel(step, signal.SIGKILL)
+
+    def _node_lost(self, node: Node) -> list[str]:
+        """(Under the lock.) Node ``node`` is lost: each worker on it is lost with it now,
+        however long its ``srun`` takes to notice, and it takes no worker again. The steps
+        of those workers."""
+        self._lost.add(node.name)
+        gone = sorted(w.wid for w in self._workers.values() if w.node == node.name)
+        self._news.append(
+            f"node {node.describe()} lost: {node.why_lost()}"
+            + (f"; its workers {gone} with it" if gone else "")
+        )
+        end = srun_end(1, lost_node=node)
+        steps = []
+        for wid in gone:
+            w = self._workers.pop(wid)
+            if w.proc is not None:
+                self._ended.append(w.proc)  # reaped when it ends, killed at close
+            if w.step is not None:
+                steps.append(w.step)
+            self._exit(w, end.returncode, end.reason)
+        return steps
+
+    # -- closing -------------------------------------------------------------------------
+    def _stop_monitor(self) -> None:
+        self._closing.set()
+        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=COMMAND_TIMEOUT_S)
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
