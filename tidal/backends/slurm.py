@@ -49,6 +49,7 @@ from tidal.backends.slurm_rules import (
     choose_node,
     controllers,
     job_argv,
+    node_failure,
     parse_nodes,
     parse_queue,
     reachable_address,
@@ -140,13 +141,18 @@ def coordinator_address(spec: JobSpec) -> str:
     return found
 
 
-def last_line(path: Path) -> str:
+def tail(path: Path, size: int = 4096) -> str:
+    """The end of a worker's log (its srun's last words are there)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-            lines = f.read().decode(errors="replace").strip().splitlines()
+            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def last_line(path: Path) -> str:
+    lines = tail(path).strip().splitlines()
     return lines[-1][:300] if lines else ""
 
 
@@ -251,9 +257,13 @@ class SlurmBackend(Backend):
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.terminate()
             return
-        if w.step is None or not self._scancel(w.step, sig):
-            if w.proc is not None and w.proc.poll() is None:  # srun forwards it to the task
-                w.proc.send_signal(sig)
+        if w.step is not None:
+            # Slurm 22.05's scancel may answer "Invalid job id specified" (exit 225) for a
+            # step of a job it signalled all the same ("Signal 15 to step J.S"): its answer
+            # is not trusted, and srun is not asked as well (a second SIGTERM is a kill).
+            self._scancel(w.step, sig)
+        elif w.proc is not None and w.proc.poll() is None:  # srun forwards it to the task
+            w.proc.send_signal(sig)
 
     def _scancel(self, target: str, sig: int | None = None) -> bool:
         argv = (
@@ -413,7 +423,9 @@ class SlurmBackend(Backend):
                 log.warning("asking Slurm failed: %s", exc)
 
     def _reap(self) -> None:
-        """Each ``srun`` that ended is its worker's exit (``slurm_rules.srun_end``)."""
+        """Each ``srun`` that ended is its worker's exit (``slurm_rules.srun_end``); one that
+        ended on a lost node (``sinfo`` says so, or srun reported the node's failure: Slurm
+        kills the step before ``sinfo`` shows the node down) loses the node."""
         with self._lock:
             done = [
                 w
@@ -424,16 +436,26 @@ class SlurmBackend(Backend):
         for w in done:
             code = w.proc.returncode if w.proc is not None else 0
             lost = None
-            if code != 0 and w.node is not None and not w.cancelled:
+            if w.node is not None and not w.cancelled:
                 try:
-                    lost = node_states([w.node]).get(w.node)
+                    node = node_states([w.node]).get(w.node)
                 except SlurmError:
-                    lost = None
-                lost = lost if lost is not None and lost.lost else None
+                    node = None
+                failed = node_failure(tail(self.log_dir / f"worker-{w.wid}.log")) == w.node
+                if node is not None and (node.lost or failed):
+                    lost = node
+                elif failed:
+                    lost = Node(name=w.node, address="", state="unknown")
             end = srun_end(code, lost_node=lost, cancelled=w.cancelled and not w.running)
+            steps: list[str] = []
             with self._lock:
                 if self._workers.pop(w.wid, None) is not None:
                     self._exit(w, end.returncode, end.reason)
+                if lost is not None and lost.name not in self._lost:
+                    self._nodes.setdefault(lost.name, lost)
+                    steps = self._node_lost(self._nodes[lost.name], lost)
+            for step in steps:
+                self._scancel(step, signal.SIGKILL)
 
     def _queue(self) -> dict:
         if self.alloc is not None:
@@ -479,17 +501,18 @@ class SlurmBackend(Backend):
         for step in steps:  # Slurm ends them; this makes sure
             self._scancel(step, signal.SIGKILL)
 
-    def _node_lost(self, node: Node) -> list[str]:
-        """(Under the lock.) Node ``node`` is lost: each worker on it is lost with it now,
-        however long its ``srun`` takes to notice, and it takes no worker again. The steps
-        of those workers."""
+    def _node_lost(self, node: Node, state: Node | None = None) -> list[str]:
+        """(Under the lock.) Node ``node`` is lost (``state``: what says so, if not its own
+        state): each worker on it is lost with it now, however long its ``srun`` takes to
+        notice, and it takes no worker again. The steps of those workers."""
         self._lost.add(node.name)
+        state = state or node
         gone = sorted(w.wid for w in self._workers.values() if w.node == node.name)
         self._news.append(
-            f"node {node.describe()} lost: {node.why_lost()}"
+            f"node {node.describe()} lost: {state.why_lost()}"
             + (f"; its workers {gone} with it" if gone else "")
         )
-        end = srun_end(1, lost_node=node)
+        end = srun_end(1, lost_node=state)
         steps = []
         for wid in gone:
             w = self._workers.pop(wid)

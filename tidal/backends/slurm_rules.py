@@ -88,6 +88,8 @@ class Node:
         return self.state.rstrip("*~#%!$@^-+") in LOST_STATES
 
     def why_lost(self) -> str:
+        if not self.lost:  # srun heard of its failure before sinfo shows it
+            return f"Slurm reported a failure of node {self.name}"
         said = f" ({self.reason})" if self.reason else ""
         return f"Slurm set node {self.name} {self.state.rstrip('*~#%!$@^-+').upper()}{said}"
 
@@ -261,6 +263,16 @@ class End:
 
     returncode: int
     reason: str = ""
+
+
+_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)\s*$", re.MULTILINE)
+
+
+def node_failure(said: str) -> str | None:
+    """The node ``srun`` reported failed in its output (``srun: error: Node failure on N``:
+    Slurm killed the step because the node went down; srun then exits 0), if any."""
+    found = _NODE_FAILURE.findall(said)
+    return found[-1] if found else None
 
 
 def srun_end(returncode: int, *, lost_node: Node | None = None, cancelled: bool = False) -> End:
