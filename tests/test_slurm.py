@@ -2,16 +2,19 @@
 three compute nodes, each a network namespace of its own address, started by the test
 (``slurm_cluster``).
 
-One job, as a user runs it in an allocation: ``salloc --nodes 3 --ntasks-per-node 1
---no-kill tidal run --backend slurm --workers 2 --max-workers 3`` on the login node (the
-controller's namespace). Each worker is a job step (``srun --overlap``) on a node of the
-allocation, spread one a node; digits in float64 grows to 3 by ``tidal scale``; a node
-set DOWN by ``scontrol update`` loses its worker (a failure: the job re-forms without it,
-and the replacement waits ``pending``, no member, since the lost node takes nothing); a
-``scancel --signal=TERM`` of another worker's step drains it (a planned leave: no step
-redone, and the pending worker takes its slot); the job succeeds with one worker's
-parameters (relative 1e-12). The workers bind their own node's address: every TCP connection
-in the nodes' namespaces is between ``NET.x`` addresses (or loopback inside one).
+One job, as a user runs it on a cluster: ``sbatch --nodes 3 --ntasks-per-node 1 --no-kill
+--requeue`` of a script that runs ``tidal run --backend slurm --workers 2 --max-workers 3``,
+or ``tidal resume`` when the job exists (``deploy/slurm/tidal.sbatch``'s logic). The
+coordinator runs in the batch script on the first node; each worker is a job step (``srun
+--overlap``) on a node of the allocation, spread one a node. Digits in float64 grows to 3 by
+``tidal scale``; a node set DOWN by ``scontrol update`` loses its worker (a failure: the job
+re-forms without it, and the replacement waits ``pending``, no member, since the lost node
+takes nothing); a ``scancel --signal=TERM`` of another worker's step drains it (a planned
+leave: no step redone); ``scontrol requeue`` of the batch job (what ``PreemptMode=REQUEUE``
+does) stops it and runs the script again, which resumes the job from its newest checkpoint;
+the job succeeds with one worker's parameters (relative 1e-12). The workers bind their own
+node's address: every TCP connection in the nodes' namespaces is between ``NET.x``
+addresses (or loopback inside one).
 
 The test reads the job's records from SQLite (no network from this namespace). Where no
 cluster can be made (not root, no ``ip``, Slurm not installed), it skips saying why; under
@@ -25,13 +28,12 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from e2e_helpers import DIGITS, ROOT, Home, relative_l2, summarize
+from e2e_helpers import DIGITS, Home, relative_l2, summarize
 from slurm_cluster import NET, SlurmCluster, unavailable
 
 from tidal.coordinator.home import db_path
@@ -128,7 +130,21 @@ def node_of(worker: dict) -> str | None:
     return found[1] if found else None
 
 
-def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactly(
+BATCH = """#!/bin/bash
+#SBATCH --nodes=3
+#SBATCH --ntasks-per-node=1
+#SBATCH --no-kill
+#SBATCH --requeue
+#SBATCH --open-mode=append
+if {python} -m tidal.cli status --home {home} {name} >/dev/null 2>&1; then
+    exec {python} -m tidal.cli resume --home {home} {name}
+fi
+exec {python} -m tidal.cli run --home {home} --name {name} --backend slurm --workers 2 \\
+    --max-workers 3 --checkpoint-every 100 {script} --max-steps {steps} --double --save {out}
+"""
+
+
+def test_a_batch_job_grows_loses_a_node_drains_a_step_is_requeued_and_ends_exactly(
     tidal_home: Home, cluster: SlurmCluster, reference_params, tmp_path: Path
 ):
     out = tmp_path / "final.safetensors"
@@ -141,56 +157,55 @@ def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactl
     path = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
     env.update(PYTHONPATH=path, SLURM_TEST_PACE=str(pace))
     home = str(tidal_home.path)
+    script = tmp_path / "tidal.sbatch"  # deploy/slurm/tidal.sbatch's logic, for this test
+    script.write_text(
+        BATCH.format(
+            python=sys.executable, home=home, name=NAME, script=DIGITS, steps=STEPS, out=out
+        )
+    )
+    batch_out = tmp_path / "batch.out"
     t0 = time.monotonic()
     timeline: list[str] = []
 
     def mark(what: str) -> None:
         timeline.append(f"{time.monotonic() - t0:6.1f} s  {what}")
 
-    def cli(*args: str) -> subprocess.CompletedProcess:  # on the login node
+    def slurm(*argv: str) -> subprocess.CompletedProcess:  # on the login node, as the user
         return subprocess.run(
-            cluster.run("ctl", sys.executable, "-m", "tidal.cli", *args, "--home", home),
-            env=env, capture_output=True, text=True, timeout=60,
+            cluster.run("ctl", *argv), env=env, capture_output=True, text=True, timeout=60,
+            cwd=tmp_path,
         )  # fmt: skip
 
-    coordinator = subprocess.Popen(
-        cluster.run(
-            "ctl", "salloc", "--nodes", "3", "--ntasks-per-node", "1", "--no-kill",
-            sys.executable, "-m", "tidal.cli", "run", "--home", home, "--name", NAME,
-            "--quiet", "--backend", "slurm", "--workers", "2", "--max-workers", "3",
-            str(DIGITS), "--max-steps", str(STEPS), "--double", "--save", str(out),
-        ),
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    said: list[str] = []
-    threading.Thread(target=lambda: said.extend(coordinator.stderr), daemon=True).start()
-
     def logs() -> str:
-        parts = ["--- timeline ---", *timeline, "--- salloc / tidal run ---", *said[-20:]]
-        parts.append(cluster.command("squeue", "-s", "-h").stdout)
+        parts = ["--- timeline ---", *timeline, "--- squeue ---"]
+        parts.append(slurm("squeue", "-h", "-o", "%i %T %r %N").stdout)
+        parts.append(slurm("squeue", "-h", "-s").stdout)
+        if batch_out.exists():
+            parts += ["--- batch output ---", *batch_out.read_text().splitlines()[-25:]]
         for log in sorted((tidal_home.path / "jobs" / NAME / "logs").glob("worker-*.log")):
             parts += [f"--- {log.name} ---", *log.read_text(errors="replace").splitlines()[-8:]]
         return "\n".join(parts) + "\n" + cluster.logs(8)
 
+    submitted = slurm("sbatch", "--parsable", f"--output={batch_out}", str(script))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
     try:
         two = wait(
             tidal_home, lambda s: formed(2)(s) and s["step"] >= 20, 90, "2 workers training", logs
         )
         mark("2 workers training")
         assert sorted(node_of(w) for w in members(two)) == ["n1", "n2"], summarize(two)  # spread
-        scaled = cli("scale", NAME, "3")
+        scaled = slurm(sys.executable, "-m", "tidal.cli", "scale", "--home", home, NAME, "3")
         assert scaled.returncode == 0, scaled.stderr
         three = wait(tidal_home, formed(3), 60, "3 workers training", logs)
         mark("3 workers training")
         assert sorted(node_of(w) for w in members(three)) == ["n1", "n2", "n3"]
-        steps = cluster.command("squeue", "-h", "-s", "-o", "%i %j %N").stdout.split("\n")
         by_worker = {}
-        for line in filter(None, steps):
+        for line in slurm("squeue", "-h", "-s", "-o", "%i %j %N").stdout.splitlines():
             step, name, node = line.split()
             if m := re.match(rf"tidal-{NAME}-w(\d+)-", name):
                 by_worker[int(m[1])] = (step, node)
-        assert {by_worker[w["id"]][1] for w in members(three)} == {"n1", "n2", "n3"}, steps
+        assert {by_worker[w["id"]][1] for w in members(three)} == {"n1", "n2", "n3"}
         # Gloo binds each node's own address: no connection leaves the cluster's network.
         seen = [c for n in cluster.nodes for c in tcp(cluster, n)]
         assert seen, "no TCP connection in the nodes' namespaces"
@@ -200,18 +215,17 @@ def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactl
 
         # Node n3 goes DOWN: its worker is lost, the job re-forms with the two others.
         doomed = next(w["id"] for w in members(three) if node_of(w) == "n3")
-        down = cluster.command("scontrol", "update", "nodename=n3", "state=down", "reason=test")
+        down = slurm("scontrol", "update", "nodename=n3", "state=down", "reason=test")
         assert down.returncode == 0, down.stderr
         after = wait(
             tidal_home,
-            lambda s: formed(2)(s) and doomed not in s["generations"][-1]["members"],
+            lambda s: formed(2)(s) and doomed not in members_ids(s),
             60,
             "a generation without the lost node's worker",
             logs,
         )
         mark("n3 down: 2 workers training")
-        by_id = {w["id"]: w for w in after["workers"]}
-        assert by_id[doomed]["state"] == "failed", summarize(after)
+        assert {w["id"]: w for w in after["workers"]}[doomed]["state"] == "failed"
         # Its replacement waits for a slot (n3 takes nothing now): pending, not a member.
         after = wait(
             tidal_home,
@@ -223,12 +237,12 @@ def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactl
         pending = [w["id"] for w in after["workers"] if w["state"] == "pending"]
         assert after["world_size"] == 2 and not set(pending) & set(members_ids(after))
 
-        # A preemption notice for worker on n1: scancel --signal=TERM of its step.
-        leaver = next(w["id"] for w in members(after) if node_of(w) == "n1")
+        # A preemption notice: scancel --signal=TERM of the step of n2's worker. (Slurm
+        # 22.05's scancel may exit 225, "Invalid job id specified", having signalled the
+        # step all the same: what follows is the test.)
+        leaver = next(w["id"] for w in members(after) if node_of(w) == "n2")
         gens_before = len(after["generations"])
-        # (Slurm 22.05's scancel may exit 225, "Invalid job id specified", having signalled
-        # the step all the same: what follows is the test.)
-        cluster.command("scancel", "--signal=TERM", by_worker[leaver][0])
+        slurm("scancel", "--signal=TERM", by_worker[leaver][0])
         drained = wait(
             tidal_home,
             lambda s: (
@@ -241,29 +255,65 @@ def test_a_job_in_an_allocation_grows_loses_a_node_drains_a_step_and_ends_exactl
             logs,
         )
         mark("worker drained by scancel --signal=TERM")
-        pace.write_text("0")
         left = drained["generations"][gens_before]
         assert leaver not in left["members"] and not left["redone_steps"], summarize(drained)
 
+        # Slurm requeues the batch job (as PreemptMode=REQUEUE does): SIGTERM to the batch
+        # script's `tidal run` and to every step, then the job waits in the queue and runs
+        # the script again, which resumes the job from its newest checkpoint. (n3 is back;
+        # the requeued job's begin time, 120 s away by Slurm's rule, is brought to now.)
+        saved = wait(
+            tidal_home,
+            lambda s: any(c["step"] > drained["step"] for c in s["checkpoints"]),
+            60,
+            "a checkpoint after the drain",
+            logs,
+        )
+        slurm("scontrol", "update", "nodename=n3", "state=resume")
+        requeue = slurm("scontrol", "requeue", job_id)
+        assert requeue.returncode == 0, requeue.stderr
+        mark("requeued")
+        deadline = time.monotonic() + 60
+        while "PENDING" not in slurm("squeue", "-h", "-j", job_id, "-o", "%T").stdout:
+            assert time.monotonic() < deadline, logs()
+            time.sleep(0.2)
+        slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+        resumed = wait(
+            tidal_home,
+            lambda s: (
+                any("resumed from" in e["message"] for e in s["events"])
+                and s["state"] == "running"
+                and s["generations"][-1]["start_step"] is not None
+            ),
+            90,
+            "the requeued job resumed and training",
+            logs,
+        )
+        mark("resumed after the requeue")
+        pace.write_text("0")
         end = wait(
             tidal_home, lambda s: s["state"] in ("succeeded", "failed"), 120, "the end", logs
         )
-        assert coordinator.wait(timeout=60) == 0, logs()
         mark("the job ended")
+        deadline = time.monotonic() + 30
+        while slurm("squeue", "-h", "-j", job_id).stdout.strip():
+            assert time.monotonic() < deadline, logs()
+            time.sleep(0.2)
     finally:
-        if coordinator.poll() is None:
-            coordinator.kill()
-        coordinator.wait(timeout=30)
+        slurm("scancel", job_id)
 
     status = records(tidal_home)
     assert status["state"] == "succeeded" == end["state"], summarize(status)
     events = [e["message"] for e in status["events"]]
     assert any(e.startswith(f"node n3 ({NET}.4) lost: Slurm ") for e in events), events
     assert any(f"worker {doomed} failed" in e and "lost with its node" in e for e in events), events
-    by_id = {w["id"]: w for w in status["workers"]}
-    assert by_id[leaver]["state"] == "exited", summarize(status)
-    failures = [e for e in status["events"] if e["kind"] == "failure"]
-    assert len(failures) == 1 and f"worker {doomed}" in failures[0]["message"], summarize(status)
+    assert {w["id"]: w for w in status["workers"]}[leaver]["state"] == "exited"
+    # Resumed from the newest checkpoint: the one written at the requeue's SIGTERM, or the
+    # last periodic one if that did not make it in time.
+    newest = max(c["step"] for c in saved["checkpoints"])
+    from_step = [int(m[1]) for e in events if (m := re.search(r"resumed from .*\(step (\d+)\)", e))]
+    assert from_step and from_step[0] >= newest, (from_step, newest)
+    assert resumed["generations"][-1]["start_step"] == from_step[0]
     reference = reference_params(STEPS, 0, double=True)
     mark("the reference: a one-worker run (once a session)")
     print("\n".join(timeline))

@@ -14,12 +14,14 @@ import pytest
 from tidal.backends.slurm_rules import (
     Allocation,
     Node,
+    NodeFacts,
     allocation,
     choose_node,
     controllers,
     gpu_entry,
     job_argv,
     node_failure,
+    node_lost,
     parse_nodes,
     parse_queue,
     reachable_address,
@@ -172,23 +174,66 @@ def test_worker_names_are_readable_and_apart_per_run():
 
 
 DOWN = Node(name="n2", address="10.0.0.2", state="down", reason="x")
+MIX = Node(name="n2", address="10.0.0.2", state="mix")
 
 
 @pytest.mark.parametrize(
-    "code, lost, cancelled, returncode, reason",
+    "facts, why",
     [
-        (0, None, False, 0, ""),
-        (1, None, False, 1, ""),  # the script failed: the job fails
-        (137, None, False, -signal.SIGKILL, ""),  # killed (a hung worker, OOM)
-        (143, None, False, -signal.SIGTERM, ""),  # SIGTERM before its handler was set
-        (1, DOWN, False, -signal.SIGKILL, "lost with its node: Slurm set node n2 DOWN (x)"),
-        (0, DOWN, False, -signal.SIGKILL, "lost with its node: Slurm set node n2 DOWN (x)"),
-        (143, None, True, 0, "cancelled before Slurm placed it"),
-        (255, None, False, 255, ""),
+        (NodeFacts(name="n2", state=MIX, in_job=True), None),
+        (NodeFacts(name="n2", state=MIX), None),  # outside an allocation
+        (NodeFacts(name="n2", state=DOWN, in_job=True), "Slurm set node n2 DOWN (x)"),
+        (NodeFacts(name="n2", state=DOWN, in_job=False), "Slurm set node n2 DOWN (x)"),
+        # Slurm kills the step after it removed the node from the job, before sinfo says so
+        (
+            NodeFacts(name="n2", state=MIX, in_job=False),
+            "Slurm removed node n2 from the job (a node failure)",
+        ),
+        (
+            NodeFacts(name="n2", state=None, srun_failure=True),
+            "Slurm reported a failure of node n2",
+        ),
     ],
 )
-def test_an_sruns_end_counts_as_its_worker_end(code, lost, cancelled, returncode, reason):
-    end = srun_end(code, lost_node=lost, cancelled=cancelled)
+def test_a_node_is_lost_by_any_of_slurms_three_signs(facts, why):
+    assert node_lost(facts) == why
+
+
+REFUSED = (
+    "srun: error: Unable to create step for job 1: Requested node configuration is not available\n"
+)
+
+
+@pytest.mark.parametrize(
+    "code, lost, cancelled, said, returncode, reason",
+    [
+        (0, None, False, "", 0, ""),
+        (1, None, False, "", 1, ""),  # the script failed: the job fails
+        (137, None, False, "", -signal.SIGKILL, ""),  # killed (a hung worker, OOM)
+        (143, None, False, "", -signal.SIGTERM, ""),  # SIGTERM before its handler was set
+        (
+            1,
+            "Slurm set node n2 DOWN (x)",
+            False,
+            "",
+            -9,
+            "lost with its node: Slurm set node n2 DOWN (x)",
+        ),
+        (
+            0,
+            "Slurm set node n2 DOWN (x)",
+            False,
+            "",
+            -9,
+            "lost with its node: Slurm set node n2 DOWN (x)",
+        ),
+        (143, None, True, "", 0, "cancelled before Slurm placed it"),
+        (1, None, False, REFUSED, -9, "Slurm did not start it: " + REFUSED.strip()[13:]),
+        (255, None, False, "", 255, ""),
+    ],
+)
+def test_an_sruns_end_counts_as_its_worker_end(code, lost, cancelled, said, returncode, reason):
+    end = srun_end(code, lost=lost, cancelled=cancelled, said=said)
     assert (end.returncode, end.reason) == (returncode, reason)
 
 
@@ -221,12 +266,8 @@ def test_listen_names_the_address_on_slurm_too():
         JobSpec(name="a", script="s.py", backend="ray", listen="10.0.0.5:0")
 
 
-def test_srun_reports_a_node_failure_before_sinfo_shows_it():
+def test_srun_reports_a_node_failure():
     said = "step 225: loss 0.01\nsrun: error: Node failure on n3\n"
     assert node_failure(said) == "n3"
     assert node_failure("srun: error: n1: task 0: Killed\n") is None
     assert node_failure("a line that mentions srun: error: Node failure on n3 inside") is None
-    mix = Node(name="n3", address="10.0.0.3", state="mix")
-    assert srun_end(0, lost_node=mix).reason == (
-        "lost with its node: Slurm reported a failure of node n3"
-    )

@@ -45,11 +45,13 @@ from tidal.backends.slurm_rules import (
     STEP_FORMAT,
     Allocation,
     Node,
+    NodeFacts,
     allocation,
     choose_node,
     controllers,
     job_argv,
     node_failure,
+    node_lost,
     parse_nodes,
     parse_queue,
     reachable_address,
@@ -423,9 +425,8 @@ class SlurmBackend(Backend):
                 log.warning("asking Slurm failed: %s", exc)
 
     def _reap(self) -> None:
-        """Each ``srun`` that ended is its worker's exit (``slurm_rules.srun_end``); one that
-        ended on a lost node (``sinfo`` says so, or srun reported the node's failure: Slurm
-        kills the step before ``sinfo`` shows the node down) loses the node."""
+        """Each ``srun`` that ended is its worker's exit (``slurm_rules.srun_end``); one on a
+        lost node (``slurm_rules.node_lost``) loses the node."""
         with self._lock:
             done = [
                 w
@@ -435,27 +436,35 @@ class SlurmBackend(Backend):
             self._ended = [p for p in self._ended if p.poll() is None]
         for w in done:
             code = w.proc.returncode if w.proc is not None else 0
-            lost = None
+            said = tail(self.log_dir / f"worker-{w.wid}.log")
+            why = None
             if w.node is not None and not w.cancelled:
                 try:
-                    node = node_states([w.node]).get(w.node)
-                except SlurmError:
-                    node = None
-                failed = node_failure(tail(self.log_dir / f"worker-{w.wid}.log")) == w.node
-                if node is not None and (node.lost or failed):
-                    lost = node
-                elif failed:
-                    lost = Node(name=w.node, address="", state="unknown")
-            end = srun_end(code, lost_node=lost, cancelled=w.cancelled and not w.running)
+                    why = node_lost(
+                        NodeFacts(
+                            name=w.node,
+                            state=node_states([w.node]).get(w.node),
+                            in_job=w.node in self._job_nodes() if self.alloc else None,
+                            srun_failure=node_failure(said) == w.node,
+                        )
+                    )
+                except SlurmError as exc:
+                    log.warning("asking Slurm about node %s failed: %s", w.node, exc)
+            end = srun_end(code, lost=why, cancelled=w.cancelled and not w.running, said=said)
             steps: list[str] = []
             with self._lock:
                 if self._workers.pop(w.wid, None) is not None:
                     self._exit(w, end.returncode, end.reason)
-                if lost is not None and lost.name not in self._lost:
-                    self._nodes.setdefault(lost.name, lost)
-                    steps = self._node_lost(self._nodes[lost.name], lost)
+                if why is not None and w.node not in self._lost:
+                    steps = self._node_lost(w.node, why)
             for step in steps:
                 self._scancel(step, signal.SIGKILL)
+
+    def _job_nodes(self) -> set[str]:
+        """The nodes the allocation holds now (a failed node leaves it: ``--no-kill``)."""
+        assert self.alloc is not None
+        listed = slurm("squeue", "-h", "-j", self.alloc.job_id, "-o", "%N").strip()
+        return set(node_states([listed])) if listed else set()
 
     def _queue(self) -> dict:
         if self.alloc is not None:
@@ -465,9 +474,10 @@ class SlurmBackend(Backend):
 
     def _find_steps(self) -> dict:
         """Each worker's step (or job) id and state from ``squeue``: a worker Slurm started
-        outside an allocation is placed; an adopted worker whose step is gone has ended.
-        What ``squeue`` said, by name."""
+        outside an allocation is placed (its node's address asked first, for ``node``); an
+        adopted worker whose step is gone has ended. What ``squeue`` said, by name."""
         queue = self._queue()
+        placed: dict[int, str] = {}
         with self._lock:
             for w in list(self._workers.values()):
                 found = queue.get(w.name)
@@ -477,8 +487,16 @@ class SlurmBackend(Backend):
                         self._exit(w, -signal.SIGKILL, "its step ended", known=False)
                     continue
                 w.step = found.id
-                if found.running and not w.running and not w.cancelled:
-                    w.running, w.node = True, found.nodes or None
+                if found.running and not w.running and not w.cancelled and found.nodes:
+                    placed[w.wid] = found.nodes
+            new = sorted(set(placed.values()) - set(self._nodes))
+        nodes = node_states(new) if new else {}
+        with self._lock:
+            self._nodes.update(nodes)
+            for wid, node in placed.items():
+                w = self._workers.get(wid)
+                if w is not None and not w.cancelled:
+                    w.running, w.node = True, node
                     self._wake()
         return queue
 
@@ -497,22 +515,22 @@ class SlurmBackend(Backend):
         with self._lock:
             self._nodes.update(nodes)
             lost = [n for n in nodes.values() if n.lost and n.name not in self._lost]
-            steps = [s for n in lost for s in self._node_lost(n)]
+            steps = [s for n in lost for s in self._node_lost(n.name, n.why_lost())]
         for step in steps:  # Slurm ends them; this makes sure
             self._scancel(step, signal.SIGKILL)
 
-    def _node_lost(self, node: Node, state: Node | None = None) -> list[str]:
-        """(Under the lock.) Node ``node`` is lost (``state``: what says so, if not its own
-        state): each worker on it is lost with it now, however long its ``srun`` takes to
-        notice, and it takes no worker again. The steps of those workers."""
-        self._lost.add(node.name)
-        state = state or node
-        gone = sorted(w.wid for w in self._workers.values() if w.node == node.name)
+    def _node_lost(self, name: str, why: str) -> list[str]:
+        """(Under the lock.) Node ``name`` is lost (``why``): each worker on it is lost with
+        it now, however long its ``srun`` takes to notice, and it takes no worker again. The
+        steps of those workers."""
+        self._lost.add(name)
+        known = self._nodes.get(name)
+        gone = sorted(w.wid for w in self._workers.values() if w.node == name)
         self._news.append(
-            f"node {node.describe()} lost: {state.why_lost()}"
+            f"node {known.describe() if known else name} lost: {why}"
             + (f"; its workers {gone} with it" if gone else "")
         )
-        end = srun_end(1, lost_node=state)
+        end = srun_end(1, lost=why)
         steps = []
         for wid in gone:
             w = self._workers.pop(wid)

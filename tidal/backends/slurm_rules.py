@@ -88,8 +88,6 @@ class Node:
         return self.state.rstrip("*~#%!$@^-+") in LOST_STATES
 
     def why_lost(self) -> str:
-        if not self.lost:  # srun heard of its failure before sinfo shows it
-            return f"Slurm reported a failure of node {self.name}"
         said = f" ({self.reason})" if self.reason else ""
         return f"Slurm set node {self.name} {self.state.rstrip('*~#%!$@^-+').upper()}{said}"
 
@@ -266,6 +264,7 @@ class End:
 
 
 _NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)\s*$", re.MULTILINE)
+_STEP_REFUSED = re.compile(r"^srun: error: (Unable to create step for job .*)$", re.MULTILINE)
 
 
 def node_failure(said: str) -> str | None:
@@ -275,15 +274,47 @@ def node_failure(said: str) -> str | None:
     return found[-1] if found else None
 
 
-def srun_end(returncode: int, *, lost_node: Node | None = None, cancelled: bool = False) -> End:
-    """A worker's end from its ``srun``'s exit code: cancelled before Slurm placed it, code 0
-    (the coordinator asked); on a node Slurm set down, lost with it (as SIGKILL: a lost
-    machine to recover from, whatever ``srun`` said); ``128 + N``, killed by signal ``N``
-    (``srun`` reports a task's signal as a shell does); else the script's own code."""
+@dataclass(frozen=True, kw_only=True)
+class NodeFacts:
+    """What is known of a worker's node: ``state``, ``sinfo``'s line (None: not listed);
+    ``in_job``, whether the allocation still holds it (None: outside an allocation);
+    ``srun_failure``, the worker's srun reported the node's failure."""
+
+    name: str
+    state: Node | None = None
+    in_job: bool | None = None
+    srun_failure: bool = False
+
+
+def node_lost(f: NodeFacts) -> str | None:
+    """Why the node is lost, or None. Slurm kills a failed node's steps before ``sinfo``
+    shows the node down, but after it removed the node from the allocation (``--no-kill``):
+    any of the three signs is enough."""
+    if f.state is not None and f.state.lost:
+        return f.state.why_lost()
+    if f.in_job is False:
+        return f"Slurm removed node {f.name} from the job (a node failure)"
+    if f.srun_failure:
+        return f"Slurm reported a failure of node {f.name}"
+    return None
+
+
+def srun_end(
+    returncode: int, *, lost: str | None = None, cancelled: bool = False, said: str = ""
+) -> End:
+    """A worker's end from its ``srun``'s exit code and last words (``said``): cancelled
+    before Slurm placed it, code 0 (the coordinator asked); on a lost node (``lost``: why),
+    lost with it (as SIGKILL: a lost machine to recover from, whatever ``srun`` said); a step
+    Slurm would not create (the script never ran), lost as well; ``128 + N``, killed by
+    signal ``N`` (``srun`` reports a task's signal as a shell does); else the script's own
+    code."""
     if cancelled:
         return End(returncode=0, reason="cancelled before Slurm placed it")
-    if lost_node is not None:
-        return End(returncode=-signal.SIGKILL, reason=f"lost with its node: {lost_node.why_lost()}")
+    if lost is not None:
+        return End(returncode=-signal.SIGKILL, reason=f"lost with its node: {lost}")
+    refused = _STEP_REFUSED.findall(said)
+    if refused and returncode != 0:
+        return End(returncode=-signal.SIGKILL, reason=f"Slurm did not start it: {refused[-1]}")
     if 128 < returncode < 128 + 65:
         return End(returncode=-(returncode - 128))
     return End(returncode=returncode)
