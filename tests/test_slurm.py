@@ -277,6 +277,7 @@ def test_a_batch_job_grows_loses_a_node_drains_a_step_is_requeued_and_ends_exact
         while "PENDING" not in slurm("squeue", "-h", "-j", job_id, "-o", "%T").stdout:
             assert time.monotonic() < deadline, logs()
             time.sleep(0.2)
+        mark("pending again")
         slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
         resumed = wait(
             tidal_home,
@@ -314,9 +315,8 @@ def test_a_batch_job_grows_loses_a_node_drains_a_step_is_requeued_and_ends_exact
     from_step = [int(m[1]) for e in events if (m := re.search(r"resumed from .*\(step (\d+)\)", e))]
     assert from_step and from_step[0] >= newest, (from_step, newest)
     assert resumed["generations"][-1]["start_step"] == from_step[0]
-    reference = reference_params(STEPS, 0, double=True)
-    mark("the reference: a one-worker run (once a session)")
     print("\n".join(timeline))
+    reference = reference_params(STEPS, 0, double=True)
     assert relative_l2(out, reference) < 1e-12
     tidal_home.assert_no_processes()
 
