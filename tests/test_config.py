@@ -64,7 +64,7 @@ def test_spec_round_trips_through_a_dict():
 
 def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError, match="known backends: .*local"):
-        get_backend("slurm")
+        get_backend("pbs")
     with pytest.raises(ValueError, match="known policies: static"):
         get_policy("magic")
 

@@ -63,7 +63,7 @@ def serving_address(spec: object) -> tuple[str, int]:
 
         return node_address(), 0
     if spec.backend == "slurm":
-        from tidal.backends.slurm import coordinator_address
+        from tidal.backends.slurm_commands import coordinator_address
 
         return coordinator_address(spec), parse_listen(spec.listen)[1] if spec.listen else 0
     if spec.backend == "hosts":

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -37,125 +36,40 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.backends.addresses import route_source
 from tidal.backends.base import Backend, Exit
+from tidal.backends.slurm_commands import (
+    COMMAND_TIMEOUT_S,
+    SlurmError,
+    check_commands,
+    coordinator_address,
+    current_allocation,
+    job_nodes,
+    last_line,
+    node_states,
+    queue,
+    scancel,
+    tail,
+)
 from tidal.backends.slurm_rules import (
-    JOB_FORMAT,
-    NODE_FORMAT,
-    STEP_FORMAT,
-    Allocation,
     Node,
     NodeFacts,
-    allocation,
     choose_node,
-    controllers,
     job_argv,
     node_failure,
     node_lost,
-    parse_nodes,
-    parse_queue,
-    reachable_address,
     srun_end,
     step_argv,
     worker_name,
 )
 from tidal.backends.slurm_task import ENV_SLOT
-from tidal.config import JobSpec, parse_listen
+from tidal.config import JobSpec
 from tidal.protocol import ENV_TOKEN
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the monitor reaps ``srun`` processes
 QUERY_S = 1.0  # how often it asks ``squeue`` and ``sinfo``
-COMMAND_TIMEOUT_S = 30.0
-COMMANDS = ("srun", "squeue", "sinfo", "scancel", "scontrol")
 _CANCEL_SIGNALS = (signal.SIGTERM, signal.SIGKILL, signal.SIGINT)
-
-
-class SlurmError(ValueError):
-    """A Slurm command failed: its first line of error."""
-
-
-def slurm(*argv: str, timeout_s: float = COMMAND_TIMEOUT_S) -> str:
-    """Run one of Slurm's commands; its output. ``SlurmError`` with its error line."""
-    try:
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SlurmError(f"`{' '.join(argv[:3])}` failed: {exc}") from None
-    if proc.returncode != 0:
-        said = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        raise SlurmError(f"`{' '.join(argv[:3])}` failed: {said}")
-    return proc.stdout
-
-
-def check_commands() -> None:
-    missing = [c for c in COMMANDS if shutil.which(c) is None]
-    if missing:
-        raise ValueError(
-            f"the slurm backend needs Slurm's commands on PATH; missing: {', '.join(missing)}"
-        )
-
-
-def current_allocation() -> Allocation | None:
-    """The allocation this process runs in (``SLURM_JOB_ID``), its node list expanded by
-    ``scontrol show hostnames``; None outside one."""
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if not job_id:
-        return None
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    if not nodelist:
-        raise ValueError(f"SLURM_JOB_ID={job_id} is set but SLURM_JOB_NODELIST is not")
-    nodes = slurm("scontrol", "show", "hostnames", nodelist).split()
-    return allocation(job_id, nodes, os.environ.get("SLURM_TASKS_PER_NODE"))
-
-
-def node_states(names: list[str]) -> dict[str, Node]:
-    if not names:
-        return {}
-    return parse_nodes(slurm("sinfo", "-h", "-N", "-n", ",".join(names), "-o", NODE_FORMAT))
-
-
-def coordinator_address(spec: JobSpec) -> str:
-    """The address the coordinator binds and its workers reach it at: ``--listen``'s, else
-    the one this machine's route to Slurm's controller leaves from, else its route to a node
-    of the allocation (``slurm_rules.reachable_address``: never loopback)."""
-    if spec.listen:
-        return parse_listen(spec.listen)[0]
-    check_commands()
-    targets = controllers(slurm("scontrol", "show", "config"))
-    alloc = current_allocation()
-    if alloc is not None:
-        targets += [n.address or n.name for n in node_states(list(alloc.nodes)).values()]
-    sources = []
-    for target in targets:
-        try:
-            sources.append(route_source(target, 9))
-        except OSError:
-            continue
-    found = reachable_address(sources)
-    if found is None:
-        raise ValueError(
-            f"cannot tell the address Slurm's nodes reach this machine at (the routes to "
-            f"{', '.join(targets) or 'the controller'} are loopback): pass --listen ADDRESS:0"
-        )
-    return found
-
-
-def tail(path: Path, size: int = 4096) -> str:
-    """The end of a worker's log (its srun's last words are there)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def last_line(path: Path) -> str:
-    lines = tail(path).strip().splitlines()
-    return lines[-1][:300] if lines else ""
 
 
 @dataclass(kw_only=True)
@@ -255,30 +169,14 @@ class SlurmBackend(Backend):
             self._find_steps()  # just started: its id may be known now
         if cancel:  # still in the queue: its job (and srun's wait) cancelled
             if w.step is not None:
-                self._scancel(w.step)
+                scancel(w.step)
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.terminate()
             return
-        if w.step is not None:
-            # Slurm 22.05's scancel may answer "Invalid job id specified" (exit 225) for a
-            # step of a job it signalled all the same ("Signal 15 to step J.S"): its answer
-            # is not trusted, and srun is not asked as well (a second SIGTERM is a kill).
-            self._scancel(w.step, sig)
+        if w.step is not None:  # not srun as well, whatever scancel says: a second SIGTERM
+            scancel(w.step, sig)  # is a kill
         elif w.proc is not None and w.proc.poll() is None:  # srun forwards it to the task
             w.proc.send_signal(sig)
-
-    def _scancel(self, target: str, sig: int | None = None) -> bool:
-        argv = (
-            ["scancel", target]
-            if sig is None
-            else ["scancel", f"--signal={signal.Signals(sig).name[3:]}", target]
-        )
-        try:
-            slurm(*argv)
-            return True
-        except SlurmError as exc:
-            log.debug("%s", exc)
-            return False
 
     def alive(self) -> list[int]:
         with self._lock:
@@ -301,17 +199,17 @@ class SlurmBackend(Backend):
         (its ``srun`` is not this process's child: its exit status is unknown) if its step
         (or job) runs; else whatever Slurm still holds of it is cancelled."""
         name = worker_name(self.job, worker_id, env[ENV_TOKEN])
-        found = self._queue().get(name)
+        found = queue(self.alloc.job_id if self.alloc is not None else None).get(name)
         if not pid or found is None or not found.running:
             if found is not None:
-                try:
-                    slurm("scancel", found.id)
-                except SlurmError:
-                    pass
+                scancel(found.id)
             return False
         w = _Worker(wid=worker_id, name=name, env=env, adopted=True, running=True)
         w.step, w.node = found.id, found.nodes or None
         with self._lock:
+            if self.alloc is not None and w.node is not None:  # it holds a slot there
+                taken = {x.slot for x in self._workers.values() if x.node == w.node}
+                w.slot = next(i for i in range(len(taken) + 1) if i not in taken)
             self._workers[worker_id] = w
         return True
 
@@ -334,10 +232,7 @@ class SlurmBackend(Backend):
             self._workers.clear()
         for w in workers:
             if w.step is not None:
-                try:
-                    slurm("scancel", "--signal=KILL", w.step)
-                except SlurmError:
-                    pass
+                scancel(w.step, signal.SIGKILL)
         for proc in [*(w.proc for w in workers if w.proc is not None), *self._ended]:
             if proc.poll() is None:
                 proc.kill()
@@ -434,22 +329,29 @@ class SlurmBackend(Backend):
                 if w.proc is not None and w.proc.poll() is not None
             ]
             self._ended = [p for p in self._ended if p.poll() is None]
+        if not done:
+            return
+        nodes = sorted({w.node for w in done if w.node is not None and not w.cancelled})
+        states: dict[str, Node] = {}
+        held: set[str] | None = None
+        try:  # once for all that ended (at the job's end, every worker at once)
+            states = node_states(nodes)
+            held = job_nodes(self.alloc.job_id) if self.alloc is not None and nodes else None
+        except SlurmError as exc:
+            log.warning("asking Slurm about nodes %s failed: %s", nodes, exc)
         for w in done:
             code = w.proc.returncode if w.proc is not None else 0
             said = tail(self.log_dir / f"worker-{w.wid}.log")
             why = None
             if w.node is not None and not w.cancelled:
-                try:
-                    why = node_lost(
-                        NodeFacts(
-                            name=w.node,
-                            state=node_states([w.node]).get(w.node),
-                            in_job=w.node in self._job_nodes() if self.alloc else None,
-                            srun_failure=node_failure(said) == w.node,
-                        )
+                why = node_lost(
+                    NodeFacts(
+                        name=w.node,
+                        state=states.get(w.node),
+                        in_job=None if held is None else w.node in held,
+                        srun_failure=node_failure(said) == w.node,
                     )
-                except SlurmError as exc:
-                    log.warning("asking Slurm about node %s failed: %s", w.node, exc)
+                )
             end = srun_end(code, lost=why, cancelled=w.cancelled and not w.running, said=said)
             steps: list[str] = []
             with self._lock:
@@ -458,29 +360,17 @@ class SlurmBackend(Backend):
                 if why is not None and w.node not in self._lost:
                     steps = self._node_lost(w.node, why)
             for step in steps:
-                self._scancel(step, signal.SIGKILL)
-
-    def _job_nodes(self) -> set[str]:
-        """The nodes the allocation holds now (a failed node leaves it: ``--no-kill``)."""
-        assert self.alloc is not None
-        listed = slurm("squeue", "-h", "-j", self.alloc.job_id, "-o", "%N").strip()
-        return set(node_states([listed])) if listed else set()
-
-    def _queue(self) -> dict:
-        if self.alloc is not None:
-            out = slurm("squeue", "-h", "-s", "-j", self.alloc.job_id, "-o", STEP_FORMAT)
-            return parse_queue(out, steps=True)
-        return parse_queue(slurm("squeue", "-h", "--me", "-o", JOB_FORMAT))
+                scancel(step, signal.SIGKILL)
 
     def _find_steps(self) -> dict:
         """Each worker's step (or job) id and state from ``squeue``: a worker Slurm started
         outside an allocation is placed (its node's address asked first, for ``node``); an
         adopted worker whose step is gone has ended. What ``squeue`` said, by name."""
-        queue = self._queue()
+        listed = queue(self.alloc.job_id if self.alloc is not None else None)
         placed: dict[int, str] = {}
         with self._lock:
             for w in list(self._workers.values()):
-                found = queue.get(w.name)
+                found = listed.get(w.name)
                 if found is None:
                     if w.adopted:  # its srun is not ours: its end is only seen here
                         del self._workers[w.wid]
@@ -498,7 +388,7 @@ class SlurmBackend(Backend):
                 if w is not None and not w.cancelled:
                     w.running, w.node = True, node
                     self._wake()
-        return queue
+        return listed
 
     def _query(self) -> None:
         """``squeue`` (``_find_steps``), then the nodes' states from ``sinfo``: the workers of
@@ -517,7 +407,7 @@ class SlurmBackend(Backend):
             lost = [n for n in nodes.values() if n.lost and n.name not in self._lost]
             steps = [s for n in lost for s in self._node_lost(n.name, n.why_lost())]
         for step in steps:  # Slurm ends them; this makes sure
-            self._scancel(step, signal.SIGKILL)
+            scancel(step, signal.SIGKILL)
 
     def _node_lost(self, name: str, why: str) -> list[str]:
         """(Under the lock.) Node ``name`` is lost (``why``): each worker on it is lost with
