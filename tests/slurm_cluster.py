@@ -4,8 +4,9 @@
 Each machine is a network namespace on one bridge, with its own address (``NET.x``): the
 first (``ctl``) runs ``munged`` and ``slurmctld`` and is where a user types commands (the
 login node: ``salloc``, ``tidal run``, ``scontrol``); each of the others runs one ``slurmd``
-(``slurmd -N NAME``: Debian's build has no multiple-slurmd mode, and a node of its own
-address is what a worker binds on a real cluster). Everything lives in a temporary folder:
+(``slurmd -N NAME``). Debian's build also runs several ``slurmd`` on localhost (distinct
+``Port=``), but every node would then be 127.0.0.1: a node of its own address is what a
+worker binds on a real cluster, and what the test checks. Everything lives in a temporary folder:
 ``slurm.conf`` (its ports chosen at run time), the munge key and socket, the daemons' state,
 spool and logs. ``stop`` ends every process in the namespaces (the daemons, their
 ``slurmstepd``, any job's tasks) and removes them.

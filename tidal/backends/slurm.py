@@ -22,7 +22,7 @@ job), so ``SIGTERM`` reaches the script: a planned leave. Decisions are in
 
 The coordinator binds the address this machine's route to Slurm's controller (else to a node
 of the allocation) leaves from, unless ``--listen HOST:PORT`` names one
-(``coordinator_address``).
+(``slurm_commands.coordinator_address``).
 """
 
 from __future__ import annotations
