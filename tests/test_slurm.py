@@ -36,7 +36,7 @@ import pytest
 from e2e_helpers import DIGITS, Home, relative_l2, summarize
 from slurm_cluster import NET, SlurmCluster, unavailable
 
-from tidal.coordinator.home import db_path
+from tidal.coordinator.process.home import db_path
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -90,7 +90,7 @@ def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
 
 
 def records(home: Home) -> dict:
-    from tidal.coordinator.db import Database
+    from tidal.coordinator.records.db import Database
 
     db = Database(db_path(home.path), readonly=True, check=False)
     try:
