@@ -430,7 +430,10 @@ def test_a_worker_whose_script_differs_fails_the_job_in_one_line(
     }[differs]
     assert found and {found[1], found[2]} == expected, line
     status = job.status()
-    assert status["state"] == "failed" and status["step"] == 20, summarize(status)
+    # Nothing trained past the scheduled change: the member was held at step 20. Its last
+    # report before the refusal may be the one of step 19 (on a loaded machine the heartbeat
+    # that carries step 20 can come after the joiner's refusal ended the job).
+    assert status["state"] == "failed" and status["step"] in (19, 20), summarize(status)
     tidal_home.assert_no_processes()
 
 
