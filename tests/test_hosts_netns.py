@@ -28,13 +28,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from e2e_helpers import DIGITS, ROOT, Home, relative_l2, summarize
-
-from tidal.coordinator.process.home import db_path
+from job_records import JobRecords, formed, members
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -42,6 +41,8 @@ NET = "10.213.0"
 ADDRESS = {"a": f"{NET}.1", "b": f"{NET}.2", "c": f"{NET}.3"}
 STEPS = 1500  # the reference the Ray and coordinator-crash tests share (one run a session)
 NAME = "spread"
+JOB = JobRecords(NAME)
+records, wait = JOB.read, JOB.wait
 #: Seconds a worker sleeps in each loss it computes, while the test waits for a worker to
 #: start (exec and ``import torch``: seconds, more on a loaded machine): the job keeps
 #: training, slowly, and does not run out of steps before every change is done; then 0.
@@ -147,47 +148,9 @@ def machines() -> Iterator[Machines]:
         m.down()
 
 
-def records(home: Home) -> dict:
-    """The job's status as its records say (SQLite: no network from this namespace)."""
-    from tidal.coordinator.records.db import Database
-
-    db = Database(db_path(home.path), readonly=True, check=False)
-    try:
-        return json.loads(db.load_status(NAME).model_dump_json())
-    finally:
-        db.close()
-
-
-def wait(home: Home, pred: Callable[[dict], object], timeout: float, what: str, logs) -> dict:
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        try:
-            status = records(home)
-        except Exception:  # noqa: BLE001 - no record yet
-            status = None
-        if status is not None and pred(status):
-            return status
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}\n{summarize(status)}\n{logs()}", pytrace=False)
-
-
-def formed(size: int) -> Callable[[dict], bool]:
-    def check(s: dict) -> bool:
-        gens = s["generations"]
-        return s["world_size"] == size and bool(gens) and gens[-1]["start_step"] is not None
-
-    return check
-
-
 def host_of(worker: dict) -> str | None:
     found = re.search(r"\((10\.213\.0\.\d+)\)$", worker["node"] or "")
     return found[1] if found else None
-
-
-def members(status: dict) -> list[dict]:
-    by_id = {w["id"]: w for w in status["workers"]}
-    return [by_id[m] for m in status["generations"][-1]["members"]]
 
 
 def children_of(pid: int) -> list[int]:

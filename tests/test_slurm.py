@@ -23,25 +23,25 @@ CI (which installs Slurm and runs as root) it fails instead.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from e2e_helpers import DIGITS, Home, relative_l2, summarize
+from job_records import JobRecords, formed, members
 from slurm_cluster import NET, SlurmCluster, unavailable
-
-from tidal.coordinator.process.home import db_path
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 1500  # the reference other multi-machine tests share (one run a session)
 NAME = "slurmjob"
+JOB = JobRecords(NAME)
+records, wait = JOB.read, JOB.wait
 SLOW_S = 0.05  # seconds each worker sleeps per loss while the changes happen; then 0
 # Paces the job's workers (``TIDAL_WORKER_ID`` set; not the node's launcher, which execs the
 # worker at once and would import torch for nothing), never the mathematics.
@@ -87,43 +87,6 @@ def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
         yield c
     finally:
         c.stop()
-
-
-def records(home: Home) -> dict:
-    from tidal.coordinator.records.db import Database
-
-    db = Database(db_path(home.path), readonly=True, check=False)
-    try:
-        return json.loads(db.load_status(NAME).model_dump_json())
-    finally:
-        db.close()
-
-
-def wait(home: Home, pred: Callable[[dict], object], timeout: float, what: str, logs) -> dict:
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        try:
-            status = records(home)
-        except Exception:  # noqa: BLE001 - no record yet
-            status = None
-        if status is not None and pred(status):
-            return status
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}\n{summarize(status)}\n{logs()}", pytrace=False)
-
-
-def formed(size: int) -> Callable[[dict], bool]:
-    def check(s: dict) -> bool:
-        gens = s["generations"]
-        return s["world_size"] == size and bool(gens) and gens[-1]["start_step"] is not None
-
-    return check
-
-
-def members(status: dict) -> list[dict]:
-    by_id = {w["id"]: w for w in status["workers"]}
-    return [by_id[m] for m in status["generations"][-1]["members"]]
 
 
 def members_ids(status: dict) -> list[int]:
