@@ -65,15 +65,12 @@ def test_run_with_tensorboard_writes_metrics_and_world_size(tidal_home: Home, tm
 
 
 def test_tensorboard_dir_reaches_a_detached_coordinator(monkeypatch) -> None:
-    """``--detach`` hands ``--tensorboard`` to the runner process on its command line."""
-    from tidal.host import runner
+    """``--detach`` hands ``--tensorboard`` to the background process on its command line."""
+    from tidal.host import detached, runner
 
     seen = {}
     monkeypatch.setattr(runner, "run_job", lambda spec, home, **kw: seen.update(kw) or 0)
-    monkeypatch.setattr(
-        "sys.argv",
-        ["runner", "/h", '{"name": "x", "script": "s.py"}', "--tensorboard", "/tb"],
-    )
-    monkeypatch.setattr(runner.JobSpec, "from_dict", staticmethod(lambda d: d))
-    assert runner.main() == 0
-    assert seen == {"quiet": True, "resume": None, "tensorboard": "/tb"}
+    spec = '{"name": "x", "script": "s.py", "worker_start": "exec"}'  # no zygote to start
+    monkeypatch.setattr("sys.argv", ["detached", "/h", spec, "--tensorboard", "/tb"])
+    assert detached.main() == 0
+    assert seen == {"quiet": True, "resume": None, "tensorboard": "/tb", "zygote": None}

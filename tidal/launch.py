@@ -363,7 +363,7 @@ def detach(
             [
                 sys.executable,
                 "-m",
-                "tidal.host.runner",
+                "tidal.host.detached",
                 str(home),
                 json.dumps(spec.to_dict()),
                 *([json.dumps(vars(resume))] if resume else []),

@@ -1,8 +1,7 @@
 """Hosting a job: the coordinator, its API server and the control loop in one process.
 
-``tidal run`` calls ``run_job`` in the foreground; ``tidal run --detach`` starts this module
-as a background process (``python -m tidal.host.runner HOME SPEC_JSON [RESUME_JSON]
-[--tensorboard DIR] [--lock-fd FD]``). The loop also feeds the dashboard's history
+``tidal run`` calls ``run_job`` in the foreground; ``tidal run --detach`` calls it in a
+background process (``host.detached``). The loop also feeds the dashboard's history
 (``Recorder``), which writes the TensorBoard events of ``--tensorboard``.
 
 The hosting process holds the job's lock (``HOME/jobs/NAME/lock``, see ``home``) for its
@@ -22,11 +21,9 @@ line when some checkpoints of a job that succeeded could not be written.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import sqlite3
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -320,42 +317,3 @@ def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:
             )
 
     recorder.store.append = append_or_break
-
-
-def _option(argv: list[str], name: str) -> str | None:
-    """Take ``name VALUE`` out of ``argv``; the value, or None if absent."""
-    if name not in argv:
-        return None
-    i = argv.index(name)
-    value = argv[i + 1]
-    del argv[i : i + 2]
-    return value
-
-
-def main() -> int:
-    argv = sys.argv[1:]
-    tensorboard = _option(argv, "--tensorboard")
-    lock = _option(argv, "--lock-fd")
-    attach = _option(argv, "--attach")
-    extra: dict = {"attach": Attach(**json.loads(attach))} if attach else {}
-    if lock is not None:  # the job's lock, taken by `tidal run`; not for our own children
-        extra["lock_fd"] = int(lock)
-        os.set_inheritable(extra["lock_fd"], False)
-    home, spec_json = argv[0], argv[1]
-    resume = Resume(**json.loads(argv[2])) if len(argv) > 2 else None
-    try:
-        return run_job(
-            JobSpec.from_dict(json.loads(spec_json)),
-            Path(home),
-            quiet=True,
-            resume=resume,
-            tensorboard=tensorboard,
-            **extra,
-        )
-    except ValueError as exc:  # bad input: the last line of the log is what --detach shows
-        print(f"tidal: error: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
