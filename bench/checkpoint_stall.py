@@ -3,26 +3,30 @@
 ``python -m bench.checkpoint_stall [--quick] [--json FILE]``
 
 A ~100 MB MLP (25 M float32 parameters) with SGD momentum (another 100 MB of state) trains
-on synthetic data. Three phases in one process: no checkpoints (the baseline step time),
-Tidal's asynchronous checkpoint every ``--every`` steps, and the peer: DCP's
+on synthetic data, in one process, with Tidal's asynchronous checkpoint every ``--every``
+steps and then with the peer, each in blocks alternating with blocks of no checkpoints (the
+baseline, seconds away: ``run``). The peer is DCP's
 ``async_save`` of the same state at its best on this host (``bench.peers.DCP_ASYNC``: one
 ``DefaultStager`` for the run, so its staging buffers are reused; staging in its thread; the
 training waits for the staging before the next optimizer update and for the previous upload
 before the next save, as DCP's users do). The stall is the time the training thread waits
 for the checkpoint (the save call plus the waits before the next optimizer step) or how much
-longer the steps it overlaps get, whichever is larger, as a percentage of the baseline step;
-the three phases run three times, interleaved, and each figure is the median of its rounds.
-The floor (``stall_floor``): the CPU of one memcpy and page-cache write of the same bytes,
-spread over the cores, in % of the same step; ``checkpoint_stall_floor_pct`` compares
-Tidal's stall with it.
+longer the steps it overlaps get, whichever is larger, as a percentage of the baseline step.
+Measured twice: with the training on two threads (every core busy: ``checkpoint_stall_pct``)
+and on one (a core to spare: ``checkpoint_stall_spare_core_pct``, the 3.5% goal).
+The floor (``FloorWriter``): a thread that copies the same bytes into memory allocated once
+and writes them to one file, measured as the writers are, in the same run;
+``checkpoint_stall_floor_pct`` compares Tidal's stall with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +42,9 @@ from tidal.checkpoint.writer import AsyncCheckpointer
 #: checkpoints in a fresh folder touch page cache this VM's guest never used, ~7 CPU-s per
 #: GB (whoever writes it), and that dominated the mean over 10 checkpoints.
 WARMUP = 3
+
+#: Tidal's writer, the peer, and the floor, each measured the same way (``run``).
+MODES = ("async", "dcp", "floor")
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -101,123 +108,198 @@ class DcpAsync:
         self.stager.close()
 
 
-def run(steps: int, every: int, batch: int, mode: str, directory: Path) -> dict:
-    """``mode``: ``none`` (no checkpoints), ``async`` (Tidal's writer) or ``dcp``."""
+class FloorWriter:
+    """The floor, measured as the writers are: at a save, one thread copies the same tensors
+    into memory allocated once, then writes them to one file and fsyncs it
+    (``checkpoint_cpu.floor_cpu``'s work, no format, no checksum); the update waits for the
+    copy (``quiesce``), a save for the previous write."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "floor.bin"
+        self.into: list[torch.Tensor] | None = None
+        self.thread: threading.Thread | None = None
+        self.copied = threading.Event()
+        self.last_stall_s = 0.0
+
+    def save(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from bench.checkpoint_cpu import tensors_of
+
+        t0 = time.perf_counter()
+        self.wait()
+        tensors = tensors_of(module, optimizer)
+        if self.into is None:
+            self.into = [torch.empty_like(t) for t in tensors]
+        self.copied.clear()
+        self.thread = threading.Thread(target=self._write, args=(tensors, self.into))
+        self.thread.start()
+        self.last_stall_s = time.perf_counter() - t0
+
+    def _write(self, tensors: list[torch.Tensor], into: list[torch.Tensor]) -> None:
+        for src, dst in zip(tensors, into, strict=True):
+            dst.copy_(src)
+        self.copied.set()
+        with open(self.path, "wb", buffering=0) as f:
+            for dst in into:
+                f.write(memoryview(dst.reshape(-1).view(torch.uint8).numpy()))
+            os.fsync(f.fileno())
+
+    def quiesce(self) -> None:
+        if self.thread is not None and not self.copied.is_set():
+            t0 = time.perf_counter()
+            self.copied.wait()
+            self.last_stall_s += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def run(pairs: int, every: int, batch: int, mode: str, directory: Path) -> dict:
+    """``mode``: ``async`` (Tidal's writer), ``dcp`` or ``floor``. The steps run in blocks of
+    ``2 * every``, alternately without a checkpoint and with one, saved as the block starts
+    (``pairs`` of each, the order swapped every pair). The write has the whole block to end
+    (~2 s here; the wait for one that has not, the disk's latency, is recorded as ``tail_s``,
+    not counted), so none of its work lands in the next plain block. The plain blocks,
+    seconds apart from the checkpoint blocks, are their baseline: this shared VM's speed
+    drifts by 10 to 20% over tens of seconds, which separate phases measured as checkpoint
+    cost (one run read 465% of a step, another 15%)."""
     import warnings
 
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
     model, opt = build()
     x, y = torch.randn(batch, 2048), torch.randint(0, 10, (batch,))
     step_fn(model, opt, x, y)  # warm up allocations and momentum buffers
+    (directory / mode).mkdir(parents=True, exist_ok=True)
     if mode == "dcp":
-        (directory / mode).mkdir(parents=True, exist_ok=True)
         writer = DcpAsync(directory / mode)
+    elif mode == "floor":
+        writer = FloorWriter(directory / mode)
     else:
         writer = AsyncCheckpointer(directory / mode, keep=2, on_written=lambda w: None)
+    saves = 0
 
-    def save(step: int) -> None:
+    def save() -> None:
+        nonlocal saves
+        saves += 1
         if mode == "dcp":
-            writer.save(step, model, opt)
+            writer.save(saves, model, opt)
+        elif mode == "floor":
+            writer.save(model, opt)
         else:
-            writer.save(step=step, module=model, optimizer=opt, meta={})
+            writer.save(step=saves, module=model, optimizer=opt, meta={})
 
-    if mode != "none":
-        for i in range(-WARMUP, 0):  # a job's steady state: see ``WARMUP``
-            save(WARMUP + i)
-            writer.wait()
-    times, blocked = [], []
-    for i in range(1, steps + 1):
-        t0 = time.perf_counter()
-        step_fn(model, opt, x, y, writer.quiesce)
-        if mode != "none" and i % every == 1 and i > 1:
-            blocked.append(writer.last_stall_s)  # save() plus the wait before this update
-        if mode != "none" and i % every == 0:
-            save(WARMUP + i)
-        times.append(time.perf_counter() - t0)
+    for _ in range(WARMUP):  # a job's steady state: see ``WARMUP``
+        save()
+        writer.wait()
+    blocks: dict[bool, list[float]] = {False: [], True: []}
+    plain_steps, blocked, tails = [], [], []
+    for pair in range(pairs):
+        for on in (False, True) if pair % 2 == 0 else (True, False):
+            t_block = time.perf_counter()
+            if on:
+                save()
+            for _ in range(2 * every):
+                t0 = time.perf_counter()
+                step_fn(model, opt, x, y, writer.quiesce)
+                if not on:
+                    plain_steps.append(time.perf_counter() - t0)
+            blocks[on].append(time.perf_counter() - t_block)
+            if on:
+                blocked.append(writer.last_stall_s)  # save() plus the wait before the update
+                t0 = time.perf_counter()
+                writer.wait()  # not counted: the disk's latency, not the training's loss
+                tails.append(time.perf_counter() - t0)
     writer.wait()
     if mode == "dcp":
         writer.close()
     size = sum(p.numel() * 4 for p in model.parameters())
-    return {"mode": mode, "step_s": times, "blocked_s": blocked, "params_mb": size / 1e6}
-
-
-def summarize(steps: list[float], every: int, baseline: float) -> tuple[float, float]:
-    """(extra seconds per checkpoint, as % of the baseline step)."""
-    extra = sum(steps) - baseline * len(steps)
-    per_ckpt = extra / max(1, len(steps) // every)
-    return per_ckpt, 100 * per_ckpt / baseline
+    return {
+        "mode": mode,
+        "baseline_s": statistics.median(plain_steps),
+        "extra_s": (sum(blocks[True]) - sum(blocks[False])) / pairs,
+        "blocked_s": blocked,
+        "tail_s": tails,
+        "blocks_s": {"plain": blocks[False], "checkpoint": blocks[True]},
+        "params_mb": size / 1e6,
+    }
 
 
 def measure(
-    *,
-    quick: bool = False,
-    every: int = 4,
-    batch: int = 128,
-    steps: int | None = None,
-    rounds: int | None = None,
+    *, quick: bool = False, every: int = 4, batch: int = 128, steps: int | None = None
 ) -> dict:
-    """Run the three phases ``rounds`` times, interleaved (none, async, dcp, none, ...), and
-    return the ``checkpoint_stall_pct`` row (plus details): each round's stall against its
-    own baseline, and the median over rounds. A hiccup of the machine (a second of another
-    process) lands in one phase of one round, not in the figure: one such second in a
-    40-step phase read as ~250% of a step on the 2026-12-07 run."""
-    steps = steps or (12 if quick else 40)
-    rounds = rounds or (1 if quick else 3)
+    """Measure the writers and the floor (``MODES``, ``run``: about ``steps`` steps each) and
+    return the ``checkpoint_stall_pct`` row plus details: ``floor_pct``, the floor's stall
+    measured the same way, and ``spare_core``, all three with the training on one thread (a
+    core left to the writer)."""
+    steps = steps or (16 if quick else 192)
+    pairs = max(1, steps // (4 * every))
+    out, details = {}, {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {m: run(pairs, every, batch, m, Path(tmp)) for m in MODES}
+        pct = {}
+        for mode, res in results.items():
+            blocked = statistics.mean(res["blocked_s"]) if res["blocked_s"] else 0.0
+            # The stall: the training thread's wait, or the steps' slowdown if that is larger.
+            stall = max(blocked, res["extra_s"], 0.0)
+            pct[mode] = 100 * stall / res["baseline_s"]
+            log(
+                f"{threads} training thread(s), {mode:>5}: waits {blocked * 1000:7.1f} ms, steps "
+                f"slower by {res['extra_s'] * 1000:7.1f} ms per checkpoint: stall "
+                f"{pct[mode]:6.2f}% of a {res['baseline_s'] * 1000:.0f} ms step (write ended "
+                f"{statistics.median(res['tail_s']) * 1000:.0f} ms after its block, median)"
+            )
+        out[threads], details[threads] = pct, results
     torch.set_num_threads(2)
-    per_round: dict[str, list[float]] = {"async": [], "dcp": []}
-    blocked_all: dict[str, list[float]] = {"async": [], "dcp": []}
-    baselines = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            base = run(steps, every, batch, "none", Path(tmp))
-            baseline = statistics.median(base["step_s"])
-            baselines.append(baseline)
-            for mode in ("async", "dcp"):
-                res = run(steps, every, batch, mode, Path(tmp))
-                per, _ = summarize(res["step_s"], every, baseline)
-                blocked = statistics.mean(res["blocked_s"]) if res["blocked_s"] else 0.0
-                # The stall: the training thread's wait, or the steps' slowdown if larger.
-                stall = max(blocked, per, 0.0)
-                per_round[mode].append(100 * stall / baseline)
-                blocked_all[mode] += res["blocked_s"]
-                log(
-                    f"round {r}: {mode:>5}: waits {blocked * 1000:7.1f} ms, steps slower by "
-                    f"{per * 1000:7.1f} ms per checkpoint: stall {per_round[mode][-1]:6.2f}% "
-                    f"of a {baseline * 1000:.0f} ms step"
-                )
-    baseline = statistics.median(baselines)
+    baseline = details[2]["async"]["baseline_s"]
     log(
-        f"model {base['params_mb']:.0f} MB of parameters + as much optimizer state; "
-        f"baseline step {baseline * 1000:.0f} ms; a checkpoint every {every} steps"
+        f"model {details[2]['async']['params_mb']:.0f} MB of parameters + as much optimizer "
+        f"state; baseline step {baseline * 1000:.0f} ms; a checkpoint every {every} steps; "
+        f"{pairs} pairs of blocks"
     )
-    out = {mode: statistics.median(pcts) for mode, pcts in per_round.items()}
-    ratio = out["dcp"] / max(out["async"], 0.01)
-    log(f"dcp.async_save stall / Tidal's = {ratio:.1f}x (median of {rounds} rounds)")
-    floor = stall_floor(baseline)
+    ratio = out[2]["dcp"] / max(out[2]["async"], 0.01)
     log(
-        f"floor: a memcpy + page-cache write of the same bytes takes {floor['cpu_s'] * 1000:.0f} "
-        f"ms of CPU; on {floor['cores']} cores that training keeps busy, at least "
-        f"{floor['pct']:.0f}% of a step"
+        f"dcp.async_save stall / Tidal's = {ratio:.1f}x; Tidal's / the floor's = "
+        f"{out[2]['async'] / max(out[2]['floor'], 0.01):.2f}x"
     )
+    cpu = cpu_floor(baseline)
+    log(
+        f"the floor's CPU: a memcpy + page-cache write of the same bytes takes "
+        f"{cpu['cpu_s'] * 1000:.0f} ms, {cpu['pct']:.0f}% of a step if spread over "
+        f"{cpu['cores']} cores"
+    )
+
+    def by_mode(key: str, threads: int) -> dict:
+        return {m: r[key] for m, r in details[threads].items()}
+
     return {
         "name": "checkpoint_stall_pct",
-        "tidal": out["async"],
-        "peer": out["dcp"],
+        "tidal": out[2]["async"],
+        "peer": out[2]["dcp"],
         "ratio": ratio,
         "unit": "% of step",
         "peer_name": "dcp.async_save",
         "peer_config": DCP_ASYNC,
         "baseline_step_s": baseline,
-        "rounds_pct": per_round,
-        "blocked_s": blocked_all,
-        "floor": floor,
+        "floor_pct": out[2]["floor"],
+        "blocked_s": by_mode("blocked_s", 2),
+        "blocks_s": {t: by_mode("blocks_s", t) for t in details},
+        "spare_core": {
+            **{m: out[1][m] for m in MODES},
+            "baseline_step_s": details[1]["async"]["baseline_s"],
+            "blocked_s": by_mode("blocked_s", 1),
+        },
+        "cpu_floor": cpu,
     }
 
 
-def stall_floor(baseline_s: float, repeats: int = 5) -> dict:
-    """The least any asynchronous checkpoint can stall a step whose compute keeps every core
-    busy: the CPU of a memcpy and a page-cache write of the same bytes
-    (``checkpoint_cpu.floor_cpu``, steady state), spread over the cores, against the step."""
+def cpu_floor(baseline_s: float, repeats: int = 5) -> dict:
+    """The floor's CPU (``checkpoint_cpu.floor_cpu``, steady state): a memcpy and a page-cache
+    write of the same bytes, and what it would be in % of a step if it were spread evenly over
+    the cores the training keeps busy (it is not: the training's threads wait for the one
+    the writer displaced, so a measured stall is closer to the whole CPU)."""
     from bench.checkpoint_cpu import floor_cpu, tensors_of
 
     model, opt = build()

@@ -19,12 +19,26 @@ def run_checkpoint_stall(size: dict, tmp: Path) -> tuple[list[dict], dict]:
     rows = [row(res["name"], res["tidal"], res["peer"], res["unit"], higher_is_better=False,
                 peer_name=res["peer_name"], peer_config=res["peer_config"],
                 tidal_samples=blocked["async"], peer_samples=blocked["dcp"])]  # fmt: skip
-    floor = res["floor"]
-    rows.append(row("checkpoint_stall_floor_pct", res["tidal"], floor["pct"], "% of step",
-                    higher_is_better=False, peer_name="floor",
-                    peer_config=f"one memcpy + page-cache write of the same bytes "
-                    f"(bench.checkpoint_cpu.floor_cpu), its CPU over {floor['cores']} cores, "
-                    "in % of the same baseline step, measured in the same run"))  # fmt: skip
+    floor_config = ("a thread that copies the same bytes into memory allocated once and writes "
+                    "them to one file, fsynced (bench.checkpoint_stall.FloorWriter), measured "
+                    "as Tidal's writer is, in the same run")  # fmt: skip
+    rows.append(
+        row(
+            "checkpoint_stall_floor_pct",
+            res["tidal"],
+            res["floor_pct"],
+            "% of step",
+            higher_is_better=False,
+            peer_name="floor",
+            peer_config=floor_config,
+        )
+    )
+    spare = res["spare_core"]
+    rows.append(row("checkpoint_stall_spare_core_pct", spare["async"], spare["dcp"], "% of step",
+                    higher_is_better=False, peer_name="dcp.async_save",
+                    peer_config={**res["peer_config"], "training_threads": 1},
+                    tidal_samples=spare["blocked_s"]["async"],
+                    peer_samples=spare["blocked_s"]["dcp"]))  # fmt: skip
     return rows, res
 
 
