@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -290,6 +291,34 @@ def test_the_history_says_each_new_failure_and_its_recovery(tmp_path, monkeypatc
     assert "OSError: disk full" in lines[0] and "RuntimeError: locked" in lines[1]
     assert "records again, after 3 failed attempts" in lines[2]
     assert HistoryStore(db_path(tmp_path)).read("j")["step"] == [0, 1, 2, 3, 4, 4]  # + close's
+
+
+def test_a_history_that_cannot_be_written_is_told_to_its_host(tmp_path, monkeypatch, capsys):
+    """``on_write_error`` hears each failed SQLite write (the host ends the job on it, in
+    one line) instead of the history's own warning; other errors stay warnings."""
+    monkeypatch.setattr(history_mod, "SAMPLE_EVERY_S", 0.0)
+    monkeypatch.setattr(history_mod, "WRITE_EVERY_S", 0.0)
+
+    class FakeCoordinator:
+        spec = SimpleNamespace(name="j")
+
+        def sample(self) -> tuple:
+            return 0, 1, 1, {}, [], {}
+
+    heard: list[str] = []
+    rec = Recorder(FakeCoordinator(), tmp_path, on_write_error=lambda e: heard.append(str(e)))
+    errors = [sqlite3.OperationalError("database or disk is full"), OSError("gone")]
+
+    def failing(*args, **kwargs):
+        raise errors.pop(0)
+
+    rec.store.append = failing
+    rec.tick()
+    assert heard == ["database or disk is full"]
+    assert "dashboard history" not in capsys.readouterr().err
+    rec.tick(force=True)
+    assert heard == ["database or disk is full"]
+    assert "OSError: gone" in capsys.readouterr().err
 
 
 # -- served by `tidal dashboard` ------------------------------------------------------------

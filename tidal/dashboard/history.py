@@ -22,6 +22,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -167,12 +168,22 @@ class HistoryStore:
 
 
 class Recorder:
-    """Samples a running coordinator; ``tick`` is cheap enough for its control loop."""
+    """Samples a running coordinator; ``tick`` is cheap enough for its control loop.
+
+    ``on_write_error``: told when the history's rows cannot be written to SQLite (the
+    job's own records are in the same file, so its host ends the job); the points are
+    dropped. Without it, such an error is a failed tick like any other (a warning)."""
 
     def __init__(
-        self, coord: Coordinator, home: Path, *, tensorboard: TensorBoardSink | None = None
+        self,
+        coord: Coordinator,
+        home: Path,
+        *,
+        tensorboard: TensorBoardSink | None = None,
+        on_write_error: Callable[[sqlite3.Error], None] | None = None,
     ) -> None:
         self.coord = coord
+        self.on_write_error = on_write_error
         self.job = coord.spec.name
         self.store = HistoryStore(db_path(home))
         self.sink = tensorboard
@@ -239,7 +250,14 @@ class Recorder:
         self._last_write = now
         saved = {w: k for w, k in self._applied.items() if self._saved.get(w) != k}
         if self._buffer or self._steps or saved:
-            self.store.append(self.job, list(self._buffer), steps=list(self._steps), saved=saved)
+            try:
+                self.store.append(
+                    self.job, list(self._buffer), steps=list(self._steps), saved=saved
+                )
+            except sqlite3.Error as exc:
+                if self.on_write_error is None:
+                    raise
+                self.on_write_error(exc)
             self._buffer.clear()
             self._steps.clear()
             self._saved.update(saved)

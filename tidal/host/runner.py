@@ -25,6 +25,7 @@ import os
 import signal
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -157,10 +158,9 @@ def _host(
 
             sink = TensorBoardSink(tensorboard, spec.name)
         try:
-            recorder = Recorder(coord, home, tensorboard=sink)
+            recorder = Recorder(coord, home, tensorboard=sink, on_write_error=_breaks(coord))
         except sqlite3.Error as exc:
             raise HomeError(f"cannot write {db_path(home)}: {exc}") from None
-        _history_failures_break(recorder, coord)
         forwarder = _forwarder(spec, home, coord, notes)
     except BaseException:
         coord.close(kill_workers=not recover)  # adopted workers wait for the next one
@@ -303,17 +303,12 @@ def _forwarder(spec: JobSpec, home: Path, coord: Coordinator, notes: list[str]) 
     return forwarder
 
 
-def _history_failures_break(recorder: Recorder, coord: Coordinator) -> None:
+def _breaks(coord: Coordinator) -> Callable[[sqlite3.Error], None]:
     """A failed write of the dashboard's history (same file) is a failure of the job's records
     (it ends the job, in one line), not a second warning line."""
-    append = recorder.store.append
 
-    def append_or_break(job: str, points: list, **more: object) -> None:
-        try:
-            append(job, points, **more)
-        except sqlite3.Error as exc:
-            coord.executor.db.broken = (
-                coord.executor.db.broken or f"cannot write {coord.executor.db.path}: {exc}"
-            )
+    def broken(exc: sqlite3.Error) -> None:
+        db = coord.executor.db
+        db.broken = db.broken or f"cannot write {db.path}: {exc}"
 
-    recorder.store.append = append_or_break
+    return broken
