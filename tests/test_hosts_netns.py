@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import DIGITS, ROOT, Home, relative_l2, summarize
 from job_records import JobRecords, formed, members
+from pacing import pacing_site
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -48,24 +49,8 @@ records, wait = JOB.read, JOB.wait
 #: training, slowly, and does not run out of steps before every change is done; then 0.
 SLOW_S = 0.05
 
-# Paces the job's workers (never the agents, whose environment has no worker id): a sleep in
-# each loss computed, as long as the file ``$HOSTS_TEST_PACE`` says. The mathematics is
-# untouched.
-PACE = """
-import os
-if os.environ.get("TIDAL_WORKER_ID") is not None and os.environ.get("HOSTS_TEST_PACE"):
-    import time
-    import torch.nn.functional as F
-    _pace, _cross_entropy = os.environ["HOSTS_TEST_PACE"], F.cross_entropy
-    def cross_entropy(*args, **kwargs):
-        try:
-            with open(_pace) as f:
-                time.sleep(float(f.read()))
-        except (OSError, ValueError):
-            pass
-        return _cross_entropy(*args, **kwargs)
-    F.cross_entropy = cross_entropy
-"""
+# Paces the job's workers, never the agents (no worker id in their environment).
+PACE = pacing_site("HOSTS_TEST_PACE")
 
 
 class Machines:

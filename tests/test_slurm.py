@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import DIGITS, Home, relative_l2, summarize
 from job_records import JobRecords, formed, members
+from pacing import pacing_site
 from slurm_cluster import NET, SlurmCluster, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -43,27 +44,8 @@ NAME = "slurmjob"
 JOB = JobRecords(NAME)
 records, wait = JOB.read, JOB.wait
 SLOW_S = 0.05  # seconds each worker sleeps per loss while the changes happen; then 0
-# Paces the job's workers (``TIDAL_WORKER_ID`` set; not the node's launcher, which execs the
-# worker at once and would import torch for nothing), never the mathematics.
-PACE = """
-import os, sys
-if (
-    os.environ.get("TIDAL_WORKER_ID") is not None
-    and os.environ.get("SLURM_TEST_PACE")
-    and "tidal.backends.slurm_task" not in sys.orig_argv
-):
-    import time
-    import torch.nn.functional as F
-    _pace, _cross_entropy = os.environ["SLURM_TEST_PACE"], F.cross_entropy
-    def cross_entropy(*args, **kwargs):
-        try:
-            with open(_pace) as f:
-                time.sleep(float(f.read()))
-        except (OSError, ValueError):
-            pass
-        return _cross_entropy(*args, **kwargs)
-    F.cross_entropy = cross_entropy
-"""
+# Paces the job's workers, not the node's launcher (``pacing``).
+PACE = pacing_site("SLURM_TEST_PACE", not_for="tidal.backends.slurm_task")
 
 
 @pytest.fixture
