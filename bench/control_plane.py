@@ -149,7 +149,7 @@ def measure(
     pin: bool = True,
 ) -> dict:
     """One coordinator, N simulated workers; the generator's result (see the module doc)."""
-    from tidal.coordinator.process.home import job_dir
+    from tidal.coordinator.records.home import job_dir
 
     tmp.mkdir(parents=True, exist_ok=True)
     home, out = tmp / f"home-{n}", tmp / f"load-{n}.json"

@@ -30,7 +30,10 @@ def table(runs: list[dict]) -> str:
     for label in labels:
         head += [f"{label}: Tidal", f"{label}: peer", f"{label}: ratio"]
     head += ["unit", "goal"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * 3 * len(runs) + "---|---|"]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * 2 + "---:|" * 3 * len(runs) + "---|---|",
+    ]
     for name in names:
         cells, unit, peer, marks = [f"`{name}`"], "", "", []
         row_cells = []

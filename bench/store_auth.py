@@ -117,8 +117,18 @@ def measure(tmp: Path, *, generations: int = 40, steps: int = 200) -> dict:
     try:
         members = [
             procs.start(
-                py + ["--member", str(r), str(port), "--generations", str(generations),
-                      "--steps", str(steps), "--out", str(outs[r])],
+                py
+                + [
+                    "--member",
+                    str(r),
+                    str(port),
+                    "--generations",
+                    str(generations),
+                    "--steps",
+                    str(steps),
+                    "--out",
+                    str(outs[r]),
+                ],
                 tmp / f"store-auth-{r}.log",
             )  # fmt: skip
             for r in (0, 1)

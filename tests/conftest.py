@@ -33,7 +33,6 @@ DEVICES = [
 ]
 
 
-
 @pytest.fixture(autouse=True)
 def tidal_records_reach_caplog() -> Iterator[None]:
     """The ``tidal`` logger does not propagate (``tidal.logconfig``: a script's own root
@@ -44,6 +43,7 @@ def tidal_records_reach_caplog() -> Iterator[None]:
     logger.propagate = True
     yield
     logger.propagate = before
+
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:

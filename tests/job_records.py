@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from e2e_helpers import Home, summarize
 
-from tidal.coordinator.process.home import db_path
+from tidal.coordinator.records.home import db_path
 
 
 class JobRecords:

@@ -88,8 +88,8 @@ class Moto:
     def keys(self, bucket: str, prefix: str = "") -> dict[str, int]:
         """Every object under ``prefix``: key -> size (listed by boto3, not by Tidal)."""
         found = {}
-        pages = self.client().get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=prefix
+        pages = (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         )
         for page in pages:
             found |= {o["Key"]: o["Size"] for o in page.get("Contents", [])}

@@ -13,7 +13,7 @@ import pytest
 
 from tidal.checkpoint.layout import CheckpointError, CheckpointMismatch, marks_bad
 from tidal.config import job_name_error
-from tidal.coordinator.process.home import BadJobName, job_dir
+from tidal.coordinator.records.home import BadJobName, job_dir
 from tidal.host.admission import BODY_LIMIT, WORKER_BODY_LIMIT, admit
 from tidal.protocol import API_PREFIX, MAX_ID, worker_token
 

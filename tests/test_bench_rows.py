@@ -136,8 +136,12 @@ def test_the_results_plot_draws_each_row_with_samples_on_both_sides(tmp_path) ->
     from bench.results import plot
 
     rows = [
-        {"name": "recovery_p50", "unit": "s", "peer_name": "torchrun",
-         "_samples": {"tidal": [0.07, 0.08, 0.09], "peer": [3.1, 3.4]}},  # fmt: skip
+        {
+            "name": "recovery_p50",
+            "unit": "s",
+            "peer_name": "torchrun",
+            "_samples": {"tidal": [0.07, 0.08, 0.09], "peer": [3.1, 3.4]},
+        },  # fmt: skip
         {"name": "no_peer", "unit": "s", "peer_name": "none", "_samples": {"tidal": [1.0]}},
     ]
     path = plot(rows, tmp_path / "run.png")

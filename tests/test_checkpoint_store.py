@@ -100,7 +100,9 @@ def test_tracked_state_is_taken_when_the_snapshot_begins(pool) -> None:
     ema = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     ema.update_parameters(m)
     before = {k: v.clone() for k, v in ema.state_dict().items()}
-    pending = store.begin_snapshot(step=1, module=m, meta={}, tracked=TrackedState({"ema": ema}), pool=pool)
+    pending = store.begin_snapshot(
+        step=1, module=m, meta={}, tracked=TrackedState({"ema": ema}), pool=pool
+    )
     with torch.no_grad():
         for p in m.parameters():
             p.add_(1.0)

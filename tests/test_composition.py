@@ -35,8 +35,14 @@ FOREIGN_PRIVATE = {
     ("tidal/sim_cli.py", "_SubParsersAction"),
     ("tidal/worker_cli.py", "_SubParsersAction"),
     ("tidal/worker/agent/client.py", "_exit"),  # os._exit: leave without running atexit handlers
-    ("tidal/worker/membership/busy.py", "_set_pg_timeout"),  # c10d: a group's timeout, changed in place
-    ("tidal/worker/membership/ddp.py", "_rebuild_buckets"),  # DDP's bucket rebuild, made between steps
+    (
+        "tidal/worker/membership/busy.py",
+        "_set_pg_timeout",
+    ),  # c10d: a group's timeout, changed in place
+    (
+        "tidal/worker/membership/ddp.py",
+        "_rebuild_buckets",
+    ),  # DDP's bucket rebuild, made between steps
     # c10d's process-group registry and NCCL group calls: destroying and aborting a group
     # whose peer died without a collective (``group``).
     ("tidal/worker/membership/group.py", "_world"),

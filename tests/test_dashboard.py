@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tidal.config import JobSpec
 from tidal.coordinator.control.controller import Coordinator
-from tidal.coordinator.process.home import db_path, job_dir
 from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.home import db_path, job_dir
 from tidal.coordinator.records.records import WorkerRecord
 from tidal.dashboard import DashboardServer, HistoryStore, Recorder
 from tidal.dashboard import history as history_mod

@@ -32,13 +32,11 @@ from tidal.coordinator.actions import (
 )
 from tidal.coordinator.control.effects import RequestError
 from tidal.coordinator.control.parts import Parts, compose
-from tidal.coordinator.job import Job, durable_fields
+from tidal.coordinator.job import TRANSITIONS, Job, Phase, PhaseError, Streak, durable_fields
 from tidal.coordinator.records.accounting import Accounting
 from tidal.coordinator.records.records import WorkerRecord
-from tidal.coordinator.records.recovery import Control, Rebuilt, control_of
+from tidal.coordinator.recovery import Control, Rebuilt, control_of
 from tidal.coordinator.rules import phase
-from tidal.coordinator.rules.phase import TRANSITIONS, Phase, PhaseError
-from tidal.coordinator.rules.reform_rules import Streak
 from tidal.policy.inputs import Decision, PolicyParams
 from tidal.policy.registry import get_policy
 from tidal.protocol import HeartbeatRequest, JobState, WorkerState

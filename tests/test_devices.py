@@ -28,8 +28,12 @@ def test_device_rule(requested, cuda, expected):
 
 @pytest.mark.parametrize(
     ("requested", "fix"),
-    [("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"), ("nope", "not a torch device"),
-     ("meta", "'cpu' or 'cuda'")],
+    [
+        ("cuda", "no CUDA device"),
+        ("cuda:1", "no CUDA device"),
+        ("nope", "not a torch device"),
+        ("meta", "'cpu' or 'cuda'"),
+    ],
 )
 def test_device_refusals_name_the_fix(requested, fix):
     with pytest.raises(ValueError, match=fix):
@@ -133,8 +137,10 @@ def test_trainer_trains_on_the_device_it_was_given(device):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = [(torch.randn(4, dtype=torch.float64), torch.randn(1, dtype=torch.float64))
-            for _ in range(16)]
+    data = [
+        (torch.randn(4, dtype=torch.float64), torch.randn(1, dtype=torch.float64))
+        for _ in range(16)
+    ]
     trainer = tidal.Trainer(model, opt, data, global_batch_size=8, seed=0, device=device)
     assert trainer.device.type == device and model.weight.device.type == device
     seen = set()

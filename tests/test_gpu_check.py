@@ -143,8 +143,9 @@ def test_the_nccl_leave_probe_runs_its_logic_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["passed"] and all(result["checks"].values()), result["checks"]
-    assert [r["way"] for r in result["rows"]] == [w for w in ("abort", "destroy", "detached")
-                                                 for _ in range(2)]
+    assert [r["way"] for r in result["rows"]] == [
+        w for w in ("abort", "destroy", "detached") for _ in range(2)
+    ]
     for way in ("abort", "detached"):  # both timed the abort apart from the wait
         assert finite(result["summary_median"][way]["pg_abort_ms"]), result["summary_median"]
     # the second detached cycle formed while the first's abort ran, and waited for it after
@@ -155,7 +156,10 @@ def test_the_nccl_leave_probe_runs_its_logic_on_cpu(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_without_cuda_the_leave_probe_says_so_in_one_line_and_exits_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu.leave"], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "bench.gpu.leave"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=50,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr

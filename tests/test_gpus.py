@@ -328,7 +328,12 @@ def test_the_backend_refuses_comm_nccl_without_gpus_before_starting_anything(tmp
 
 @pytest.mark.parametrize(
     ("comm", "share", "worker_comm"),
-    [("auto", False, "auto"), ("auto", True, "gloo"), ("gloo", True, "gloo"), ("nccl", False, "nccl")],
+    [
+        ("auto", False, "auto"),
+        ("auto", True, "gloo"),
+        ("gloo", True, "gloo"),
+        ("nccl", False, "nccl"),
+    ],
 )
 def test_workers_sharing_gpus_get_gloo_for_auto(comm, share, worker_comm):
     from tidal.config import JobSpec
@@ -336,7 +341,11 @@ def test_workers_sharing_gpus_get_gloo_for_auto(comm, share, worker_comm):
 
     spec = JobSpec(name="j", script="s.py", workers=1, max_workers=2, comm=comm, share_gpus=share)
     cfg = WorkerConfig.from_spec(
-        spec, store_host="h", store_port=1, store_namespace="n", store_key="0" * 64,
+        spec,
+        store_host="h",
+        store_port=1,
+        store_namespace="n",
+        store_key="0" * 64,
         checkpoint_dir=None,
     )
     assert cfg.comm == worker_comm

@@ -275,8 +275,8 @@ def read_only(path: Path, undo: list) -> None:
 
 def recorded_home(path: Path) -> None:
     """A home holding one finished job's records (real SQLite, no processes)."""
-    from tidal.coordinator.process.home import db_path
     from tidal.coordinator.records.db import Database
+    from tidal.coordinator.records.home import db_path
 
     db = Database(db_path(path))
     spec = {"script": "x.py", "min_workers": 1, "max_workers": 1}

@@ -36,7 +36,9 @@ def test_the_live_status_reads_the_same_as_the_records(served_coordinator, tmp_p
     with coord.lock:
         for wid, state in enumerate([WorkerState.STANDBY] * 3 + [WorkerState.PENDING]):
             coord.job.workers[wid] = WorkerRecord(id=wid, state=state, pid=100 + wid, host="h")
-        coord.generations.open([0, 1], "two members")  # a generation, its event, worker rows, target
+        coord.generations.open(
+            [0, 1], "two members"
+        )  # a generation, its event, worker rows, target
         coord.job.workers[2].last_heartbeat = 12.5
         for path, redone in [(RecoveryPath.RESHARD, 0), (RecoveryPath.NEIGHBOUR_COPY, 2)]:
             coord.effects.on_step_report(

@@ -51,7 +51,9 @@ def _layer(name: str) -> int:
     raise AssertionError(f"tidal.{name} is in no layer of tests/test_layers.py: add it")
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, depth: int = 1) -> set[str]:
+    """The ``tidal`` units ``path`` imports: ``tidal.X`` (``depth`` 1), or ``tidal.X.Y``
+    (``depth`` 2, for the layers inside a package)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tidal"):
@@ -66,7 +68,7 @@ def _imports(path: Path) -> set[str]:
         for n in names:
             parts = n.split(".")
             if parts[0] == "tidal":
-                found.add(parts[1] if len(parts) > 1 else "__init__")
+                found.add(".".join(parts[1 : depth + 1]) if len(parts) > 1 else "__init__")
     return found
 
 
@@ -86,6 +88,42 @@ def test_imports_run_downward(path: Path) -> None:
         assert ok, f"tidal/{path.relative_to(ROOT)} imports tidal.{other}, which is not below it"
 
 
+# The coordinator's folders, bottom to top (docs/architecture.md): what is written down,
+# the process around it, the values a pass works on (and the executor), the pure rules
+# over them, and the parts that compose the ``Coordinator``.
+COORDINATOR_LAYERS: list[set[str]] = [
+    {"records"},
+    {"process"},
+    {"job", "facts", "actions", "recovery", "executor", "__init__"},
+    {"rules"},
+    {"control"},
+]
+
+
+def _coordinator_unit(path: Path) -> str:
+    rel = path.relative_to(ROOT / "coordinator").parts
+    return rel[0].removesuffix(".py")
+
+
+def _coordinator_layer(unit: str) -> int:
+    for i, layer in enumerate(COORDINATOR_LAYERS):
+        if unit in layer:
+            return i
+    raise AssertionError(f"tidal.coordinator.{unit} is in no COORDINATOR_LAYERS: add it")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "coordinator").rglob("*.py")), ids=lambda p: p.name)
+def test_the_coordinators_folders_import_downward(path: Path) -> None:
+    me = _coordinator_layer(_coordinator_unit(path))
+    for name in _imports(path, depth=2):
+        top, _, unit = name.partition(".")
+        if top != "coordinator" or not unit:
+            continue
+        assert _coordinator_layer(unit) <= me, (
+            f"tidal/{path.relative_to(ROOT)} imports tidal.coordinator.{unit}, above it"
+        )
+
+
 def test_the_coordinator_imports_no_dashboard_worker_or_host_code() -> None:
     for path in (ROOT / "coordinator").rglob("*.py"):
         bad = _imports(path) & {"dashboard", "worker", "host", "cli", "display", "tensorboard"}
@@ -99,5 +137,10 @@ def test_the_dashboard_takes_no_coordinator_lock() -> None:
 
 def test_a_module_that_imports_upward_is_caught(tmp_path: Path) -> None:
     bad = tmp_path / "coordinator_like.py"
-    bad.write_text("def f():\n    from tidal.dashboard import app\n    import tidal.worker.agent.client\n")
+    bad.write_text(
+        "def f():\n    from tidal.dashboard import app\n    import tidal.worker.agent.client\n"
+    )
     assert _imports(bad) == {"dashboard", "worker"}
+    bad.write_text("from tidal.coordinator.control.loop import ControlLoop\n")
+    assert _imports(bad, depth=2) == {"coordinator.control"}
+    assert _coordinator_layer("control") > _coordinator_layer("records")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import main
-from tidal.coordinator.process.home import job_dir
+from tidal.coordinator.records.home import job_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -67,7 +67,10 @@ def test_a_new_generation_and_a_stop_are_noticed_once_each(coord_and_notices):
         coord.publisher.publish()
         # The answer is published before the count moves: a reader that sees the count
         # fetches an answer naming the new generation.
-        assert coord.publisher.answers.generation is not None and coord.publisher.answers.generation.id == 1
+        assert (
+            coord.publisher.answers.generation is not None
+            and coord.publisher.answers.generation.id == 1
+        )
     assert _seen(notices)
     assert _quiet(notices)  # once
     with coord.lock:

@@ -21,7 +21,7 @@ from tidal.checkpoint import fence, location, remote, store
 from tidal.checkpoint.layout import MANIFEST, found_on_disk, step_of
 from tidal.checkpoint.writer import AsyncCheckpointer
 from tidal.config import JobSpec, storage_error
-from tidal.coordinator.process.home import checkpoint_folder
+from tidal.coordinator.records.home import checkpoint_folder
 from tidal.coordinator.rules.checkpoint_rules import pruned_records
 
 
@@ -196,7 +196,9 @@ def test_a_damaged_object_is_refused_named_by_its_url_and_marked_bad(s3) -> None
     m, o = model_and_opt()
     with pytest.raises(store.CheckpointError) as err:
         store.load(newest, m, o)
-    assert str(err.value).startswith(f"checkpoint {newest} refused") and "/tmp" not in str(err.value)
+    assert str(err.value).startswith(f"checkpoint {newest} refused") and "/tmp" not in str(
+        err.value
+    )
     # Marked bad (as a worker does): refused for that, with the object to delete named.
     assert store.mark_bad(newest, str(err.value))
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data[:-3]) + b"\0\0\0")

@@ -32,7 +32,7 @@ from e2e_helpers import (
     wait_gone,
 )
 
-from tidal.coordinator.process.home import db_path
+from tidal.coordinator.records.home import db_path
 
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray is not installed: pip install -e '.[ray]'", allow_module_level=True)

@@ -7,7 +7,7 @@ import pytest
 
 from tidal.attach_cli import check_attach
 from tidal.config import JobSpec
-from tidal.coordinator.records.recovery import Control, WorkerFlags, rebuild, regenerate
+from tidal.coordinator.recovery import Control, WorkerFlags, rebuild, regenerate
 from tidal.protocol import GenerationView, JobState, JobStatus, WorkerState, WorkerView
 
 NOW = 1000.0

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from tidal.coordinator.records import db as dbmod
 from tidal.coordinator.records.db import Database
-from tidal.coordinator.records.recovery import Control, rebuild
+from tidal.coordinator.recovery import Control, rebuild
 from tidal.coordinator.rules.reform_rules import merge_recovery, neighbour_copy_event
 from tidal.display import print_status, recovery_cell
 from tidal.protocol import HeartbeatRequest, JobStatus, RecoveryPath, StepReport

@@ -19,9 +19,10 @@ from tidal.backends import Exit
 from tidal.backends.local import LocalBackend
 from tidal.config import JobSpec
 from tidal.coordinator.control.controller import Coordinator
+from tidal.coordinator.job import Streak
 from tidal.coordinator.records.records import WorkerRecord
-from tidal.coordinator.records.recovery import Control
-from tidal.coordinator.rules.reform_rules import REFORMS_WITHOUT_PROGRESS, Streak
+from tidal.coordinator.recovery import Control
+from tidal.coordinator.rules.reform_rules import REFORMS_WITHOUT_PROGRESS
 from tidal.display import print_outcome
 from tidal.protocol import (
     FailureKind,

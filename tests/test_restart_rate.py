@@ -15,7 +15,7 @@ from tidal.backends.local import LocalBackend
 from tidal.config import JobSpec
 from tidal.coordinator.control.controller import Coordinator
 from tidal.coordinator.records.records import WorkerRecord
-from tidal.coordinator.records.recovery import Control
+from tidal.coordinator.recovery import Control
 from tidal.protocol import WorkerState
 
 

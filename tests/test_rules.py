@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tidal.coordinator.job import Streak as S
 from tidal.coordinator.rules.end_rules import (
     completion_refused,
     final_checkpoint,
@@ -27,7 +28,6 @@ from tidal.coordinator.rules.reform_rules import (
     repeated_failure,
     roll_back,
 )
-from tidal.coordinator.rules.reform_rules import Streak as S
 from tidal.coordinator.rules.scale_rules import (
     capacity_victims,
     effective_target,

@@ -18,8 +18,8 @@ import pytest
 from e2e_helpers import Home, summarize
 
 import tidal
-from tidal.coordinator.process.home import db_path
 from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.home import db_path
 from tidal.coordinator.records.records import WorkerRecord
 from tidal.coordinator.records.step_metrics import StepLog, StepValue
 from tidal.dashboard.history import HistoryStore, Recorder

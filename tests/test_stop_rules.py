@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.coordinator.rules.stop_rules import MemberExit, ScriptStop, accept_stop, stop_outcome
+from tidal.coordinator.job import ScriptStop
+from tidal.coordinator.rules.stop_rules import MemberExit, accept_stop, stop_outcome
 from tidal.coordinator.rules.verdicts import Act
 from tidal.protocol import StopAnswer
 from tidal.worker.trainer.stopping import writes_final

@@ -24,8 +24,8 @@ import pytest
 from e2e_helpers import Home, summarize, wait_gone
 
 from tidal.config import JobSpec, Track, parse_track
-from tidal.coordinator.process.home import db_path
 from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.home import db_path
 from tidal.coordinator.records.records import WorkerRecord
 from tidal.coordinator.records.step_metrics import StepLog, StepValue
 from tidal.dashboard.history import HistoryStore, Recorder

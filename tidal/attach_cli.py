@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 from tidal import pids
 from tidal.config import JobSpec
-from tidal.coordinator.process.home import JobBusy, check_home, db_path, job_dir, resolve_home
 from tidal.coordinator.process.supervisor import Attach
+from tidal.coordinator.records.home import JobBusy, check_home, db_path, job_dir, resolve_home
 
 if TYPE_CHECKING:
     from tidal.protocol import JobStatus

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tidal.config import JobSpec, add_flags
-from tidal.coordinator.process.home import check_home, db_path, job_dir, os_error_line, resolve_home
+from tidal.coordinator.records.home import check_home, db_path, job_dir, os_error_line, resolve_home
 from tidal.launch import cmd_resume, cmd_run, launch
 from tidal.lookup import CliError, database, get_status, newest_job, running_client
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal.config import JobSpec, from_flags, parse_schedule, storage_error
-from tidal.coordinator.process.home import JobBusy, check_home, db_path, job_dir, resolve_home
 from tidal.coordinator.process.supervisor import Attach
+from tidal.coordinator.records.home import JobBusy, check_home, db_path, job_dir, resolve_home
 from tidal.lookup import CliError, database
 from tidal.policy.inputs import parse_duration
 
@@ -65,7 +65,7 @@ def claim(home: Path, name: str) -> int:
 def check_writable_folder(home: Path) -> None:
     """One line if ``home`` cannot hold the job's database (probed with a file removed at
     once: ``os.access`` says yes to root on a read-only mount)."""
-    from tidal.coordinator.process.home import HomeError, os_error_line
+    from tidal.coordinator.records.home import HomeError, os_error_line
 
     probe = home / f".tidal-probe-{os.getpid()}"
     try:
@@ -132,6 +132,8 @@ def check_storage(storage: str | None) -> None:
         from tidal.checkpoint.remote import check_url
 
         check_url(storage)
+
+
 def _track(text: str | None) -> str | None:
     """``--track`` as the job records it (``tracking.trackers.resolve_track``)."""
     if text is None:
@@ -220,7 +222,7 @@ def launch(
 def cmd_resume(args: argparse.Namespace) -> int:
     from tidal.checkpoint.layout import newest_good, step_of
     from tidal.checkpoint.location import base_name
-    from tidal.coordinator.process.home import checkpoint_folder
+    from tidal.coordinator.records.home import checkpoint_folder
 
     home = resolve_home(args.home)
     job_dir(home, args.job)  # first: one line for a name that is no job's
@@ -317,8 +319,8 @@ def restore_record(home: Path, name: str, *, storage: str | None = None) -> None
     one in the job's checkpoint folder there (``fence.SPEC``: the home is gone,
     ``docs/decisions/object-store-checkpoints.md``)."""
     from tidal.checkpoint import fence
-    from tidal.coordinator.process.home import checkpoint_folder
     from tidal.coordinator.records.db import Database
+    from tidal.coordinator.records.home import checkpoint_folder
     from tidal.protocol import EventView
 
     jd = job_dir(home, name)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import pids
-from tidal.coordinator.process.home import check_home, db_path, job_dir
+from tidal.coordinator.records.home import check_home, db_path, job_dir
 
 if TYPE_CHECKING:
     from tidal.client import CoordinatorClient
@@ -109,7 +109,7 @@ def add_checkpoints_on_disk(home: Path, status: JobStatus, storage: str | None =
     are."""
     from tidal.checkpoint.layout import found_on_disk
     from tidal.checkpoint.location import is_url
-    from tidal.coordinator.process.home import checkpoint_folder
+    from tidal.coordinator.records.home import checkpoint_folder
     from tidal.protocol import CheckpointView
 
     try:

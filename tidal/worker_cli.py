@@ -16,7 +16,7 @@ import logging
 import socket
 import sys
 
-from tidal.coordinator.process.home import check_home, resolve_home
+from tidal.coordinator.records.home import check_home, resolve_home
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -16,12 +16,11 @@ state over time).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import NamedTuple
 
 from tidal.coordinator.records.records import GenerationRecord, ReformRequest, WorkerRecord
 from tidal.coordinator.records.step_metrics import StepLog
-from tidal.coordinator.rules.phase import Phase
-from tidal.coordinator.rules.reform_rules import Streak
-from tidal.coordinator.rules.stop_rules import ScriptStop
 from tidal.protocol import JobState
 
 #: Marks a field a restarted coordinator needs and the job's rows do not hold: it is written
@@ -35,6 +34,71 @@ DURABLE = {"durable": True}
 def durable_fields() -> tuple[str, ...]:
     """The names of ``Job``'s durable fields (``DURABLE``)."""
     return tuple(f.name for f in fields(Job) if f.metadata.get("durable"))
+
+
+class PhaseError(RuntimeError):
+    """A move of the job's phase that ``TRANSITIONS`` does not allow."""
+
+
+class Phase(Enum):
+    """Where the job is in its life, as the coordinator's loop knows it (``Job.phase``;
+    read from ``Job.state`` and ``Job.outcome``, the fields the records keep).
+
+    Transitions (``TRANSITIONS``; ``tests/test_decisions.py`` tests the table):
+
+    - ``PENDING`` -> ``RUNNING``: the first generation formed (``phase.start_running``).
+    - ``PENDING`` or ``RUNNING`` -> ``DECIDED``: the outcome is decided (``phase.decide``):
+      succeeded, failed or stopped. The loop winds the job down (``end_rules.wind_down``).
+    - ``DECIDED`` -> ``DECIDED``: only a success overturned to a failure, when the final
+      checkpoint the success counted on is reported failed (``phase.decide(..., overturn=True)``).
+    - ``DECIDED`` -> ``ENDED``: every process is gone; ``state`` reaches the outcome
+      (``phase.end``). ``ENDED`` is final; only its state may still say failed when the job's
+      records could not be written (``phase.records_broken``: a database that broke).
+    """
+
+    PENDING = "pending"  # no generation formed yet
+    RUNNING = "running"  # a generation formed: training
+    DECIDED = "decided"  # the outcome is decided: winding down
+    ENDED = "ended"  # every process gone: the state is the outcome
+
+    @staticmethod
+    def of(state: JobState, outcome: JobState | None) -> Phase:
+        if state.terminal:
+            return Phase.ENDED
+        if outcome is not None:
+            return Phase.DECIDED
+        return Phase.RUNNING if state == JobState.RUNNING else Phase.PENDING
+
+
+#: The moves allowed from each phase (``Phase``'s docstring says what makes each).
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.PENDING: frozenset({Phase.RUNNING, Phase.DECIDED}),
+    Phase.RUNNING: frozenset({Phase.DECIDED}),
+    Phase.DECIDED: frozenset({Phase.DECIDED, Phase.ENDED}),
+    Phase.ENDED: frozenset(),
+}
+
+
+class Streak(NamedTuple):
+    """The failed collectives in a row at one committed step (``repeated_failure``);
+    a plain tuple, so the coordinator's ``control`` record keeps it as a JSON list."""
+
+    step: int  # the job's committed step when they failed
+    count: int  # failed collectives at that step, in a row, each answered by a re-form
+    last: str  # the last one's report: "worker 1: RuntimeError: ..."
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptStop:
+    """The job's early stop, as its first report fixed it. ``worker_id``: the member that
+    reported first and writes the final checkpoint (when ``checkpoint``: it can write one
+    alone); ``members``: its generation's members, whose exits decide the outcome."""
+
+    worker_id: int
+    step: int
+    generation: int
+    members: tuple[int, ...]
+    checkpoint: bool = True
 
 
 @dataclass(kw_only=True)

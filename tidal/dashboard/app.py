@@ -38,7 +38,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 
 from tidal import metrics as prom
 from tidal.access import read_ok, reads_need_token
-from tidal.coordinator.process.home import job_dir
+from tidal.coordinator.records.home import job_dir
 from tidal.dashboard.logs import tail, worker_logs
 from tidal.dashboard.sources import HomeSource, UnknownJob
 from tidal.protocol import MAX_STEP, JobStatus, wire_float

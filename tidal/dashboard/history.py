@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.coordinator.process.home import db_path
 from tidal.coordinator.records.db import (
     SELECT_STEPS,
     STEP_SCHEMA,
@@ -35,6 +34,7 @@ from tidal.coordinator.records.db import (
     UPSERT_STEP,
     step_series,
 )
+from tidal.coordinator.records.home import db_path
 
 if TYPE_CHECKING:
     from tidal.coordinator.control.controller import Coordinator

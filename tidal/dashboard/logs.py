@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from tidal import pids
-from tidal.coordinator.process.home import JobDir
+from tidal.coordinator.records.home import JobDir
 
 FOLLOW_POLL_S = 0.2
 _NAME = re.compile(r"worker-(\d+)\.log$")

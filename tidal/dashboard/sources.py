@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal import pids
-from tidal.coordinator.process.home import db_path, job_dir
 from tidal.coordinator.records.db import Database, UnknownJob
+from tidal.coordinator.records.home import db_path, job_dir
 from tidal.dashboard.history import HistoryStore
 from tidal.protocol import JobState, JobStatus
 

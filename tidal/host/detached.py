@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tidal.backends.local import start_zygote
 from tidal.config import JobSpec
-from tidal.coordinator.process.home import job_dir
 from tidal.coordinator.process.supervisor import Attach
+from tidal.coordinator.records.home import job_dir
 from tidal.coordinator.records.records import Resume
 
 

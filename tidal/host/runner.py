@@ -35,8 +35,8 @@ from tidal.backends.zygote import Zygote
 from tidal.config import JobSpec
 from tidal.coordinator.actions import KillEveryWorker
 from tidal.coordinator.control.controller import Coordinator
-from tidal.coordinator.process.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.process.supervisor import Attach, Hosting, Supervision, supervise
+from tidal.coordinator.records.home import HomeError, JobBusy, db_path, job_dir
 from tidal.coordinator.records.records import Resume
 from tidal.coordinator.rules import phase
 from tidal.coordinator.rules.pacing import loop_wait

@@ -41,7 +41,7 @@ from tidal.backends.addresses import route_source, socket_env
 from tidal.backends.gpus import assign_gpu, device_entry
 from tidal.backoff import capped
 from tidal.client import CoordinatorClient, CoordinatorError
-from tidal.coordinator.process.home import job_dir
+from tidal.coordinator.records.home import job_dir
 from tidal.hosts.children import Children
 from tidal.hosts_protocol import HostJoined, HostOrders, HostPoll, HostRegister
 from tidal.protocol import ENV_URL

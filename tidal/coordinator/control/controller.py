@@ -53,10 +53,10 @@ from tidal.coordinator.control.wake import Wake
 from tidal.coordinator.executor import Executor
 from tidal.coordinator.job import Job
 from tidal.coordinator.process.fencing import settled_rows
-from tidal.coordinator.process.home import checkpoint_folder, db_path, job_dir
 from tidal.coordinator.process.supervisor import Hosting, listen, url_of
 from tidal.coordinator.records.accounting import Accounting
 from tidal.coordinator.records.db import Database
+from tidal.coordinator.records.home import checkpoint_folder, db_path, job_dir
 from tidal.coordinator.records.journal import Journal
 from tidal.coordinator.records.records import Resume
 from tidal.coordinator.records.snapshot import JobRow

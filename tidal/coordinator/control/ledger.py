@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from tidal.coordinator.actions import RecordControl, RecordEvent, RecordJob, RecordWorkers
 from tidal.coordinator.records.records import changed_rows
-from tidal.coordinator.records.recovery import control_of
+from tidal.coordinator.recovery import control_of
 from tidal.coordinator.rules import phase
 from tidal.coordinator.rules.scale_rules import effective_target
 from tidal.protocol import EventView, JobState

@@ -24,7 +24,7 @@ from tidal.checkpoint.location import Location
 from tidal.coordinator.actions import AdoptWorker, SignalWorker, StartWorker
 from tidal.coordinator.job import Job, durable_fields
 from tidal.coordinator.records.records import WorkerRecord
-from tidal.coordinator.records.recovery import Control, Rebuilt, rebuild, regenerate
+from tidal.coordinator.recovery import Control, Rebuilt, rebuild, regenerate
 from tidal.coordinator.rules.busy import BusyFacts, busy_members
 from tidal.coordinator.rules.exit_rules import ExitFacts, HealthFacts, judge_exit, to_kill
 from tidal.coordinator.rules.pacing import clocks_restart

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import quote
 
-from tidal.coordinator.process.home import HomeError, os_error_line
+from tidal.coordinator.records.home import HomeError, os_error_line
 from tidal.coordinator.records.snapshot import JobRow, Records, WorkerRow
 from tidal.protocol import (
     CheckpointView,

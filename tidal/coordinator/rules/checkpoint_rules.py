@@ -73,7 +73,5 @@ def pruned_records(
     (``checkpoint.remote.doomed``: the newest ``keep`` complete ones)."""
     newest = set(sorted((s for s, _ in records), reverse=True)[:keep])
     return [
-        step
-        for step, path in records
-        if (step not in newest if is_url(path) else not exists(path))
+        step for step, path in records if (step not in newest if is_url(path) else not exists(path))
     ]

@@ -8,58 +8,16 @@ which the coordinator hands to its executor. A move the table does not allow rai
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from tidal.coordinator.actions import Action, RecordControl, RecordEvent, RecordJob
-from tidal.coordinator.records.recovery import control_of
+from tidal.coordinator.job import TRANSITIONS, Phase, PhaseError
+from tidal.coordinator.recovery import control_of
 from tidal.protocol import EventView, JobState
 
 if TYPE_CHECKING:
     from tidal.coordinator.job import Job
 
-
-class PhaseError(RuntimeError):
-    """A move of the job's phase that ``TRANSITIONS`` does not allow."""
-
-
-class Phase(Enum):
-    """Where the job is in its life, as the coordinator's loop knows it (``Job.phase``;
-    read from ``Job.state`` and ``Job.outcome``, the fields the records keep).
-
-    Transitions (``TRANSITIONS``; ``tests/test_decisions.py`` tests the table):
-
-    - ``PENDING`` -> ``RUNNING``: the first generation formed (``start_running``).
-    - ``PENDING`` or ``RUNNING`` -> ``DECIDED``: the outcome is decided (``decide``):
-      succeeded, failed or stopped. The loop winds the job down (``end_rules.wind_down``).
-    - ``DECIDED`` -> ``DECIDED``: only a success overturned to a failure, when the final
-      checkpoint the success counted on is reported failed (``decide(..., overturn=True)``).
-    - ``DECIDED`` -> ``ENDED``: every process is gone; ``state`` reaches the outcome
-      (``end``). ``ENDED`` is final; only its state may still say failed when the job's
-      records could not be written (``records_broken``: a database that broke).
-    """
-
-    PENDING = "pending"  # no generation formed yet
-    RUNNING = "running"  # a generation formed: training
-    DECIDED = "decided"  # the outcome is decided: winding down
-    ENDED = "ended"  # every process gone: the state is the outcome
-
-    @staticmethod
-    def of(state: JobState, outcome: JobState | None) -> Phase:
-        if state.terminal:
-            return Phase.ENDED
-        if outcome is not None:
-            return Phase.DECIDED
-        return Phase.RUNNING if state == JobState.RUNNING else Phase.PENDING
-
-
-#: The moves allowed from each phase (``Phase``'s docstring says what makes each).
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.PENDING: frozenset({Phase.RUNNING, Phase.DECIDED}),
-    Phase.RUNNING: frozenset({Phase.DECIDED}),
-    Phase.DECIDED: frozenset({Phase.DECIDED, Phase.ENDED}),
-    Phase.ENDED: frozenset(),
-}
 
 OUTCOMES = (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 

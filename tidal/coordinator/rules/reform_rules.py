@@ -6,8 +6,7 @@ table-tested (``tests/test_rules.py``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
+from tidal.coordinator.job import Streak
 from tidal.coordinator.rules.verdicts import Act, Verdict, fail
 from tidal.protocol import RecoveryPath
 
@@ -116,15 +115,6 @@ def reform_due(
 #: nothing will form. A bug every step's collective hits (gloo refusing a reduce op) fails
 #: the same way each time and would otherwise re-form forever (~400 generations in 2 min).
 REFORMS_WITHOUT_PROGRESS = 10
-
-
-class Streak(NamedTuple):
-    """The failed collectives in a row at one committed step (``repeated_failure``);
-    a plain tuple, so the coordinator's ``control`` record keeps it as a JSON list."""
-
-    step: int  # the job's committed step when they failed
-    count: int  # failed collectives at that step, in a row, each answered by a re-form
-    last: str  # the last one's report: "worker 1: RuntimeError: ..."
 
 
 def repeated_failure(

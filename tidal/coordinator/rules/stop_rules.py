@@ -21,20 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tidal.coordinator.job import ScriptStop
 from tidal.coordinator.rules.verdicts import WAIT, Verdict, fail, succeed
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScriptStop:
-    """The job's early stop, as its first report fixed it. ``worker_id``: the member that
-    reported first and writes the final checkpoint (when ``checkpoint``: it can write one
-    alone); ``members``: its generation's members, whose exits decide the outcome."""
-
-    worker_id: int
-    step: int
-    generation: int
-    members: tuple[int, ...]
-    checkpoint: bool = True
 
 
 class StopVerdict(NamedTuple):

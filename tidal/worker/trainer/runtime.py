@@ -60,6 +60,7 @@ def set_log_sink(sink: Callable[[dict[str, float], str | None], None] | None) ->
     global _sink
     _sink = sink
 
+
 #: The values of ``tidal.log(..., reduce=...)``: None keeps rank 0's value, "mean" averages.
 LOG_REDUCTIONS = (None, "mean")
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from tidal.coordinator.job import Streak
 from tidal.coordinator.records.records import GenerationRecord, WorkerRecord
-from tidal.coordinator.rules.reform_rules import Streak
 from tidal.protocol import JobState, JobStatus, WorkerState
 
 if TYPE_CHECKING:
