@@ -76,8 +76,15 @@ def check_c(c: dict, rows: list[dict]) -> None:
     assert finite(c["tidal_samples_per_s"]) and c["tidal_samples_per_s"] > 0, c
     assert finite(c["peer_samples_per_s"]) and c["peer_samples_per_s"] > 0, c
     (row,) = rows
-    assert set(row) == {"name", "tidal", "peer", "ratio", "unit"}, row
-    assert row["unit"] == "samples/s" and finite(row["ratio"]), row
+    assert set(row) == {"name", "tidal", "peer", "ratio", "unit", "peer_name", "peer_config"}
+    assert row["unit"] == "samples/s" and finite(row["ratio"]) and row["peer_name"] == "torchrun"
+    # the pairs alternate, and the row's ratio is their median, inside their spread
+    assert c["pairs"] >= 2 and len(c["pair_ratios"]) == c["pairs"], c
+    low, high = c["ratio_spread"]
+    assert low <= row["ratio"] <= high and [low, high] == [
+        min(c["pair_ratios"]),
+        max(c["pair_ratios"]),
+    ]
 
 
 def check_e(e: dict, summary: str) -> None:
@@ -104,6 +111,15 @@ def test_the_amp_part_passes_on_cpu(tmp_path: Path) -> None:
     parts = result["parts"]
     assert parts["a"]["skipped"] and parts["b"]["skipped"] and parts["c"]["skipped"], parts
     check_e(parts["e"], summary)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_speed_part_runs_alternating_pairs_on_cpu(tmp_path: Path) -> None:
+    """Part (c) is what a GPU session measures throughput with, and it runs nowhere else:
+    its CPU form in CI (two pairs, the order swapped) keeps it from breaking unseen."""
+    result, _ = run_on_cpu(tmp_path, "c", "--only", "c")
+    check_c(result["parts"]["c"], result["rows"])
 
 
 @pytest.mark.bench
