@@ -74,3 +74,18 @@ def test_tensorboard_dir_reaches_a_detached_coordinator(monkeypatch) -> None:
     monkeypatch.setattr("sys.argv", ["detached", "/h", spec, "--tensorboard", "/tb"])
     assert detached.main() == 0
     assert seen == {"quiet": True, "resume": None, "tensorboard": "/tb", "zygote": None}
+
+
+def test_a_detached_coordinator_given_a_bad_spec_says_one_line(monkeypatch, capsys) -> None:
+    """The ``--detach`` process refuses a spec it cannot use in one line (what the CLI
+    shows from its log), before it starts a zygote or hosts anything."""
+    from tidal.host import detached
+
+    started = []
+    monkeypatch.setattr(detached, "start_zygote", lambda *a: started.append(a))
+    spec = '{"name": "x", "script": "s.py", "workers": -3}'
+    monkeypatch.setattr("sys.argv", ["detached", "/h", spec])
+    assert detached.main() == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tidal: error: --workers must be at least 1, got -3"], err
+    assert started == []

@@ -42,8 +42,11 @@ def main() -> int:
     if lock is not None:  # the job's lock, taken by `tidal run`; not for our own children
         extra["lock_fd"] = int(lock)
         os.set_inheritable(extra["lock_fd"], False)
-    home, spec = Path(argv[0]), JobSpec.from_dict(json.loads(argv[1]))
-    resume = Resume(**json.loads(argv[2])) if len(argv) > 2 else None
+    try:
+        home, spec = Path(argv[0]), JobSpec.from_dict(json.loads(argv[1]))
+        resume = Resume(**json.loads(argv[2])) if len(argv) > 2 else None
+    except ValueError as exc:  # bad input: the last line of the log is what --detach shows
+        return _refused(exc)
     zygote = start_zygote(spec, job_dir(home, spec.name).logs)  # first: see the module doc
     try:
         from tidal.host.runner import run_job
@@ -57,12 +60,16 @@ def main() -> int:
             zygote=zygote,
             **extra,
         )
-    except ValueError as exc:  # bad input: the last line of the log is what --detach shows
-        print(f"tidal: error: {exc}", file=sys.stderr)
-        return 1
+    except ValueError as exc:
+        return _refused(exc)
     finally:
         if zygote is not None:  # run_job ends it too; a second close is a no-op
             zygote.close()
+
+
+def _refused(exc: ValueError) -> int:
+    print(f"tidal: error: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
