@@ -214,10 +214,13 @@ def run(pairs: int, every: int, batch: int, mode: str, directory: Path) -> dict:
     if mode == "dcp":
         writer.close()
     size = sum(p.numel() * 4 for p in model.parameters())
+    diffs = [c - p for c, p in zip(blocks[True], blocks[False], strict=True)]
     return {
         "mode": mode,
         "baseline_s": statistics.median(plain_steps),
         "extra_s": (sum(blocks[True]) - sum(blocks[False])) / pairs,
+        # what the machine's noise leaves of ``extra_s``: the pairs' spread over sqrt(pairs)
+        "extra_se_s": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None,
         "blocked_s": blocked,
         "tail_s": tails,
         "blocks_s": {"plain": blocks[False], "checkpoint": blocks[True]},
@@ -247,7 +250,8 @@ def measure(
             pct[mode] = 100 * stall / res["baseline_s"]
             log(
                 f"{threads} training thread(s), {mode:>5}: waits {blocked * 1000:7.1f} ms, steps "
-                f"slower by {res['extra_s'] * 1000:7.1f} ms per checkpoint: stall "
+                f"slower by {res['extra_s'] * 1000:7.1f} ms (+-{(res['extra_se_s'] or 0) * 1000:.0f}) "
+                f"per checkpoint: stall "
                 f"{pct[mode]:6.2f}% of a {res['baseline_s'] * 1000:.0f} ms step (write ended "
                 f"{statistics.median(res['tail_s']) * 1000:.0f} ms after its block, median)"
             )
@@ -286,6 +290,7 @@ def measure(
         "floor_pct": out[2]["floor"],
         "blocked_s": by_mode("blocked_s", 2),
         "blocks_s": {t: by_mode("blocks_s", t) for t in details},
+        "extra_se_s": {t: by_mode("extra_se_s", t) for t in details},
         "spare_core": {
             **{m: out[1][m] for m in MODES},
             "baseline_step_s": details[1]["async"]["baseline_s"],
