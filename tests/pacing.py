@@ -4,6 +4,9 @@ then 0). Only workers (``TIDAL_WORKER_ID`` set) are paced, never the mathematics
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 def pacing_site(var: str, *, not_for: str | None = None) -> str:
     """The ``sitecustomize`` source: the file is named in ``$var``; ``not_for``: a module
@@ -25,3 +28,17 @@ if os.environ.get("TIDAL_WORKER_ID") is not None and os.environ.get({var!r}){ski
         return _cross_entropy(*args, **kwargs)
     F.cross_entropy = cross_entropy
 """
+
+
+def arm_pacing(
+    folder: Path, env: dict[str, str], var: str, *, slow_s: float, not_for: str | None = None
+) -> tuple[dict[str, str], Path]:
+    """``env`` with the pacing hook first on its ``PYTHONPATH`` and ``$var`` naming the
+    pace file, which says ``slow_s`` to start with; (that environment, the pace file)."""
+    hooks = folder / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(pacing_site(var, not_for=not_for))
+    pace = folder / "pace"
+    pace.write_text(str(slow_s))
+    path = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, var: str(pace)}, pace

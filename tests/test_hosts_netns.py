@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import DIGITS, ROOT, Home, relative_l2, summarize
 from job_records import JobRecords, formed, members
-from pacing import pacing_site
+from pacing import arm_pacing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -48,9 +48,6 @@ records, wait = JOB.read, JOB.wait
 #: start (exec and ``import torch``: seconds, more on a loaded machine): the job keeps
 #: training, slowly, and does not run out of steps before every change is done; then 0.
 SLOW_S = 0.05
-
-# Paces the job's workers, never the agents (no worker id in their environment).
-PACE = pacing_site("HOSTS_TEST_PACE")
 
 
 class Machines:
@@ -155,14 +152,9 @@ def test_a_job_spreads_over_joined_hosts_and_survives_losing_one(
     tidal_home: Home, machines: Machines, reference_params, tmp_path: Path
 ):
     out = tmp_path / "final.safetensors"
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(PACE)
-    pace = tmp_path / "pace"
-    pace.write_text(str(SLOW_S))
     env = tidal_home.env()
-    path = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
-    agent_env = {**env, "PYTHONPATH": path, "HOSTS_TEST_PACE": str(pace)}
+    # the job's workers paced, never the agents (no worker id in their environment)
+    agent_env, pace = arm_pacing(tmp_path, env, "HOSTS_TEST_PACE", slow_s=SLOW_S)
     home = str(tidal_home.path)
 
     def cli(m: str, *args: str) -> list[str]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from e2e_helpers import DIGITS, Home, relative_l2, summarize
 from job_records import JobRecords, formed, members
-from pacing import pacing_site
+from pacing import arm_pacing
 from slurm_cluster import NET, SlurmCluster, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -44,8 +44,6 @@ NAME = "slurmjob"
 JOB = JobRecords(NAME)
 records, wait = JOB.read, JOB.wait
 SLOW_S = 0.05  # seconds each worker sleeps per loss while the changes happen; then 0
-# Paces the job's workers, not the node's launcher (``pacing``).
-PACE = pacing_site("SLURM_TEST_PACE", not_for="tidal.backends.slurm_task")
 
 
 @pytest.fixture
@@ -98,14 +96,13 @@ def test_a_batch_job_grows_loses_a_node_drains_a_step_is_requeued_and_ends_exact
     tidal_home: Home, cluster: SlurmCluster, reference_params, tmp_path: Path
 ):
     out = tmp_path / "final.safetensors"
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(PACE)
-    pace = tmp_path / "pace"
-    pace.write_text(str(SLOW_S))
-    env = cluster.env(tidal_home.env())
-    path = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
-    env.update(PYTHONPATH=path, SLURM_TEST_PACE=str(pace))
+    env, pace = arm_pacing(
+        tmp_path,
+        cluster.env(tidal_home.env()),
+        "SLURM_TEST_PACE",
+        slow_s=SLOW_S,
+        not_for="tidal.backends.slurm_task",  # the node's launcher execs the worker at once
+    )
     home = str(tidal_home.path)
     script = tmp_path / "tidal.sbatch"  # deploy/slurm/tidal.sbatch's logic, for this test
     script.write_text(
