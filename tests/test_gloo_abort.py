@@ -17,7 +17,7 @@ import torch
 
 from tests.ranks import run_ranks
 from tidal.worker.membership.conns import Conns, open_sockets
-from tidal.worker.membership.waits import Aborted, Waits
+from tidal.worker.waits import Aborted, Waits
 
 
 def test_a_tracked_future_passes_the_collectives_result_through() -> None:
@@ -149,7 +149,7 @@ def test_conns_captures_nothing_when_the_count_is_not_one_per_peer() -> None:
 CUT_A_BLOCKED_ALLREDUCE = r"""
 import json, sys, time, datetime, threading, torch, torch.distributed as dist
 from tidal.worker.membership import group as grp
-from tidal.worker.membership.waits import Aborted, Waits
+from tidal.worker.waits import Aborted, Waits
 from tidal.protocol import GenerationInfo
 from tidal.store_keys import generation_prefix
 rank, port = int(sys.argv[1]), int(sys.argv[2])

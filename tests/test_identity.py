@@ -1,4 +1,4 @@
-"""What every worker must agree on before training with the others (``tidal.worker.trainer.identity``):
+"""What every worker must agree on before training with the others (``tidal.worker.batches.identity``):
 the first worker's settings, set once in a real store; a worker whose settings differ is
 refused with one line naming each difference."""
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.worker.batches.sampler import ElasticSampler
-from tidal.worker.trainer.identity import (
+from tidal.worker.batches.identity import (
     DataOrderMismatch,
     ScriptMismatch,
     agree,
@@ -20,6 +19,7 @@ from tidal.worker.trainer.identity import (
     origin,
     settings,
 )
+from tidal.worker.batches.sampler import ElasticSampler
 
 
 def sampler(**kw) -> ElasticSampler:

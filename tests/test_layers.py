@@ -88,9 +88,13 @@ def test_imports_run_downward(path: Path) -> None:
         assert ok, f"tidal/{path.relative_to(ROOT)} imports tidal.{other}, which is not below it"
 
 
-# The coordinator's folders, bottom to top (docs/architecture.md): what is written down,
-# the process around it, the values a pass works on (and the executor), the pure rules
-# over them, and the parts that compose the ``Coordinator``.
+# The folders of the two big packages, bottom to top (docs/architecture.md). A folder's
+# modules import their own folder and the folders below it; ``__init__`` and the modules
+# at the package's root sit in the first layer.
+#
+# The coordinator: what is written down, the process around it, the values a pass works on
+# (and the executor), the pure rules over them, and the parts that compose the
+# ``Coordinator``.
 COORDINATOR_LAYERS: list[set[str]] = [
     {"records"},
     {"process"},
@@ -98,29 +102,62 @@ COORDINATOR_LAYERS: list[set[str]] = [
     {"rules"},
     {"control"},
 ]
+# The worker: mechanisms that know nothing of the ``Trainer`` below, its parts above them,
+# and the ways into it from scripts written for other tools on top.
+WORKER_LAYERS: list[set[str]] = [
+    {"__init__", "probes", "waits"},  # what every folder may use
+    {"agent"},  # the worker's link to the coordinator and the host's cloud watch
+    {"batches"},  # the elastic sampler, the input pipeline, what members must agree on
+    {"state"},  # the training state: the heal, its landing, durable checkpoints
+    {"membership"},  # generations: groups, DDP and the control word, the abort watch
+    {"sharded"},  # FSDP2 generations: layout, plan, neighbour copies, heal, checkpoint
+    {"trainer"},  # the ``Trainer``'s parts, composed
+    {"compat"},  # torchrun scripts and loops the script owns (``tidal.prepare``)
+]
+FOLDERS = {"coordinator": COORDINATOR_LAYERS, "worker": WORKER_LAYERS}
 
 
-def _coordinator_unit(path: Path) -> str:
-    rel = path.relative_to(ROOT / "coordinator").parts
-    return rel[0].removesuffix(".py")
+def _units(path: Path, package: str) -> set[str]:
+    """The units of ``tidal.<package>`` that ``path`` imports: the folder or root module
+    named after the package (``from tidal.worker import waits`` is ``waits``)."""
+    found = set()
+    prefix = ["tidal", package]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            if parts == prefix:
+                found |= {a.name for a in node.names}
+            elif parts[:2] == prefix:
+                found.add(parts[2])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[:2] == prefix and len(parts) > 2:
+                    found.add(parts[2])
+    return found
 
 
-def _coordinator_layer(unit: str) -> int:
-    for i, layer in enumerate(COORDINATOR_LAYERS):
+def _folder_layer(package: str, unit: str) -> int:
+    for i, layer in enumerate(FOLDERS[package]):
         if unit in layer:
             return i
-    raise AssertionError(f"tidal.coordinator.{unit} is in no COORDINATOR_LAYERS: add it")
+    raise AssertionError(f"tidal.{package}.{unit} is in no {package.upper()}_LAYERS: add it")
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "coordinator").rglob("*.py")), ids=lambda p: p.name)
-def test_the_coordinators_folders_import_downward(path: Path) -> None:
-    me = _coordinator_layer(_coordinator_unit(path))
-    for name in _imports(path, depth=2):
-        top, _, unit = name.partition(".")
-        if top != "coordinator" or not unit:
-            continue
-        assert _coordinator_layer(unit) <= me, (
-            f"tidal/{path.relative_to(ROOT)} imports tidal.coordinator.{unit}, above it"
+def _folder_unit(package: str, path: Path) -> str:
+    return path.relative_to(ROOT / package).parts[0].removesuffix(".py")
+
+
+@pytest.mark.parametrize(
+    "package,path",
+    [(p, m) for p in FOLDERS for m in sorted((ROOT / p).rglob("*.py"))],
+    ids=lambda x: x if isinstance(x, str) else str(x.relative_to(ROOT)),
+)
+def test_the_folders_import_downward(package: str, path: Path) -> None:
+    me = _folder_layer(package, _folder_unit(package, path))
+    for unit in _units(path, package):
+        assert _folder_layer(package, unit) <= me, (
+            f"tidal/{path.relative_to(ROOT)} imports tidal.{package}.{unit}, above it"
         )
 
 
@@ -141,6 +178,11 @@ def test_a_module_that_imports_upward_is_caught(tmp_path: Path) -> None:
         "def f():\n    from tidal.dashboard import app\n    import tidal.worker.agent.client\n"
     )
     assert _imports(bad) == {"dashboard", "worker"}
-    bad.write_text("from tidal.coordinator.control.loop import ControlLoop\n")
-    assert _imports(bad, depth=2) == {"coordinator.control"}
-    assert _coordinator_layer("control") > _coordinator_layer("records")
+    bad.write_text(
+        "from tidal.coordinator.control.loop import ControlLoop\n"
+        "from tidal.worker import waits\nimport tidal.worker.trainer.step\n"
+    )
+    assert _units(bad, "coordinator") == {"control"}
+    assert _units(bad, "worker") == {"waits", "trainer"}
+    assert _folder_layer("coordinator", "control") > _folder_layer("coordinator", "records")
+    assert _folder_layer("worker", "trainer") > _folder_layer("worker", "membership")

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import tidal
 from tidal.worker.batches.sampler import ElasticSampler
-from tidal.worker.compat.driven import StepNotEnded
 from tidal.worker.compat.prepare import PreparedModel, _length
 from tidal.worker.membership import ddp
+from tidal.worker.trainer.driven import StepNotEnded
 
 D = torch.float64
 

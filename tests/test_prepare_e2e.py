@@ -32,7 +32,7 @@ STEPS, PER_EPOCH = 90, 30
 
 SAVE_STATES = """
 import os
-from tidal.worker.compat import driven as _driven
+from tidal.worker.trainer import driven as _driven
 from tidal.worker.trainer import elastic as _elastic
 
 # Once per process (the zygote's interpreter may run this again: then it is wrapped already).

@@ -23,8 +23,8 @@ from tidal.coordinator.control.controller import Coordinator
 from tidal.protocol import FailureKind, FailureReport
 from tidal.store_auth import TAG_BYTES, AuthStore, ForgedValue, derive_key
 from tidal.store_keys import GEN_ABANDONED
+from tidal.worker.batches import identity
 from tidal.worker.membership import group as grp
-from tidal.worker.trainer import identity
 
 TOKEN = "the-job-token"
 KEY = derive_key(TOKEN)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from tidal.worker.batches import identity
 from tidal.worker.batches.pipeline import STREAM, LoaderOptions, Pipeline, classify
 from tidal.worker.batches.sampler import ElasticSampler
-from tidal.worker.trainer import identity
 
 
 class Loader:

@@ -20,15 +20,30 @@ once, and the next epoch's use of the same index is a different sample.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.utils.data import Dataset
 
-if TYPE_CHECKING:
-    from tidal.worker.trainer.step import Step
+from tidal.worker.batches.sampler import ElasticSampler
 
 _SEED_BITS = 63  # fits torch.Generator.manual_seed, numpy and gymnasium alike
+
+
+class _Trains(Protocol):
+    @property
+    def sampler(self) -> ElasticSampler: ...
+
+
+class Step(Protocol):
+    """What these helpers read of a ``tidal.Step``: its index, and its trainer's sampler
+    (which places the data: ``ElasticSampler.position``)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def trainer(self) -> _Trains: ...
 
 
 class IndexDataset(Dataset):

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from tidal.tracked import Stateful
 from tidal.worker.batches.pipeline import STREAM, classify
-from tidal.worker.compat.driven import Driven
+from tidal.worker.trainer.driven import Driven
 from tidal.worker.trainer.runtime import Trainer
 
 #: The name the scheduler is carried under (``tracked``: healed, checkpointed, rewound).

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tidal.worker.membership.waits import Waits
+from tidal.worker.waits import Waits
 
 #: How often a control word rides, in seconds of training (module doc).
 CONTROL_PERIOD_S = 0.2

@@ -19,7 +19,7 @@ from tidal.protocol import CheckpointView, WorkerConfig
 from tidal.tracked import TrackedState
 from tidal.worker import probes
 from tidal.worker.agent.client import Agent
-from tidal.worker.trainer import identity
+from tidal.worker.batches import identity
 
 
 class Durable:

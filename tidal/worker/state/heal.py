@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from tidal import devices
 from tidal.tracked import Captured, TrackedState
-from tidal.worker.membership.waits import Waits
 from tidal.worker.state import blob, cma
 from tidal.worker.state.landing import Landing, state_tensors
+from tidal.worker.waits import Waits
 
 CPU = torch.device("cpu")
 

@@ -33,9 +33,9 @@ from tidal.worker.agent.client import Agent, WorkerEnv
 from tidal.worker.membership import busy
 from tidal.worker.membership import group as grp
 from tidal.worker.membership.notice import Notices
-from tidal.worker.membership.waits import Waits
 from tidal.worker.membership.watch import AbortWatch, Facts
 from tidal.worker.state.durable import Durable
+from tidal.worker.waits import Waits
 
 if TYPE_CHECKING:
     from tidal.worker.trainer.parts import Parts

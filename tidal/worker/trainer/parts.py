@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tidal.worker.batches.loader import Loader
-    from tidal.worker.compat.driven import Driven
-    from tidal.worker.membership.membership import Membership
-    from tidal.worker.sharded.steps import ShardedSteps
     from tidal.worker.trainer.clock import PauseClock
+    from tidal.worker.trainer.driven import Driven
     from tidal.worker.trainer.elastic import ElasticLoop
     from tidal.worker.trainer.evaluation import Evaluator
     from tidal.worker.trainer.link import JobLink
+    from tidal.worker.trainer.membership import Membership
     from tidal.worker.trainer.objects import Objects
+    from tidal.worker.trainer.sharded_steps import ShardedSteps
     from tidal.worker.trainer.stopping import ScriptStop
     from tidal.worker.trainer.update import Update
 

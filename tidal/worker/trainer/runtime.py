@@ -31,18 +31,18 @@ import torch
 
 from tidal.tracked import Stateful, TrackedState
 from tidal.worker.agent.client import WorkerEnv
+from tidal.worker.batches import identity
 from tidal.worker.batches.loader import Loader
 from tidal.worker.batches.pipeline import LoaderOptions, check_loader, unwrap
-from tidal.worker.compat.driven import Driven
-from tidal.worker.membership.membership import Membership
-from tidal.worker.sharded.steps import ShardedSteps
-from tidal.worker.trainer import identity
 from tidal.worker.trainer.clock import PauseClock
+from tidal.worker.trainer.driven import Driven
 from tidal.worker.trainer.elastic import ElasticLoop
 from tidal.worker.trainer.evaluation import Evaluator
 from tidal.worker.trainer.link import JobLink
+from tidal.worker.trainer.membership import Membership
 from tidal.worker.trainer.objects import SHARDINGS, Objects, place
 from tidal.worker.trainer.parts import Parts
+from tidal.worker.trainer.sharded_steps import ShardedSteps
 from tidal.worker.trainer.step import Step
 from tidal.worker.trainer.stopping import ScriptStop
 from tidal.worker.trainer.update import Update

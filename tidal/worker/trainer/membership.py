@@ -35,13 +35,13 @@ import torch.distributed as dist
 from tidal.protocol import FailureKind, HeartbeatResponse, Role
 from tidal.store_auth import ForgedValue
 from tidal.worker import probes
+from tidal.worker.batches import identity
 from tidal.worker.membership import ddp
 from tidal.worker.membership import group as grp
-from tidal.worker.membership.forming import form
 from tidal.worker.membership.leaving import leave_uncommitted
 from tidal.worker.membership.reasons import failure_reason
 from tidal.worker.state.heal import HealInterrupted, ModelMismatch, StateLost
-from tidal.worker.trainer import identity
+from tidal.worker.trainer.forming import form
 
 if TYPE_CHECKING:
     from tidal.worker.trainer.parts import Parts
