@@ -43,3 +43,12 @@ def test_the_check_can_fail() -> None:
     gone = named_modules(text + "\n`tidal/worker/no_such_module.py`")
     assert not (ROOT / "tidal/worker/no_such_module.py").exists()
     assert "tidal/worker/no_such_module.py" in gone
+
+
+def test_every_decision_page_is_listed() -> None:
+    decisions = ROOT / "docs" / "decisions"
+    index = (decisions / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", index))
+    pages = {p.name for p in decisions.glob("*.md") if p.name != "README.md"}
+    assert pages - listed == set(), f"decision pages not in docs/decisions/README.md: {pages - listed}"
+    assert listed - pages == set(), f"docs/decisions/README.md lists missing pages: {listed - pages}"
