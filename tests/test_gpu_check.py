@@ -40,11 +40,11 @@ def test_without_cuda_the_check_says_so_in_one_line_and_exits_2() -> None:
     assert proc.stderr.strip().splitlines() == [NO_CUDA], proc.stderr
 
 
-def run_on_cpu(tmp_path: Path, keys: str, *only: str) -> tuple[dict, str]:
+def run_on_cpu(tmp_path: Path, keys: str, *only: str, timeout: float = 140) -> tuple[dict, str]:
     """``python -m bench.gpu --device cpu --quick [--only ...]``: its JSON and its summary,
     after the checks every part in ``keys`` must pass."""
     out = tmp_path / "gpu.json"
-    proc = gpu_check("--device", "cpu", "--quick", *only, "--json", str(out), timeout=140)
+    proc = gpu_check("--device", "cpu", "--quick", *only, "--json", str(out), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = proc.stderr[-3000:]  # the human summary, one line a part
     result = json.loads(proc.stdout)
@@ -100,6 +100,27 @@ def check_e(e: dict, summary: str) -> None:
     assert "bf16 val_loss" in summary and "fp16 val_loss" in summary, summary
 
 
+def check_f(f: dict) -> None:
+    """``sharding="fsdp"``: a re-form, then a lost job resumed at fsdp and at ddp."""
+    assert finite(f["reform_pause_s"]) and f["reform_pause_s"] > 0, f
+    assert f["first_run_exit"] != 0 and f["checkpoints"], f
+    assert set(f["resumes"]) == {"fsdp", "ddp"}, f
+    for sharding, r in f["resumes"].items():
+        assert r["resumed_from_step"] == max(f["checkpoints"]) >= 20, (sharding, f)
+        assert r["rel_l2"] and all(finite(v) and v <= 1e-4 for v in r["rel_l2"].values()), r
+    assert finite(f["max_rel_l2"]) and f["max_rel_l2"] <= 1e-4, f
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_sharded_part_passes_on_cpu(tmp_path: Path) -> None:
+    """Part (f), ``sharding="fsdp"`` over one worker's group: issue 56's CPU acceptance
+    (``bench.gpu --device cpu --only f``)."""
+    result, summary = run_on_cpu(tmp_path, "f", "--only", "f", timeout=190)
+    assert "(f) PASS" in summary, summary
+    check_f(result["parts"]["f"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_amp_part_passes_on_cpu(tmp_path: Path) -> None:
@@ -110,6 +131,7 @@ def test_the_amp_part_passes_on_cpu(tmp_path: Path) -> None:
     result, summary = run_on_cpu(tmp_path, "e", "--only", "e")
     parts = result["parts"]
     assert parts["a"]["skipped"] and parts["b"]["skipped"] and parts["c"]["skipped"], parts
+    assert parts["f"]["skipped"], parts
     check_e(parts["e"], summary)
 
 
@@ -123,14 +145,15 @@ def test_the_speed_part_runs_alternating_pairs_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.bench
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_the_check_logic_passes_on_cpu(tmp_path: Path) -> None:
-    result, summary = run_on_cpu(tmp_path, "abce")
+    result, summary = run_on_cpu(tmp_path, "abcef", timeout=290)
     parts = result["parts"]
     check_a(parts["a"], summary)
     check_b(parts["b"])
     check_c(parts["c"], result["rows"])
     check_e(parts["e"], summary)
+    check_f(parts["f"])
 
 
 @pytest.mark.gpu

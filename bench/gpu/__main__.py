@@ -1,12 +1,13 @@
 """The GPU check (issue 14): CUDA workers and NCCL process groups, end to end, in under
 8 minutes on a machine with one GPU.
 
-``python -m bench.gpu [--quick] [--json FILE] [--workdir DIR] [--only a,b,c,d,e]``
+``python -m bench.gpu [--quick] [--json FILE] [--workdir DIR] [--only a,b,c,d,e,f]``
 ``python -m bench.gpu --device cpu [--quick]``: the same logic on the CPU (gloo instead of
 NCCL, CPU tensors, parts (c) and (e) small), so the check's own code runs in CI.
 
 Parts (each with its own wall-clock timeout; a part that runs past it has hung and failed),
-one module each: (a) ``shared``, (b) ``reform``, (c) ``speed``, (d) ``nccl2``, (e) ``amp``;
+one module each: (a) ``shared``, (b) ``reform``, (c) ``speed``, (d) ``nccl2``, (e) ``amp``,
+(f) ``shard``;
 their docstrings say what each checks, ``harness`` holds what they share.
 
 Exits 0 when every part that ran passed, 1 otherwise, 2 when there is no CUDA device (and no
@@ -29,7 +30,7 @@ import traceback
 from pathlib import Path
 
 from bench.common import log
-from bench.gpu import amp, nccl2, reform, shared, speed
+from bench.gpu import amp, nccl2, reform, shard, shared, speed
 from bench.gpu.harness import (
     BUDGET_S,
     NO_CUDA,
@@ -47,6 +48,7 @@ PARTS = {
     "c": (speed.TITLE, speed.run),
     "d": (nccl2.TITLE, nccl2.run),
     "e": (amp.TITLE, amp.run),
+    "f": (shard.TITLE, shard.run),
 }
 
 

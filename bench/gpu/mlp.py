@@ -1,4 +1,4 @@
-"""The MLP job of parts a, b and d (``scripts/train.py``): its one-worker reference, a run
+"""The MLP job of parts a, b, d and f (``scripts/train.py``): its one-worker reference, a run
 of it under ``tidal run``, and the checks of its members' results against the reference."""
 
 from __future__ import annotations
@@ -40,12 +40,14 @@ def train_job(
     gpus: int,
     what: str,
     pin: bool = False,
+    script_args: tuple[str, ...] = (),
 ) -> tuple[int, float, Path, Path]:
     """``tidal run OPTS scripts/train.py`` armed with ``faults``, ``gpus`` GPUs visible
-    (``pin``: the Trainer's pinned host memory, on CUDA only): (exit status, seconds, the
-    job's home, the members' result folder)."""
+    (``pin``: the Trainer's pinned host memory, on CUDA only; ``script_args``: more of the
+    script's arguments): (exit status, seconds, the job's home, the members' result
+    folder)."""
     home, out = part.dir / "home", part.dir / "out"
-    script = [str(TRAIN), "--max-steps", str(STEPS), "--out", str(out)]
+    script = [str(TRAIN), "--max-steps", str(STEPS), "--out", str(out), *script_args]
     script += ["--expect-device", ctx.device] + (["--pin-memory"] if pin and ctx.cuda else [])
     rc, secs = part.run(
         tidal_cmd(home, name, *opts) + script, "tidal-run.log", ctx.env(gpus, faults=faults), what

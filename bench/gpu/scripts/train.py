@@ -1,4 +1,4 @@
-"""The GPU check's training script (``bench.gpu`` parts a, b and d): a small MLP on
+"""The GPU check's training script (``bench.gpu`` parts a, b, d and f): a small MLP on
 synthetic data in float32, through ``tidal.Trainer``, on the worker's device.
 
 Run under ``tidal run`` or alone (``python bench/gpu/scripts/train.py``: the one-worker
@@ -12,6 +12,11 @@ With ``--out DIR`` every worker that finishes writes ``DIR/w{ID}.json`` (its id,
 the process-group backends its steps ran under, the committed steps) and, when the job
 completed, ``DIR/params-w{ID}.safetensors`` (its final parameters, on the CPU); alone, the
 id is ``alone``.
+
+``--sharding`` is the Trainer's (``ddp`` or ``fsdp``); ``--sharding-file FILE`` reads it
+from FILE instead, when the script starts: part (f) resumes one job's sharded checkpoint at
+another sharding, and ``tidal resume`` runs the script with the arguments it was started
+with.
 """
 
 from __future__ import annotations
@@ -60,7 +65,11 @@ def main() -> None:
     parser.add_argument("--expect-device", choices=("cuda", "cpu"))
     parser.add_argument("--pin-memory", action="store_true", help="Trainer(pin_memory=True)")
     parser.add_argument("--out", type=Path, help="folder for the result files")
+    parser.add_argument("--sharding", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--sharding-file", type=Path, help="read --sharding from this file")
     args = parser.parse_args()
+    if args.sharding_file is not None:
+        args.sharding = args.sharding_file.read_text().strip()
 
     model, opt, data = build(args.seed)
     kwargs = {"device": args.device} if args.device else {}  # tidal: the default picks the GPU
@@ -71,9 +80,11 @@ def main() -> None:
         global_batch_size=args.global_batch_size,
         seed=args.seed,
         pin_memory=args.pin_memory,
+        sharding=args.sharding,
         **kwargs,
     )
-    device = next(model.parameters()).device
+    # where the Trainer put the model (under fsdp the module passed becomes the template)
+    device = trainer.device if args.sharding == "fsdp" else next(model.parameters()).device
     if args.expect_device and device.type != args.expect_device:
         raise SystemExit(
             f"gpu_train: the model is on {device}, expected {args.expect_device} "
@@ -105,9 +116,11 @@ def main() -> None:
             "batch_devices": sorted(batch_devices),
             "completed": trainer.completed,
             "step": trainer.step,
+            "sharding": args.sharding,
         }
-        if trainer.completed:
-            state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        final = trainer.full_state_dict() if trainer.completed else None  # rank 0's
+        if final is not None:
+            state = {k: v.detach().cpu().contiguous() for k, v in final.items()}
             safetensors.torch.save_file(state, str(args.out / f"params-w{wid}.safetensors"))
         (args.out / f"w{wid}.json").write_text(json.dumps(info))
 

@@ -92,18 +92,30 @@ class Fsdp:
         self.module.set_requires_gradient_sync(last)
 
     def end_step(
-        self, *, switch: bool, stop: bool, shrink: bool, checkpoint: bool, clip: bool
+        self,
+        *,
+        switch: bool,
+        stop: bool,
+        shrink: bool,
+        checkpoint: bool,
+        clip: bool,
+        before: Callable[[], None] = lambda: None,
     ) -> None:
         """The step's control all-reduce (module contract); afterwards ``guard.failed`` says
         whether the step failed, ``flags`` what the members agreed, ``grad_norm`` the norm of
-        the whole gradient (when ``clip``)."""
+        the whole gradient (when ``clip``). ``before`` runs inside the guarded collective
+        (a test's fault point): what it raises fails the step as the all-reduce would."""
         w = self.word
         w.zero_()
         w[SWITCH], w[STOP], w[SHRINK] = float(switch), float(stop), float(shrink)
         w[CHECKPOINT] = float(checkpoint)
         if clip:
             w[NORM] = _local_norm_sq(self.sharded.optimizer)
-        self.guard.run(lambda: dist.all_reduce(w), w)
+        def reduce() -> None:
+            before()
+            dist.all_reduce(w)
+
+        self.guard.run(reduce, w)
         self.grad_norm = math.sqrt(float(w[NORM])) if clip else None
 
     def flags(self) -> tuple[bool, bool, bool, bool]:

@@ -161,7 +161,6 @@ class ShardedSteps:
         """The last micro-batch's backward ran: the step's control all-reduce."""
         membership, step = self.parts.membership, self.parts.update.step
         c = membership.control
-        c.before_allreduce()
         c.comm_started = time.perf_counter()
         fsdp = self.fsdp
         fsdp.end_step(
@@ -170,6 +169,7 @@ class ShardedSteps:
             shrink=self.shrink,
             checkpoint=membership.rank == 0 and self.parts.link.durable.due(step + 1),
             clip=self.parts.update.clip_grad_norm is not None,
+            before=c.before_allreduce,
         )
         switch, stop, shrink, checkpoint = fsdp.flags()
         c.sums = (float(switch), float(stop), 0.0)
