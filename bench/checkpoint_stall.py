@@ -4,8 +4,8 @@
 
 A ~100 MB MLP (25 M float32 parameters) with SGD momentum (another 100 MB of state) trains
 on synthetic data, in one process, with Tidal's asynchronous checkpoint every ``--every``
-steps and then with the peer, each in blocks alternating with blocks of no checkpoints (the
-baseline, seconds away: ``run``). The peer is DCP's
+steps, with the peer's and with the floor's, each in blocks alternating with blocks of no
+checkpoints (the baseline, seconds away), the three writers taking turns (``run``). The peer is DCP's
 ``async_save`` of the same state at its best on this host (``bench.peers.DCP_ASYNC``: one
 ``DefaultStager`` for the run, so its staging buffers are reused; staging in its thread; the
 training waits for the staging before the next optimizer update and for the previous upload
@@ -43,7 +43,7 @@ from tidal.checkpoint.writer import AsyncCheckpointer
 #: GB (whoever writes it), and that dominated the mean over 10 checkpoints.
 WARMUP = 3
 
-#: Tidal's writer, the peer, and the floor, each measured the same way (``run``).
+#: Tidal's writer, the peer, and the floor, measured the same way, by turns (``run``).
 MODES = ("async", "dcp", "floor")
 
 
@@ -155,33 +155,40 @@ class FloorWriter:
             self.thread = None
 
 
-def run(pairs: int, every: int, batch: int, mode: str, directory: Path) -> dict:
-    """``mode``: ``async`` (Tidal's writer), ``dcp`` or ``floor``. The steps run in blocks of
-    ``2 * every``, alternately without a checkpoint and with one, saved as the block starts
-    (``pairs`` of each, the order swapped every pair). The write has the whole block to end
-    (~2 s here; the wait for one that has not, the disk's latency, is recorded as ``tail_s``,
-    not counted), so none of its work lands in the next plain block. The plain blocks,
-    seconds apart from the checkpoint blocks, are their baseline: this shared VM's speed
-    drifts by 10 to 20% over tens of seconds, which separate phases measured as checkpoint
-    cost (one run read 465% of a step, another 15%)."""
+def _writer(mode: str, directory: Path):  # noqa: ANN202 - one of three writer shapes
+    (directory / mode).mkdir(parents=True, exist_ok=True)
+    if mode == "dcp":
+        return DcpAsync(directory / mode)
+    if mode == "floor":
+        return FloorWriter(directory / mode)
+    return AsyncCheckpointer(directory / mode, keep=2, on_written=lambda w: None)
+
+
+def run(pairs: int, every: int, batch: int, directory: Path) -> dict[str, dict]:
+    """Every writer of ``MODES`` (``async``: Tidal's, ``dcp``, ``floor``) measured in one
+    training. The steps run in blocks of ``2 * every``; each writer gets ``pairs`` pairs of
+    a block without a checkpoint and one with its checkpoint saved as the block starts (the
+    order swapped every pair), and the writers take turns pair by pair (the order rotated
+    every round), so all three meet the same minutes of this VM. The write has the whole
+    block to end (~2 s here; the wait for one that has not, the disk's latency, is recorded
+    as ``tail_s``, not counted), so none of its work lands in the next block. Each writer's
+    plain blocks, seconds from its checkpoint blocks, are its baseline: this shared VM's
+    speed drifts by 10 to 20% over tens of seconds, and the cost of writing 200 MB with it
+    (page cache reclaimed or not): writers measured one after the other read 62% against the
+    floor's 76% in one run and 147% against 83% in the next."""
     import warnings
 
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
     model, opt = build()
     x, y = torch.randn(batch, 2048), torch.randint(0, 10, (batch,))
     step_fn(model, opt, x, y)  # warm up allocations and momentum buffers
-    (directory / mode).mkdir(parents=True, exist_ok=True)
-    if mode == "dcp":
-        writer = DcpAsync(directory / mode)
-    elif mode == "floor":
-        writer = FloorWriter(directory / mode)
-    else:
-        writer = AsyncCheckpointer(directory / mode, keep=2, on_written=lambda w: None)
+    writers = {mode: _writer(mode, directory) for mode in MODES}
     saves = 0
 
-    def save() -> None:
+    def save(mode: str) -> None:
         nonlocal saves
         saves += 1
+        writer = writers[mode]
         if mode == "dcp":
             writer.save(saves, model, opt)
         elif mode == "floor":
@@ -189,43 +196,53 @@ def run(pairs: int, every: int, batch: int, mode: str, directory: Path) -> dict:
         else:
             writer.save(step=saves, module=model, optimizer=opt, meta={})
 
-    for _ in range(WARMUP):  # a job's steady state: see ``WARMUP``
-        save()
-        writer.wait()
-    blocks: dict[bool, list[float]] = {False: [], True: []}
-    plain_steps, blocked, tails = [], [], []
-    for pair in range(pairs):
-        for on in (False, True) if pair % 2 == 0 else (True, False):
-            t_block = time.perf_counter()
-            if on:
-                save()
-            for _ in range(2 * every):
-                t0 = time.perf_counter()
-                step_fn(model, opt, x, y, writer.quiesce)
-                if not on:
-                    plain_steps.append(time.perf_counter() - t0)
-            blocks[on].append(time.perf_counter() - t_block)
-            if on:
-                blocked.append(writer.last_stall_s)  # save() plus the wait before the update
-                t0 = time.perf_counter()
-                writer.wait()  # not counted: the disk's latency, not the training's loss
-                tails.append(time.perf_counter() - t0)
-    writer.wait()
-    if mode == "dcp":
-        writer.close()
-    size = sum(p.numel() * 4 for p in model.parameters())
-    diffs = [c - p for c, p in zip(blocks[True], blocks[False], strict=True)]
-    return {
-        "mode": mode,
-        "baseline_s": statistics.median(plain_steps),
-        "extra_s": (sum(blocks[True]) - sum(blocks[False])) / pairs,
-        # what the machine's noise leaves of ``extra_s``: the pairs' spread over sqrt(pairs)
-        "extra_se_s": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None,
-        "blocked_s": blocked,
-        "tail_s": tails,
-        "blocks_s": {"plain": blocks[False], "checkpoint": blocks[True]},
-        "params_mb": size / 1e6,
+    for mode, writer in writers.items():
+        for _ in range(WARMUP):  # a job's steady state: see ``WARMUP``
+            save(mode)
+            writer.wait()
+    res = {
+        m: {"plain": [], "checkpoint": [], "plain_steps": [], "blocked": [], "tails": []}
+        for m in MODES
     }
+    for pair in range(pairs):
+        turn = MODES[pair % len(MODES) :] + MODES[: pair % len(MODES)]
+        for mode in turn:
+            writer, r = writers[mode], res[mode]
+            for on in (False, True) if pair % 2 == 0 else (True, False):
+                t_block = time.perf_counter()
+                if on:
+                    save(mode)
+                for _ in range(2 * every):
+                    t0 = time.perf_counter()
+                    step_fn(model, opt, x, y, writer.quiesce)
+                    if not on:
+                        r["plain_steps"].append(time.perf_counter() - t0)
+                r["checkpoint" if on else "plain"].append(time.perf_counter() - t_block)
+                if on:
+                    r["blocked"].append(writer.last_stall_s)  # save() + the wait before the update
+                    t0 = time.perf_counter()
+                    writer.wait()  # not counted: the disk's latency, not the training's loss
+                    r["tails"].append(time.perf_counter() - t0)
+    for mode, writer in writers.items():
+        writer.wait()
+        if mode == "dcp":
+            writer.close()
+    size = sum(p.numel() * 4 for p in model.parameters())
+    out = {}
+    for mode, r in res.items():
+        diffs = [c - p for c, p in zip(r["checkpoint"], r["plain"], strict=True)]
+        out[mode] = {
+            "mode": mode,
+            "baseline_s": statistics.median(r["plain_steps"]),
+            "extra_s": statistics.mean(diffs),
+            # what the machine's noise leaves of ``extra_s``: the pairs' spread over sqrt(n)
+            "extra_se_s": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None,
+            "blocked_s": r["blocked"],
+            "tail_s": r["tails"],
+            "blocks_s": {"plain": r["plain"], "checkpoint": r["checkpoint"]},
+            "params_mb": size / 1e6,
+        }
+    return out
 
 
 def measure(
@@ -241,7 +258,7 @@ def measure(
     for threads in (2, 1):
         torch.set_num_threads(threads)
         with tempfile.TemporaryDirectory() as tmp:
-            results = {m: run(pairs, every, batch, m, Path(tmp)) for m in MODES}
+            results = run(pairs, every, batch, Path(tmp))
         pct = {}
         for mode, res in results.items():
             blocked = statistics.mean(res["blocked_s"]) if res["blocked_s"] else 0.0
