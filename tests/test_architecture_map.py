@@ -50,5 +50,9 @@ def test_every_decision_page_is_listed() -> None:
     index = (decisions / "README.md").read_text()
     listed = set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", index))
     pages = {p.name for p in decisions.glob("*.md") if p.name != "README.md"}
-    assert pages - listed == set(), f"decision pages not in docs/decisions/README.md: {pages - listed}"
-    assert listed - pages == set(), f"docs/decisions/README.md lists missing pages: {listed - pages}"
+    assert pages - listed == set(), (
+        f"decision pages not in docs/decisions/README.md: {pages - listed}"
+    )
+    assert listed - pages == set(), (
+        f"docs/decisions/README.md lists missing pages: {listed - pages}"
+    )

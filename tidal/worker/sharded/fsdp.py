@@ -111,6 +111,7 @@ class Fsdp:
         w[CHECKPOINT] = float(checkpoint)
         if clip:
             w[NORM] = _local_norm_sq(self.sharded.optimizer)
+
         def reduce() -> None:
             before()
             dist.all_reduce(w)
