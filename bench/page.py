@@ -25,7 +25,9 @@ def table(runs: list[dict]) -> str:
     names: list[str] = []
     for run in runs:
         names += [r["name"] for r in run["rows"] if r["name"] not in names]
-    labels = [f"{run['commit']}" for run in runs]
+    labels = [run["commit"] for run in runs]
+    if len(set(labels)) < len(labels):  # runs of one commit: numbered in the given order
+        labels = [f"{label} ({i})" for i, label in enumerate(labels, 1)]
     head = ["row", "peer"]
     for label in labels:
         head += [f"{label}: Tidal", f"{label}: peer", f"{label}: ratio"]
