@@ -144,7 +144,7 @@ def test_a_change_at_the_step_after_a_change_does_not_wait_for_a_heartbeat(
 
 LEAVER_WAITS = """
 import os, time
-from tidal.worker.membership import membership as _membership
+from tidal.worker.trainer import membership as _membership
 
 # A member at the step before a scheduled one first waits (up to 10 s) for an answer naming
 # a newer generation than its own, as it would on a machine whose steps are longer than a
