@@ -30,25 +30,15 @@ def resume_cmd(home, name: str) -> list[str]:
     return [sys.executable, "-m", "tidal.cli", "resume", "--home", str(home), name, "--quiet"]
 
 
-def run(ctx: Ctx, part: Part) -> None:
-    ref = reference(ctx, part)
-    name, backend = "nccl1", "nccl" if ctx.cuda else "gloo"
-    opts = ["--workers", "1", "--max-restarts", "0", "--checkpoint-every", "20"]
-    opts += ["--collective-timeout", COLLECTIVE_TIMEOUT_S, *ctx.comm("nccl")]
-    rc, secs, home, out = train_job(
-        ctx,
-        part,
-        name,
-        opts,
-        faults=FAULTS,
-        gpus=1,
-        what="the first run (a raise in the all-reduce, then a SIGKILL)",
-    )
+def first_run_checked(part: Part, rc: int, secs: float, home, name: str) -> dict:  # noqa: ANN001
+    """The checks of a one-worker run armed with ``FAULTS``: the raise fired in step 30's
+    collective and a new generation trained after it, within ``REFORM_BOUND_S``; the
+    SIGKILL ended the job. Its status, the numbers recorded on ``part``."""
     status = tidal_status(home, name)
     part.numbers.update(first_run_s=round(secs, 2), first_run_exit=rc)
     events = [e["message"] for e in status["events"]]
     part.check(
-        "the raise fault fired inside step 30's all-reduce",
+        "the raise fault fired inside step 30's collective",
         any("injected fault at step 30 (allreduce)" in m for m in events),
         f"events: {events[-6:]}\n{job_logs(home, name)}",
     )
@@ -70,6 +60,24 @@ def run(ctx: Ctx, part: Part) -> None:
         status["state"] in ("failed", "interrupted") and rc != 0,
         f"exit {rc}, state {status['state']}\n{job_logs(home, name)}",
     )
+    return status
+
+
+def run(ctx: Ctx, part: Part) -> None:
+    ref = reference(ctx, part)
+    name, backend = "nccl1", "nccl" if ctx.cuda else "gloo"
+    opts = ["--workers", "1", "--max-restarts", "0", "--checkpoint-every", "20"]
+    opts += ["--collective-timeout", COLLECTIVE_TIMEOUT_S, *ctx.comm("nccl")]
+    rc, secs, home, out = train_job(
+        ctx,
+        part,
+        name,
+        opts,
+        faults=FAULTS,
+        gpus=1,
+        what="the first run (a raise in the all-reduce, then a SIGKILL)",
+    )
+    status = first_run_checked(part, rc, secs, home, name)
     ckpts = status["checkpoints"]
     part.numbers["checkpoints"] = [
         {k: c.get(k) for k in ("step", "bytes", "seconds_to_write")} for c in ckpts

@@ -18,20 +18,16 @@ from pathlib import Path
 
 from bench.gpu.harness import (
     COLLECTIVE_TIMEOUT_S,
-    REFORM_BOUND_S,
     Ctx,
     Part,
     formed,
     gens_summary,
-    job_logs,
     tail,
-    tidal_status,
 )
 from bench.gpu.mlp import check_members, finished, reference, train_job
-from bench.gpu.reform import RESUMING, resume_cmd
+from bench.gpu.reform import FAULTS, RESUMING, first_run_checked, resume_cmd
 
 TITLE = "sharding='fsdp', one worker: a failed collective re-forms, resume at fsdp and at ddp"
-FAULTS = "raise@worker=0,phase=allreduce,step=30;sigkill@worker=0,step=50"
 
 
 def layout(checkpoint: dict) -> str | None:
@@ -98,32 +94,8 @@ def run(ctx: Ctx, part: Part) -> None:
         what="the sharded run (a raise in the step's collective, then a SIGKILL)",
         script_args=("--sharding-file", str(part.dir / "sharding")),
     )
-    status = tidal_status(home, name)
-    part.numbers.update(first_run_s=round(secs, 2), first_run_exit=rc)
-    events = [e["message"] for e in status["events"]]
-    part.check(
-        "the raise fault fired inside step 30's collective",
-        any("injected fault at step 30 (allreduce)" in m for m in events),
-        f"events: {events[-6:]}\n{job_logs(home, name)}",
-    )
-    reform = [g for g in formed(status) if "failed collective" in g["reason"]]
-    part.check(
-        "the failed collective re-formed the sharded group (a new generation trained)",
-        bool(reform),
-        f"generations {gens_summary(status)}\n{job_logs(home, name)}",
-    )
-    pause = reform[0]["pause_s"]
-    part.numbers.update(reform_pause_s=pause, generations=gens_summary(status))
-    part.check(
-        f"the re-form took under {REFORM_BOUND_S:.0f} s",
-        pause is not None and pause < REFORM_BOUND_S,
-        f"pause_s {pause}",
-    )
-    part.check(
-        "the SIGKILL ended the job (its only worker, no restarts)",
-        status["state"] in ("failed", "interrupted") and rc != 0,
-        f"exit {rc}, state {status['state']}\n{job_logs(home, name)}",
-    )
+    status = first_run_checked(part, rc, secs, home, name)
+    part.numbers["generations"] = gens_summary(status)
     ckpts = status["checkpoints"]
     part.check(
         "sharded checkpoints were written",
