@@ -241,14 +241,21 @@ def test_a_leaver_that_knows_it_leaves_skips_its_last_update(
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_members_held_at_a_scheduled_step_go_to_a_newer_generation_that_needs_them(
-    tidal_home: Home,
+    tidal_home: Home, tmp_path: Path
 ) -> None:
-    """Worker 0 SIGKILLed at step 15 of a 2-worker job scheduled to 3 at step 20: the lone
+    """A member SIGKILLed at step 15 of a 2-worker job scheduled to 3 at step 20: the lone
     survivor holds at step 20 while its replacement's generation (2 members, opened with the
     warm spare) waits for it to form, and the third worker waits for that generation to
     form. The hold is released into it at once (``scale_rules.schedule_settled``); before, the
-    three waited for each other until the 120 s start timeout."""
-    proc, job = tidal_home.run(
+    three waited for each other until the 120 s start timeout.
+
+    Which two of the three workers form generation 1 is a race (the spare is whichever is
+    ready last), so the members hold at step 14 and the test names the one to kill once it
+    knows them."""
+    faults = tmp_path / "faults"
+    holds = ";".join(f"hold@worker={w},step=14,gen=1" for w in range(3))
+    faults.write_text(holds)
+    job = tidal_home.start(
         "deadlock",
         "--workers",
         "2",
@@ -257,13 +264,20 @@ def test_members_held_at_a_scheduled_step_go_to_a_newer_generation_that_needs_th
         "--schedule",
         "20:3",
         script_args=["--max-steps", "40"],
-        faults="sigkill@worker=0,step=15,phase=allreduce",
-        timeout=140,
+        faults=f"@{faults}",
     )
-    status = job.status()
-    assert proc.returncode == 0, summarize(status)
+    try:
+        job.wait_for(lambda _s: Path(f"{faults}.held").exists(), 90, "a member held at 14")
+        first = job.poll()["generations"][0]
+        victim = first["members"][0]
+        faults.write_text(f"{holds};sigkill@worker={victim},step=15,phase=allreduce")
+    finally:
+        Path(f"{faults}.release").touch()
+    status = job.wait_state("succeeded", "failed", "stopped", "interrupted", timeout=120)
+    assert status["state"] == "succeeded", summarize(status)
     gens = [g for g in status["generations"] if g["start_step"] is not None]
     # the case arose: the survivor alone from step 15, then with its replacement from 20
     sizes = [(g["world_size"], g["start_step"]) for g in gens]
     assert (1, 15) in sizes and (2, 20) in sizes, summarize(status)
+    assert victim not in gens[1]["members"], summarize(status)
     assert max(g["pause_s"] or 0.0 for g in gens) < 10, summarize(status)
