@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_helpers import Home, standalone_params
+from e2e_helpers import Home, hook_errors, standalone_params
 from s3_server import Moto
 from s3_server import env as s3_env
 
@@ -59,6 +59,8 @@ def tidal_home(tmp_path: Path) -> Iterator[Home]:
         yield home
     finally:
         home.cleanup()
+    if errors := hook_errors(tmp_path):
+        pytest.fail(f"a test hook failed to import in a process the test started:\n{errors}")
 
 
 @pytest.fixture(scope="session")

@@ -53,13 +53,33 @@ def standalone_params(out: Path, *script_args: str) -> Path:
     return out
 
 
+HOOK_ERRORS = "hook-errors.txt"
+
+#: The ``sitecustomize`` that ``call_log`` arms: it imports the test's hook and, if that
+#: raises (a stale import path after a move, say), writes the traceback where the test's
+#: ``tidal_home`` fixture finds it (``hook_errors``), then raises on. Python would only print
+#: "Error in sitecustomize" into a worker's log and run on without the hook.
+_GUARD = """
+import traceback
+
+try:
+    import _test_hook  # noqa: F401
+except BaseException:
+    with open({errors!r}, "a") as f:
+        traceback.print_exc(file=f)
+    raise
+"""
+
+
 def call_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str, var: str) -> Path:
     """Arm a test's own ``sitecustomize`` (``site``) in the processes a job starts: it goes
     on their ``PYTHONPATH`` and appends what it records to the file named in ``$var``,
-    returned here (the library reads neither)."""
+    returned here (the library reads neither). A hook that fails to import fails the test
+    (``hook_errors``, checked by the ``tidal_home`` fixture)."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(site)
+    (hooks / "_test_hook.py").write_text(site)
+    (hooks / "sitecustomize.py").write_text(_GUARD.format(errors=str(hooks / HOOK_ERRORS)))
     log = tmp_path / f"{var.lower()}.txt"
     # Before the rest of the path, not instead of it: a checkout on PYTHONPATH stays the
     # code the job runs.
@@ -67,6 +87,12 @@ def call_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: str, var: st
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks)] + ([rest] if rest else [])))
     monkeypatch.setenv(var, str(log))
     return log
+
+
+def hook_errors(tmp_path: Path) -> str:
+    """The tracebacks of ``call_log`` hooks that failed to import in any process ("" if none)."""
+    path = tmp_path / "hooks" / HOOK_ERRORS
+    return path.read_text() if path.exists() else ""
 
 
 # -- processes ----------------------------------------------------------------------------

@@ -182,4 +182,6 @@ def test_the_page_table_shows_both_runs_and_judges_each_goal() -> None:
     assert "|  |  |  | 2 | 3 | 1.5 |" in cold  # a row only the second run has
     # two runs of one commit are told apart by their order
     head = table([run("a", 0.99), run("a", 0.97)]).splitlines()[0]
-    assert head.startswith("| row | peer | a (1): Tidal | a (1): peer | a (1): ratio | a (2): Tidal")
+    assert head.startswith(
+        "| row | peer | a (1): Tidal | a (1): peer | a (1): ratio | a (2): Tidal"
+    )
