@@ -155,14 +155,33 @@ def test_prune_keeps_the_newest(tmp_path):
 
 
 def test_async_writer_reports_and_keeps_k(tmp_path):
-    written = []
-    writer = AsyncCheckpointer(tmp_path, keep=2, on_written=written.append)
+    """The newest ``keep`` stay at every moment; an older one goes as the next write begins
+    (before its first file: it reuses the pages that frees), the last ones at ``close``."""
+    written, seen = [], {}
+
+    def steps() -> list[int]:
+        return [int(p.name.split("-")[1]) for p in store.list_checkpoints(tmp_path)]
+
+    writer = AsyncCheckpointer(
+        tmp_path,
+        keep=2,
+        on_written=written.append,
+        during_write=lambda step: seen.setdefault(step, steps()),
+    )
     m, o = model_and_opt()
-    for step in (10, 20, 30):
+    for step in (10, 20, 30, 40):
         writer.save(step=step, module=m, optimizer=o, meta={})
     writer.wait()
-    assert [w.step for w in written] == [10, 20, 30]
-    assert [p.name for p in store.list_checkpoints(tmp_path)] == ["step-00000030", "step-00000020"]
+    assert [w.step for w in written] == [10, 20, 30, 40]
+    assert seen == {10: [], 20: [10], 30: [20, 10], 40: [30, 20]}
+    assert steps() == [40, 30, 20]  # until the next write begins ...
+    writer.close()
+    assert steps() == [40, 30]  # ... or the writer closes
+    writer.close()  # again: nothing more goes
+    assert steps() == [40, 30]
+    other = AsyncCheckpointer(tmp_path, keep=1, on_written=written.append)
+    other.close()  # a writer that wrote nothing leaves the folder alone
+    assert steps() == [40, 30]
     with pytest.raises(ValueError, match="--keep-checkpoints"):
         AsyncCheckpointer(tmp_path, keep=0, on_written=written.append)
 

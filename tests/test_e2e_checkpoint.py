@@ -74,13 +74,15 @@ def test_kill_everything_then_resume_on_three_workers(tidal_home: Home, referenc
     job = start_stalled_at(tidal_home, "crash", 120, save)
     status = job.poll()
     ckpts = status["checkpoints"]
-    assert [c["step"] for c in ckpts] == [50, 75, 100], summarize(status)
+    # --keep-checkpoints 3: the newest three, and the one before them until the next write
+    # begins (its pages are that write's: checkpoint.writer)
+    assert [c["step"] for c in ckpts] == [25, 50, 75, 100], summarize(status)
     assert all(c["bytes"] > 0 and c["seconds_to_write"] >= 0 for c in ckpts)
     kill_everything(job)
 
     status = job.status()
     assert status["state"] == "interrupted", summarize(status)
-    assert [c["step"] for c in status["checkpoints"]] == [50, 75, 100]
+    assert [c["step"] for c in status["checkpoints"]] == [25, 50, 75, 100]
 
     proc = tidal_home.cli("resume", "crash", "--workers", "3", "--quiet", timeout=180)
     assert proc.returncode == 0, f"{proc.stderr}\n{job.logs_tail()}"
@@ -89,7 +91,12 @@ def test_kill_everything_then_resume_on_three_workers(tidal_home: Home, referenc
     assert status["state"] == "succeeded" and status["step"] == 300, summarize(status)
     resumed = [g for g in status["generations"] if g["start_step"] is not None][-1]
     assert resumed["world_size"] == 3 and resumed["start_step"] == 100, summarize(status)
-    assert max(c["step"] for c in status["checkpoints"]) == 300  # the end is checkpointed
+    # the end is checkpointed, and the writer pruned to the newest three as it closed
+    assert [c["step"] for c in status["checkpoints"]] == [250, 275, 300], summarize(status)
+    folder = Path(status["checkpoints"][-1]["path"]).parent
+    assert sorted(p.name for p in folder.glob("step-*")) == [
+        f"step-{s:08d}" for s in (250, 275, 300)
+    ]
     rel = relative_l2(reference_params(300, double=True), save)
     assert rel <= EXACT, f"resumed parameters differ by {rel:.2e}"
     tidal_home.assert_no_processes()

@@ -229,6 +229,8 @@ def test_the_async_writer_keeps_k_at_a_url(s3) -> None:
         writer.save(step=step, module=m, optimizer=o, meta={})
     writer.wait()
     assert [w.step for w in written] == [10, 20, 30]
+    assert steps_of(store.list_checkpoints(url)) == [30, 20, 10]  # pruned as a write begins
+    writer.close()
     assert steps_of(store.list_checkpoints(url)) == [30, 20]
 
 

@@ -179,14 +179,20 @@ class Effects:
     def on_checkpoint(self, c: CheckpointView) -> None:
         self.executor.do(RecordCheckpoint(checkpoint=c))
         self.job.checkpointed = {*self.job.checkpointed, c.step}
+        self.drop_pruned_checkpoints()
+        size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
+        took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
+        self.ledger.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
+
+    def drop_pruned_checkpoints(self) -> None:
+        """Forget the recorded checkpoints that their writer pruned (``pruned_records``): as
+        a new one is recorded, and as a worker reports its end (a writer prunes the last
+        time as it closes: ``Durable.close``)."""
         records = [(old.step, old.path) for old in self.executor.checkpoints()]
         for step in pruned_records(
             records, keep=self.spec.keep_checkpoints, exists=lambda p: Path(p).exists()
         ):
             self.executor.do(DropCheckpoint(step=step))
-        size = "size unknown" if c.bytes is None else f"{c.bytes} bytes"  # both optional
-        took = "" if c.seconds_to_write is None else f", {c.seconds_to_write:.2f} s to write"
-        self.ledger.event("checkpoint", f"checkpoint of step {c.step}: {c.path} ({size}{took})")
 
     def on_checkpoint_failure(self, f: CheckpointFailure) -> None:
         """An event and the status fields; the job fails if it is its last step's checkpoint
@@ -293,6 +299,7 @@ class Effects:
 
     def apply_done(self, wid: int, r: DoneReport) -> None:
         w = self.caller(wid)
+        self.drop_pruned_checkpoints()
         w.ask_to_exit(time.monotonic())
         self.job.step = max(self.job.step, r.step)
         if r.completed and self.job.outcome is None and self.job.script_stop is None:

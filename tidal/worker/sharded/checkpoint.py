@@ -28,6 +28,7 @@ from tidal.checkpoint import sharded as disk
 from tidal.checkpoint import staging, store
 from tidal.checkpoint.fence import Fenced
 from tidal.checkpoint.location import Location
+from tidal.checkpoint.writer import prune_quietly
 from tidal.protocol import CheckpointView
 from tidal.tracked import TrackedState
 from tidal.worker.sharded.module import ShardedModel
@@ -73,12 +74,16 @@ def save_sharded(
     keep: int,
     agent,  # noqa: ANN001 - the worker's Agent (posts the checkpoint or its failure)
     fence: str | None = None,
-) -> None:
-    """This member's part of the checkpoint of ``step`` (module contract)."""
+) -> bool:
+    """This member's part of the checkpoint of ``step`` (module contract); True if this
+    member published it (rank 0, the write whole). Rank 0 first prunes to ``keep``, so the
+    shards reuse the pages that frees (``checkpoint.writer``'s module doc); the last
+    checkpoint's pruning is ``Durable.close``'s."""
     started = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
     name, target = "", None
     if rank == 0:
+        prune_quietly(directory, keep, fence=fence)
         try:
             target = staging.begin(directory, step, fence=fence)
             name = target.name
@@ -105,14 +110,14 @@ def save_sharded(
             target.discard()
         raise
     if rank != 0:
-        return
+        return False
     entries = [_row_entry(r) for r in rows_of]
     if target is None or any(e is None for e in entries):
         failed = [r for r, e in enumerate(entries) if e is None]
         if target is not None:
             target.discard()
         agent.post_checkpoint_failure(step, error or f"ranks {failed} could not write their shard")
-        return
+        return False
     try:
         written = disk.finalize(
             target,
@@ -123,12 +128,11 @@ def save_sharded(
             started=started,
             fence=fence,
         )
-        store.prune(directory, keep, fence=fence)
     except Exception as exc:  # noqa: BLE001 - a failed write must not stop training
         error = " ".join(f"{type(exc).__name__}: {exc}".split())
         log.warning("checkpoint of step %s failed: %s", step, error)
         agent.post_checkpoint_failure(step, error)
-        return
+        return False
     agent.post_checkpoint(
         CheckpointView(
             step=written.step,
@@ -137,6 +141,7 @@ def save_sharded(
             seconds_to_write=written.seconds_to_write,
         )
     )
+    return True
 
 
 def _replicated(sm, held, *, step, world, position, tracked) -> dict:  # noqa: ANN001

@@ -14,7 +14,7 @@ import time
 import torch
 
 from tidal.checkpoint import location, store
-from tidal.checkpoint.writer import AsyncCheckpointer
+from tidal.checkpoint.writer import AsyncCheckpointer, prune_quietly
 from tidal.protocol import CheckpointView, WorkerConfig
 from tidal.tracked import TrackedState
 from tidal.worker import probes
@@ -27,6 +27,7 @@ class Durable:
         self.cfg = cfg
         self._last_time = time.monotonic()
         self.stall_pending = False  # a checkpoint began: its stall is still to be posted
+        self._sharded_published = False  # this member published a sharded checkpoint
         self._writer: AsyncCheckpointer | None = None
         if cfg.checkpoint_dir is not None:
             self._writer = AsyncCheckpointer(
@@ -91,10 +92,12 @@ class Durable:
         self._last_time = time.monotonic()
         self._writer.save(step=step, module=module, optimizer=optimizer, meta=meta, tracked=tracked)
 
-    def mark_saved(self) -> None:
+    def mark_saved(self, *, published: bool) -> None:
         """A checkpoint was written by other means (``sharding="fsdp"``): the interval
-        restarts."""
+        restarts. ``published``: this member renamed it into place (rank 0), so it prunes
+        at ``close``."""
         self._last_time = time.monotonic()
+        self._sharded_published = self._sharded_published or published
 
     def quiesce(self) -> None:
         """Call before changing parameters or optimizer state (a snapshot may be copying)."""
@@ -110,6 +113,15 @@ class Durable:
         self.stall_pending = False
         return self.last_stall_s
 
-    def wait(self) -> None:
+    def close(self) -> None:
+        """At the worker's end: wait for the write in flight, then prune to
+        ``--keep-checkpoints`` (a write prunes as it begins: ``writer``'s module doc); sharded
+        checkpoints too, by the member that published one (``mark_saved``)."""
         if self._writer is not None:
-            self._writer.wait()
+            self._writer.close()
+        if self._sharded_published and self.cfg.checkpoint_dir is not None:
+            prune_quietly(
+                location.of(self.cfg.checkpoint_dir),
+                self.cfg.keep_checkpoints,
+                fence=self.cfg.checkpoint_fence,
+            )

@@ -344,7 +344,7 @@ class ElasticLoop:
                 stop_step=stop.stop_step(),
             ):
                 self.checkpoint()
-            link.durable.wait()
+            link.durable.close()
             link.stop_watchers()
             try:
                 link.agent.report_done(step=update.step, completed=self.completed)

@@ -142,7 +142,7 @@ class ShardedSteps:
             return True
 
         def save() -> None:
-            save_sharded(
+            published = save_sharded(
                 self.fsdp.sharded,
                 directory=location.of(cfg.checkpoint_dir),
                 step=step,
@@ -153,7 +153,7 @@ class ShardedSteps:
                 fence=cfg.checkpoint_fence,
             )
             self.last_checkpoint = step
-            link.durable.mark_saved()
+            link.durable.mark_saved(published=published)
 
         return self.parts.membership.between_steps(save)
 
