@@ -145,9 +145,9 @@ class AsyncCheckpointer:
 
 
 def prune_quietly(directory: Location, keep: int, *, fence: str | None = None) -> None:
-    """``store.prune`` to ``keep``; a failure is logged, never a write's failure (what is
-    left on disk stays readable, and the next write prunes again)."""
+    """``store.prune`` to ``keep``; a failure is logged, never a write's failure nor the
+    worker's end (what is left on disk stays readable, and the next write prunes again)."""
     try:
         store.prune(directory, keep, fence=fence)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - an unreachable store, a fence unreadable
         log.warning("pruning checkpoints beyond the newest %d failed: %s", keep, exc)
