@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 from bench.gpu.harness import (
     COLLECTIVE_TIMEOUT_S,
@@ -30,10 +31,18 @@ def resume_cmd(home, name: str) -> list[str]:
     return [sys.executable, "-m", "tidal.cli", "resume", "--home", str(home), name, "--quiet"]
 
 
-def first_run_checked(part: Part, rc: int, secs: float, home, name: str) -> dict:  # noqa: ANN001
-    """The checks of a one-worker run armed with ``FAULTS``: the raise fired in step 30's
-    collective and a new generation trained after it, within ``REFORM_BOUND_S``; the
-    SIGKILL ended the job. Its status, the numbers recorded on ``part``."""
+def first_run(
+    ctx: Ctx, part: Part, name: str, *, what: str, script_args: tuple[str, ...] = ()
+) -> tuple[dict, Path, Path]:
+    """The first run of parts (b) and (f): one worker checkpointing every 20 steps, armed
+    with ``FAULTS``, and its checks: the raise fired in step 30's collective and a new
+    generation trained after it, within ``REFORM_BOUND_S``; the SIGKILL ended the job.
+    Returns its status, home and output folder; the numbers are recorded on ``part``."""
+    opts = ["--workers", "1", "--max-restarts", "0", "--checkpoint-every", "20"]
+    opts += ["--collective-timeout", COLLECTIVE_TIMEOUT_S, *ctx.comm("nccl")]
+    rc, secs, home, out = train_job(
+        ctx, part, name, opts, faults=FAULTS, gpus=1, what=what, script_args=script_args
+    )
     status = tidal_status(home, name)
     part.numbers.update(first_run_s=round(secs, 2), first_run_exit=rc)
     events = [e["message"] for e in status["events"]]
@@ -60,24 +69,15 @@ def first_run_checked(part: Part, rc: int, secs: float, home, name: str) -> dict
         status["state"] in ("failed", "interrupted") and rc != 0,
         f"exit {rc}, state {status['state']}\n{job_logs(home, name)}",
     )
-    return status
+    return status, home, out
 
 
 def run(ctx: Ctx, part: Part) -> None:
     ref = reference(ctx, part)
     name, backend = "nccl1", "nccl" if ctx.cuda else "gloo"
-    opts = ["--workers", "1", "--max-restarts", "0", "--checkpoint-every", "20"]
-    opts += ["--collective-timeout", COLLECTIVE_TIMEOUT_S, *ctx.comm("nccl")]
-    rc, secs, home, out = train_job(
-        ctx,
-        part,
-        name,
-        opts,
-        faults=FAULTS,
-        gpus=1,
-        what="the first run (a raise in the all-reduce, then a SIGKILL)",
+    status, home, out = first_run(
+        ctx, part, name, what="the first run (a raise in the all-reduce, then a SIGKILL)"
     )
-    status = first_run_checked(part, rc, secs, home, name)
     ckpts = status["checkpoints"]
     part.numbers["checkpoints"] = [
         {k: c.get(k) for k in ("step", "bytes", "seconds_to_write")} for c in ckpts

@@ -17,15 +17,14 @@ import shutil
 from pathlib import Path
 
 from bench.gpu.harness import (
-    COLLECTIVE_TIMEOUT_S,
     Ctx,
     Part,
     formed,
     gens_summary,
     tail,
 )
-from bench.gpu.mlp import check_members, finished, reference, train_job
-from bench.gpu.reform import FAULTS, RESUMING, first_run_checked, resume_cmd
+from bench.gpu.mlp import check_members, finished, reference
+from bench.gpu.reform import RESUMING, first_run, resume_cmd
 
 TITLE = "sharding='fsdp', one worker: a failed collective re-forms, resume at fsdp and at ddp"
 
@@ -82,19 +81,13 @@ def run(ctx: Ctx, part: Part) -> None:
     ref = reference(ctx, part)
     name = "fsdp1"
     (part.dir / "sharding").write_text("fsdp\n")
-    opts = ["--workers", "1", "--max-restarts", "0", "--checkpoint-every", "20"]
-    opts += ["--collective-timeout", COLLECTIVE_TIMEOUT_S, *ctx.comm("nccl")]
-    rc, secs, home, _ = train_job(
+    status, home, _ = first_run(
         ctx,
         part,
         name,
-        opts,
-        faults=FAULTS,
-        gpus=1,
         what="the sharded run (a raise in the step's collective, then a SIGKILL)",
         script_args=("--sharding-file", str(part.dir / "sharding")),
     )
-    status = first_run_checked(part, rc, secs, home, name)
     part.numbers["generations"] = gens_summary(status)
     ckpts = status["checkpoints"]
     part.check(
